@@ -1,0 +1,443 @@
+"""The capsule store: snapshot, restore, fork and move execution-state capsules.
+
+A capsule is an immutable copy of a whole ``StateArena`` (every buffer, one copy) plus
+metadata, stamped with the fingerprint of the runtime that made it. The store keeps
+capsule bytes in tiers:
+
+- DEVICE: slabs on the runtime's device (GPU memory; ordinary memory on a CPU),
+- HOST: pinned host slabs (ordinary memory on a CPU),
+- DISK: only in the capsule directory (see ``capsule_ros.capsules.directory``).
+
+Slabs come from fixed pools sized by byte budgets at construction, so the hot verbs
+(snapshot, restore) never allocate. Forks share their source's bytes (capsules are
+immutable), so a fork costs no copy. When a pool is full, the least-recently-used
+unpinned payload is demoted DEVICE -> HOST, and on HOST dropped from memory (it stays
+reachable when persisted) or evicted.
+
+On CUDA all copies run on a dedicated high-priority copy stream and are ordered against
+the runtime's compute stream with events, never with a host synchronisation: a
+snapshot waits for the step that produced the boundary, the next step waits for the
+snapshot copy, and a restore waits for the step in flight and is waited on by the next.
+
+Mechanism only: the store decides nothing about when to snapshot or what a rollback
+means (that is ``capsule_ros.serving``). It is not thread-safe; callers serialise.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from capsule_ros.capsules.ids import check_capsule_id, new_capsule_id
+from capsule_ros.config import ConfigSection, setting
+from capsule_ros.errors import FingerprintMismatch, InvalidArgument, NotFound, ResourceExhausted
+from capsule_ros.metrics import LatencyWindow
+from capsule_ros.runtime.arena import BufferKind
+
+LOG = logging.getLogger(__name__)
+
+
+class Tier(enum.IntEnum):
+    """Where a capsule's bytes are; values match CapsuleInfo.TIER_*."""
+
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+
+
+@dataclass(frozen=True)
+class CapsuleStoreConfig(ConfigSection):
+    """Capsule pools and the capsule directory."""
+
+    SECTION = "capsules"
+
+    device_budget_mb: float = setting(256.0, "bytes of capsules kept on the device", low=0.0, high=1 << 24)
+    host_budget_mb: float = setting(1024.0, "bytes of capsules kept in (pinned) host memory", low=0.0,
+                                    high=1 << 24)
+    directory: str = setting("~/.ros/capsule_ros/capsules", "capsule directory for save/load ('' = none)")
+    key_file: str = setting("", "key-encryption key file (32 raw bytes, mode 0600); '' = no encryption")
+    chunk_mb: float = setting(4.0, "payload chunk size on disk (each verified on its own)", low=0.0625,
+                              high=1024.0)
+    max_file_mb: float = setting(65536.0, "largest capsule file the loader accepts", low=1.0, high=1 << 24)
+
+
+@dataclass
+class Payload:
+    """The bytes of one or more capsules (forks share), in exactly one memory tier."""
+
+    slab: torch.Tensor
+    tier: Tier
+    ready: Optional["torch.cuda.Event"] = None   # completion of the copy that filled the slab
+    refs: int = 0
+    last_used: int = 0
+
+
+@dataclass
+class Capsule:
+    """Metadata of one capsule; ``payload`` is None when it lives only on disk."""
+
+    id: str
+    label: str
+    parent_id: str
+    episode_id: int
+    step: int
+    nbytes: int
+    fingerprint: str
+    stamp_ns: int
+    pinned: bool = False
+    payload: Optional[Payload] = field(default=None, repr=False)
+    path: Optional[str] = None            # persisted copy in the capsule directory
+
+    @property
+    def tier(self) -> Tier:
+        return self.payload.tier if self.payload is not None else Tier.DISK
+
+    @property
+    def persisted(self) -> bool:
+        return self.path is not None
+
+
+@dataclass
+class StoreCounters:
+    snapshots: int = 0
+    restores: int = 0
+    hits: Dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
+    misses: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    invalidations: int = 0
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    capsule: Capsule
+    tier: Tier
+    seconds: float     # host-side time of the call (on CUDA the copy itself is timed by events)
+
+
+class SlabPool:
+    """Fixed-size slabs of one tier, allocated up front (no allocation on the hot path)."""
+
+    def __init__(self, tier: Tier, slab_bytes: int, budget_bytes: int, device: torch.device, pin: bool):
+        self.tier = tier
+        self.slab_bytes = slab_bytes
+        count = int(budget_bytes // slab_bytes) if slab_bytes else 0
+        self._free: List[torch.Tensor] = [
+            torch.empty(slab_bytes, dtype=torch.uint8, device=device, pin_memory=pin) for _ in range(count)]
+        self.capacity = count
+
+    def acquire(self) -> Optional[torch.Tensor]:
+        return self._free.pop() if self._free else None
+
+    def release(self, slab: torch.Tensor) -> None:
+        self._free.append(slab)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+
+class CapsuleStore:
+    """Capsules of one runtime fingerprint (see the module docstring)."""
+
+    def __init__(self, nbytes: int, fingerprint: str, device: torch.device,
+                 config: CapsuleStoreConfig = CapsuleStoreConfig(),
+                 on_evict: Optional[Callable[[Capsule], None]] = None):
+        self.nbytes = nbytes
+        self.fingerprint = fingerprint
+        self.device = torch.device(device)
+        self.config = config
+        self.on_evict = on_evict
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+        self.pools = {
+            Tier.DEVICE: SlabPool(Tier.DEVICE, nbytes, int(config.device_budget_mb * 2**20), self.device, False),
+            Tier.HOST: SlabPool(Tier.HOST, nbytes, int(config.host_budget_mb * 2**20), torch.device("cpu"), cuda),
+        }
+        self._capsules: Dict[str, Capsule] = {}
+        self._clock = 0
+        self.counters = StoreCounters()
+        self.restore_latency = LatencyWindow()
+        self._pending_timings: List[Tuple["torch.cuda.Event", "torch.cuda.Event"]] = []
+        LOG.info("capsule pools: %d device slab(s), %d host slab(s) of %d bytes",
+                 self.pools[Tier.DEVICE].capacity, self.pools[Tier.HOST].capacity, nbytes)
+
+    # -- queries ------------------------------------------------------------------------------
+    def __contains__(self, capsule_id: str) -> bool:
+        return capsule_id in self._capsules
+
+    def __len__(self) -> int:
+        return len(self._capsules)
+
+    def get(self, capsule_id: str) -> Capsule:
+        check_capsule_id(capsule_id)
+        try:
+            return self._capsules[capsule_id]
+        except KeyError:
+            raise NotFound(f"no capsule {capsule_id!r}") from None
+
+    def list(self) -> List[Capsule]:
+        """All capsules, newest first."""
+        return sorted(self._capsules.values(), key=lambda c: c.stamp_ns, reverse=True)
+
+    def count(self, tier: Tier) -> int:
+        return sum(1 for c in self._capsules.values() if c.tier == tier)
+
+    # -- verbs ----------------------------------------------------------------------------------
+    def snapshot(self, runtime, *, label: str = "", parent_id: str = "", episode_id: int, step: int,
+                 pinned: bool = False, capsule_id: Optional[str] = None) -> Capsule:
+        """Copy the runtime's whole arena into a new capsule (asynchronous on CUDA)."""
+        self._check_target(runtime, self.fingerprint, self.nbytes)
+        capsule_id = check_capsule_id(capsule_id) if capsule_id else new_capsule_id(episode_id, step)
+        if capsule_id in self._capsules:
+            raise InvalidArgument(f"capsule id {capsule_id!r} already exists")
+        payload = self._new_payload(protect=())
+        self._copy(dst=payload.slab, src=runtime.arena.storage, runtime=runtime, payload=payload, timed=False)
+        capsule = Capsule(capsule_id, label, parent_id, episode_id, step, self.nbytes, self.fingerprint,
+                          time.time_ns(), pinned, None)
+        self._attach(capsule, payload)
+        self.counters.snapshots += 1
+        return capsule
+
+    def restore(self, capsule_id: str, runtime, *, kinds: Optional[Sequence[BufferKind]] = None) -> RestoreReport:
+        """Copy a capsule back into the runtime's arena. ``kinds`` restores only those
+        buffer kinds (an ablation: e.g. (BufferKind.KV,) for KV-only). Refuses, with the
+        live state untouched, an unknown id, a disk-only capsule (load it first) or a
+        capsule of another fingerprint."""
+        start = time.perf_counter()
+        try:
+            capsule = self.get(capsule_id)
+        except NotFound:
+            self.counters.misses += 1
+            raise
+        self._check_target(runtime, capsule.fingerprint, capsule.nbytes)
+        if capsule.payload is None:
+            raise NotFound(f"capsule {capsule_id!r} is only on disk ({capsule.path}); load it first")
+        payload = capsule.payload
+        lo, hi = (0, self.nbytes) if not kinds else runtime.layout.byte_range(*kinds)
+        self._copy(dst=runtime.arena.storage[lo:hi], src=payload.slab[lo:hi], runtime=runtime,
+                   payload=payload, timed=True)
+        self._touch(payload)
+        self.counters.restores += 1
+        self.counters.hits[payload.tier] += 1
+        seconds = time.perf_counter() - start
+        if self.copy_stream is None:
+            self.restore_latency.record(seconds)
+        return RestoreReport(capsule, payload.tier, seconds)
+
+    def fork(self, capsule_id: str, *, label: str = "", new_id: Optional[str] = None,
+             pinned: bool = False) -> Capsule:
+        """A new capsule id for the same state; shares the bytes (capsules are immutable)."""
+        source = self.get(capsule_id)
+        new_id = check_capsule_id(new_id) if new_id else new_capsule_id(source.episode_id, source.step)
+        if new_id in self._capsules:
+            raise InvalidArgument(f"capsule id {new_id!r} already exists")
+        capsule = replace(source, id=new_id, label=label, parent_id=source.id, stamp_ns=time.time_ns(),
+                          pinned=pinned, payload=None, path=None)
+        if source.payload is not None:
+            self._attach(capsule, source.payload)
+            self._touch(source.payload)
+        else:
+            capsule.path = source.path   # the file holds the same bytes
+            self._capsules[new_id] = capsule
+        return capsule
+
+    def move(self, capsule_id: str, tier: Tier) -> Capsule:
+        """Move a capsule's bytes (and its forks') to a memory tier."""
+        capsule = self.get(capsule_id)
+        if tier == Tier.DISK:
+            raise InvalidArgument("moving to DISK is saving: use the capsule directory")
+        if capsule.payload is None:
+            raise NotFound(f"capsule {capsule_id!r} is only on disk; load it first")
+        if capsule.payload.tier != tier:
+            self._move_payload(capsule.payload, tier, protect=(capsule.payload,))
+        return capsule
+
+    def drop(self, capsule_id: str) -> Capsule:
+        """Forget a capsule from memory (its file, if any, is the directory's business)."""
+        capsule = self.get(capsule_id)
+        del self._capsules[capsule_id]
+        self._detach(capsule)
+        return capsule
+
+    def set_pinned(self, capsule_id: str, pinned: bool) -> Capsule:
+        capsule = self.get(capsule_id)
+        capsule.pinned = pinned
+        return capsule
+
+    def release_memory(self, capsule_id: str) -> Capsule:
+        """Drop a persisted capsule's memory copy; it stays listed on the DISK tier."""
+        capsule = self.get(capsule_id)
+        if capsule.path is None:
+            raise InvalidArgument(f"capsule {capsule_id!r} is not persisted; releasing it would lose it")
+        self._detach(capsule)
+        return capsule
+
+    # -- disk tier hooks (used by capsule_ros.capsules.directory) ------------------------------
+    def host_bytes(self, capsule_id: str) -> torch.Tensor:
+        """The capsule's bytes on the host (a copy for DEVICE capsules), e.g. to save them."""
+        capsule = self.get(capsule_id)
+        if capsule.payload is None:
+            raise NotFound(f"capsule {capsule_id!r} is only on disk")
+        self._wait(capsule.payload)
+        return capsule.payload.slab.cpu() if capsule.payload.tier == Tier.DEVICE else capsule.payload.slab
+
+    def adopt(self, capsule: Capsule, data: Optional[torch.Tensor]) -> Capsule:
+        """Insert a capsule read from disk; ``data`` (host uint8, nbytes) or None (disk only).
+
+        The fingerprint must be this store's: a foreign capsule is refused and counted as
+        an invalidation, and nothing is inserted.
+        """
+        check_capsule_id(capsule.id)
+        if capsule.fingerprint != self.fingerprint or capsule.nbytes != self.nbytes:
+            self.counters.invalidations += 1
+            raise FingerprintMismatch(
+                f"capsule {capsule.id!r} was made by graph {capsule.fingerprint[:12]} ({capsule.nbytes} bytes); "
+                f"this runtime is {self.fingerprint[:12]} ({self.nbytes} bytes)")
+        existing = self._capsules.get(capsule.id)
+        if existing is not None and existing.payload is not None:
+            existing.path = existing.path or capsule.path
+            return existing
+        capsule.payload = None
+        if data is not None:
+            if data.numel() != self.nbytes:
+                raise InvalidArgument(f"capsule {capsule.id!r}: {data.numel()} bytes, expected {self.nbytes}")
+            payload = self._new_payload(protect=(), prefer=Tier.HOST)
+            self._copy(dst=payload.slab, src=data, runtime=None, payload=payload, timed=False)
+            self._attach(capsule, payload)
+        else:
+            self._capsules[capsule.id] = capsule
+        return capsule
+
+    # -- timing ----------------------------------------------------------------------------------
+    def flush_timings(self) -> None:
+        """Move completed CUDA restore timings into ``restore_latency`` (non-blocking)."""
+        still = []
+        for start, end in self._pending_timings:
+            if end.query():
+                self.restore_latency.record(start.elapsed_time(end) / 1e3)
+            else:
+                still.append((start, end))
+        self._pending_timings = still
+
+    # -- internals -------------------------------------------------------------------------------
+    def _check_target(self, runtime, fingerprint: str, nbytes: int) -> None:
+        if runtime.fingerprint != fingerprint or runtime.layout.nbytes != nbytes:
+            self.counters.invalidations += 1
+            raise FingerprintMismatch(
+                f"capsule graph {fingerprint[:12]} ({nbytes} bytes) does not match the runtime's graph "
+                f"{runtime.fingerprint[:12]} ({runtime.layout.nbytes} bytes): other weights, shapes, dtype "
+                "or device kind")
+
+    def _touch(self, payload: Payload) -> None:
+        self._clock += 1
+        payload.last_used = self._clock
+
+    def _attach(self, capsule: Capsule, payload: Payload) -> None:
+        capsule.payload = payload
+        payload.refs += 1
+        self._touch(payload)
+        self._capsules[capsule.id] = capsule
+
+    def _detach(self, capsule: Capsule) -> None:
+        payload, capsule.payload = capsule.payload, None
+        if payload is not None:
+            payload.refs -= 1
+            if payload.refs == 0:
+                self._wait(payload)
+                self.pools[payload.tier].release(payload.slab)
+
+    def _payloads(self, tier: Tier) -> Dict[int, Tuple[Payload, List[Capsule]]]:
+        out: Dict[int, Tuple[Payload, List[Capsule]]] = {}
+        for capsule in self._capsules.values():
+            if capsule.payload is not None and capsule.payload.tier == tier:
+                out.setdefault(id(capsule.payload), (capsule.payload, []))[1].append(capsule)
+        return out
+
+    def _lru_victim(self, tier: Tier, protect: Iterable[Payload]) -> Optional[Tuple[Payload, List[Capsule]]]:
+        protected = {id(p) for p in protect}
+        candidates = [(p, cs) for key, (p, cs) in self._payloads(tier).items()
+                      if key not in protected and not any(c.pinned for c in cs)]
+        return min(candidates, key=lambda pc: pc[0].last_used) if candidates else None
+
+    def _free_slab(self, tier: Tier, protect: Sequence[Payload]) -> Optional[torch.Tensor]:
+        """A free slab of ``tier``, making room by demotion / eviction when needed."""
+        pool = self.pools[tier]
+        if pool.capacity == 0:
+            return None
+        slab = pool.acquire()
+        if slab is not None:
+            return slab
+        victim = self._lru_victim(tier, protect)
+        if victim is None:
+            return None
+        payload, capsules = victim
+        if tier == Tier.DEVICE and self._move_payload(payload, Tier.HOST, protect=protect):
+            self.counters.demotions += 1
+            return pool.acquire()
+        # HOST (or DEVICE with no room on HOST): drop the bytes from memory.
+        for capsule in capsules:
+            if capsule.path is None:
+                del self._capsules[capsule.id]
+                self.counters.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(capsule)
+            capsule.payload = None
+        self._wait(payload)
+        pool.release(payload.slab)
+        return pool.acquire()
+
+    def _new_payload(self, protect: Sequence[Payload], prefer: Tier = Tier.DEVICE) -> Payload:
+        order = (Tier.DEVICE, Tier.HOST) if prefer == Tier.DEVICE else (Tier.HOST, Tier.DEVICE)
+        for tier in order:
+            slab = self._free_slab(tier, protect)
+            if slab is not None:
+                return Payload(slab=slab, tier=tier)
+        raise ResourceExhausted(
+            f"no room for a {self.nbytes}-byte capsule: device pool {self.pools[Tier.DEVICE].capacity} slab(s), "
+            f"host pool {self.pools[Tier.HOST].capacity} slab(s), all holding pinned capsules; drop some or "
+            "raise capsules.device_budget_mb / host_budget_mb")
+
+    def _move_payload(self, payload: Payload, tier: Tier, protect: Sequence[Payload]) -> bool:
+        slab = self._free_slab(tier, tuple(protect) + (payload,))
+        if slab is None:
+            return False
+        old_slab, old_tier = payload.slab, payload.tier
+        self._copy(dst=slab, src=old_slab, runtime=None, payload=payload, timed=False)
+        self._wait(payload)   # the old slab returns to its pool: the copy out of it must be done
+        payload.slab, payload.tier = slab, tier
+        self.pools[old_tier].release(old_slab)
+        return True
+
+    def _copy(self, *, dst: torch.Tensor, src: torch.Tensor, runtime, payload: Payload, timed: bool) -> None:
+        """dst <- src, ordered after the runtime's in-flight work and before its next step."""
+        if self.copy_stream is None:
+            dst.copy_(src)
+            return
+        stream = self.copy_stream
+        if runtime is not None:
+            stream.wait_stream(runtime.stream)          # the step that made the boundary
+        if payload.ready is not None:
+            stream.wait_event(payload.ready)            # the copy that filled the source slab
+        start = end = None
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        done = end or torch.cuda.Event()
+        done.record(stream)
+        if timed:
+            self._pending_timings.append((start, end))
+        if runtime is not None:
+            runtime.stream.wait_event(done)             # the next step waits for this copy
+        payload.ready = done
+
+    @staticmethod
+    def _wait(payload: Payload) -> None:
+        if payload.ready is not None:
+            payload.ready.synchronize()

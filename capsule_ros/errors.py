@@ -1,0 +1,79 @@
+"""Typed errors shared by every layer, each carrying the error code the services answer.
+
+The numbers are the ``error_code`` constants of every ``capsule_ros/srv`` service
+(test_interfaces checks they agree). Raise the most specific class; the node maps any
+``CapsuleRosError`` to its code and any other exception to ``INTERNAL``.
+"""
+from enum import IntEnum
+
+
+class ErrorCode(IntEnum):
+    OK = 0
+    INVALID_ARGUMENT = 1
+    NOT_FOUND = 2
+    FINGERPRINT_MISMATCH = 3
+    CORRUPT = 4
+    WRONG_STATE = 5
+    BUSY = 6
+    INTERNAL = 7
+    RESOURCE_EXHAUSTED = 8
+    IO_ERROR = 9
+    PERMISSION_DENIED = 10
+
+
+class CapsuleRosError(Exception):
+    """Base class: a refused request. The live state is unchanged when one is raised."""
+
+    code = ErrorCode.INTERNAL
+
+
+class InvalidArgument(CapsuleRosError, ValueError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class NotFound(CapsuleRosError, KeyError):
+    code = ErrorCode.NOT_FOUND
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class FingerprintMismatch(CapsuleRosError):
+    """The capsule was made by another graph (weights, schema, dtype or device kind)."""
+
+    code = ErrorCode.FINGERPRINT_MISMATCH
+
+
+class CorruptCapsule(CapsuleRosError):
+    """The capsule's bytes failed verification (format, checksum, AEAD tag, size)."""
+
+    code = ErrorCode.CORRUPT
+
+
+class WrongState(CapsuleRosError):
+    code = ErrorCode.WRONG_STATE
+
+
+class Busy(CapsuleRosError):
+    code = ErrorCode.BUSY
+
+
+class ResourceExhausted(CapsuleRosError):
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
+
+class CapsuleIOError(CapsuleRosError, OSError):
+    code = ErrorCode.IO_ERROR
+
+
+class PermissionDenied(CapsuleRosError, PermissionError):
+    code = ErrorCode.PERMISSION_DENIED
+
+
+class ConfigError(InvalidArgument):
+    """A configuration value is out of range or malformed; the message quotes it."""
+
+
+def error_code_of(exc: BaseException) -> ErrorCode:
+    """The service error code for any exception (INTERNAL for unexpected ones)."""
+    return exc.code if isinstance(exc, CapsuleRosError) else ErrorCode.INTERNAL

@@ -1,0 +1,195 @@
+"""PolicyRuntime: a policy bound to one state arena and one graph plan.
+
+This is the unit a capsule is bound to (its fingerprint), and the only object that
+touches the arena. It provides mechanism only: write inputs, step, read outputs, reset,
+prefill, fork. When to do what is decided above it (``capsule_ros.serving``); the
+runtime owns no loop and no thread, and is not thread-safe: callers serialise.
+
+Host <-> device traffic per step is two copies: the whole input region from a staging
+buffer (pinned on CUDA) into the arena, and the meta + output region back.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional
+
+import numpy as np
+import torch
+
+from capsule_ros.capsules.fingerprint import compute_fingerprint, device_kind, weights_digest
+from capsule_ros.config import ConfigSection, setting
+from capsule_ros.errors import InvalidArgument
+from capsule_ros.runtime.arena import ArenaLayout, BufferKind, StateArena
+from capsule_ros.runtime.plan import GraphPlan
+from capsule_ros.runtime.policy import ACTION, CHUNK, EPISODE, POSITION, STEP, StatefulPolicy
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig(ConfigSection):
+    """Where and how the policy runs."""
+
+    SECTION = "runtime"
+
+    device: str = setting("cpu", "cpu, cuda, cuda:N, or auto (cuda when available)",
+                          pattern=r"auto|cpu|cuda(:[0-9]+)?", read_only=True)
+    cuda_graphs: bool = setting(True, "capture the step as a CUDA graph on a GPU", read_only=True)
+    compile: str = setting("auto", "torch.compile the policy's kernels: auto (on CUDA when Triton is present), "
+                           "on, off", choices=("auto", "on", "off"), read_only=True)
+    deterministic: bool = setting(True, "torch deterministic algorithms (bit-identical replays)", read_only=True)
+    debug_checks: bool = setting(False, "check buffer addresses before every graph replay")
+    cpu_threads: int = setting(1, "torch intra-op threads on CPU (0 = torch's default)", low=0, high=1024,
+                               read_only=True)
+    seed: int = setting(0, "seed of the policy's counter-based RNG at reset", low=0, high=2**31 - 1)
+
+    def compile_enabled(self, device: torch.device) -> bool:
+        if self.compile == "auto":
+            if device.type != "cuda":
+                return False
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                return False
+            return True
+        return self.compile == "on"
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidArgument(f"runtime.device = {self.device!r}: no CUDA device is available")
+        return device
+
+
+def configure_torch(config: RuntimeConfig, device: torch.device) -> None:
+    """Process-wide torch settings the determinism contract needs."""
+    if config.deterministic:
+        if device.type == "cuda":
+            # cuBLAS needs a fixed workspace for deterministic results; must precede its init.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        # Deterministic mode also fills every new temporary with NaN to expose reads of
+        # uninitialised memory: a debugging aid that costs one kernel per temporary.
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    if device.type == "cpu" and config.cpu_threads:
+        torch.set_num_threads(config.cpu_threads)
+
+
+class StepOutputs:
+    """Host copies of one step's outputs (valid until the next ``read_outputs``)."""
+
+    __slots__ = ("action", "chunk", "step", "position", "episode")
+
+    def __init__(self, action: np.ndarray, chunk: np.ndarray, step: int, position: int, episode: int):
+        self.action, self.chunk = action, chunk
+        self.step, self.position, self.episode = step, position, episode
+
+
+class PolicyRuntime:
+    """A policy, its arena and its graph plan (see module docstring)."""
+
+    def __init__(self, policy: StatefulPolicy, config: RuntimeConfig = RuntimeConfig(), *,
+                 _fingerprint: Optional[str] = None):
+        self.config = config
+        self.device = config.resolve_device()
+        configure_torch(config, self.device)
+        self.policy = policy.to(self.device).eval()
+        for p in self.policy.parameters():
+            p.requires_grad_(False)
+        if config.compile_enabled(self.device):
+            self.policy.compile_kernels(True)
+        self.layout = ArenaLayout(policy.state_spec())
+        self.arena = StateArena(self.layout, self.device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.plan = GraphPlan(policy, self.arena, use_graphs=config.cuda_graphs, stream=self.stream,
+                              debug_checks=config.debug_checks)
+        self.fingerprint = _fingerprint or compute_fingerprint(
+            policy.architecture(), self.layout, weights_digest(policy), device_kind(self.device))
+        pin = self.device.type == "cuda"
+        in_start, in_end = self.layout.byte_range(BufferKind.INPUT)
+        self._input_range = (in_start, in_end)
+        self.input_staging = torch.zeros(in_end - in_start, dtype=torch.uint8, pin_memory=pin)
+        self._staging_views: Dict[str, np.ndarray] = {}
+        for slot in self.layout:
+            if slot.spec.kind == BufferKind.INPUT:
+                raw = self.input_staging[slot.offset - in_start:slot.end - in_start]
+                self._staging_views[slot.spec.name] = raw.view(slot.spec.dtype).view(slot.spec.shape).numpy()
+        out_start, out_end = self.layout.byte_range(BufferKind.META, BufferKind.OUTPUT)
+        self._out_range = (out_start, out_end)
+        self._out_host = torch.zeros(out_end - out_start, dtype=torch.uint8, pin_memory=pin)
+        self._out_views = {}
+        for slot in self.layout:
+            if slot.spec.kind in (BufferKind.META, BufferKind.OUTPUT):
+                raw = self._out_host[slot.offset - out_start:slot.end - out_start]
+                self._out_views[slot.spec.name] = raw.view(slot.spec.dtype).view(slot.spec.shape).numpy()
+        self.reset(episode=0)
+        self.plan.capture_step()
+        LOG.info("runtime on %s: arena %d bytes in %d buffers, graphs=%s, fingerprint %s",
+                 self.device, self.layout.nbytes, len(self.layout), self.plan.captured, self.fingerprint[:12])
+
+    # -- state ------------------------------------------------------------------------------
+    def reset(self, episode: int, seed: Optional[int] = None) -> None:
+        """Write the policy's initial state (eagerly) for a new episode."""
+        with torch.no_grad(), self._stream_ctx():
+            self.policy.init_state(self.arena.views, episode=episode,
+                                   seed=self.config.seed if seed is None else seed)
+        self.synchronize()
+
+    def set_episode(self, episode: int) -> None:
+        """Relabel the live state's episode id (a reset from a capsule keeps its state)."""
+        with self._stream_ctx():
+            self.arena[EPISODE].fill_(episode)
+
+    # -- inputs / step / outputs --------------------------------------------------------------
+    @property
+    def staging(self) -> Mapping[str, np.ndarray]:
+        """name -> numpy view of the host staging buffer of each input (write these)."""
+        return self._staging_views
+
+    def load_inputs(self) -> None:
+        """Copy the whole staging area into the arena's input region (one copy)."""
+        start, end = self._input_range
+        with self._stream_ctx():
+            self.arena.storage[start:end].copy_(self.input_staging, non_blocking=True)
+
+    def step(self) -> None:
+        """Run one step over the arena (asynchronous on CUDA)."""
+        self.plan.step()
+
+    def prefill(self, tokens) -> None:
+        """Consume a token prefix (from the initial state) through the parallel path."""
+        if not self.policy.supports_prefill:
+            raise InvalidArgument("this policy has no prefix input (vocab_size = 0)")
+        self.plan.prefill(torch.as_tensor(tokens, dtype=torch.int64))
+
+    def read_outputs(self) -> StepOutputs:
+        """Copy meta + outputs to the host (one copy, synchronises the runtime's stream)."""
+        start, end = self._out_range
+        with self._stream_ctx():
+            self._out_host.copy_(self.arena.storage[start:end], non_blocking=True)
+        self.synchronize()
+        v = self._out_views
+        return StepOutputs(v[ACTION].copy(), v[CHUNK].copy(), int(v[STEP][0]), int(v[POSITION][0]),
+                           int(v[EPISODE][0]))
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def _stream_ctx(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    # -- fork ---------------------------------------------------------------------------------
+    def fork(self) -> "PolicyRuntime":
+        """A second live runtime over the same weights with its own arena and graphs.
+
+        Both share the fingerprint, so capsules move freely between them; they never share
+        state, so the two branches cannot affect each other.
+        """
+        return PolicyRuntime(self.policy, self.config, _fingerprint=self.fingerprint)
+
