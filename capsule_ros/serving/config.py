@@ -1,0 +1,182 @@
+"""The serving configuration: ports, control loop, policy, runtime, capsules, recording.
+
+One frozen dataclass per concern; ``ServingConfig.from_params`` builds them all from the
+nested ``ros__parameters`` mapping of a ROS 2 parameter file (``config/policy.yaml``),
+so the node, ``capsule-ros demo`` and ``capsule-ros replay --in-process`` read the very
+same file. Ports are declared as ``ports.names: [a, b]`` plus ``ports.<name>.<field>``
+because ROS parameters cannot be lists of mappings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from capsule_ros.capsules.store import CapsuleStoreConfig
+from capsule_ros.config import NAME_PATTERN, ConfigSection, dims, load_params_file, section_values, setting
+from capsule_ros.errors import ConfigError
+from capsule_ros.runtime.engine import RuntimeConfig
+from capsule_ros.runtime.hybrid import HybridConfig
+
+MESSAGE_TYPES = (
+    "sensor_msgs/msg/JointState", "sensor_msgs/msg/Imu", "sensor_msgs/msg/Image",
+    "geometry_msgs/msg/PoseStamped", "geometry_msgs/msg/PointStamped", "std_msgs/msg/Float32MultiArray",
+)
+
+
+def normalize_type(name: str) -> str:
+    """'sensor_msgs/JointState' -> 'sensor_msgs/msg/JointState'."""
+    parts = name.strip().split("/")
+    if len(parts) == 2:
+        parts = [parts[0], "msg", parts[1]]
+    return "/".join(parts)
+
+
+@dataclass(frozen=True)
+class PortConfig(ConfigSection):
+    """One sensor topic filling one fixed-shape input buffer of the same name."""
+
+    SECTION = "ports.<name>"
+
+    topic: str = setting("", "topic name (relative names resolve in the node's namespace)", read_only=True)
+    type: str = setting("sensor_msgs/msg/JointState", "message type", choices=MESSAGE_TYPES, read_only=True)
+    fields: Tuple[str, ...] = setting(("position",), "message fields read, concatenated in order "
+                                      "(dotted paths, e.g. point.x; for Image: data)", read_only=True)
+    shape: Tuple[int, ...] = setting((1,), "fixed shape of the buffer", low=1, high=1 << 20, read_only=True)
+    dtype: str = setting("float32", "buffer dtype", choices=("float32", "float64", "uint8", "int32", "int64"),
+                         read_only=True)
+    encodings: Tuple[str, ...] = setting(("rgb8", "bgr8", "mono8"), "accepted Image encodings (converted to the "
+                                         "buffer's channel count; bgr8 is swapped to rgb)", read_only=True)
+    staleness_ms: float = setting(0.0, "a step with this port older than this counts as stale (0 = no check)",
+                                  low=0.0, high=1e9)
+    qos: str = setting("sensor_data", "QoS profile", choices=("sensor_data", "reliable", "system_default"),
+                       read_only=True)
+    depth: int = setting(5, "QoS history depth", low=1, high=10000, read_only=True)
+
+    def check(self) -> None:
+        if not self.topic:
+            raise ConfigError(f"{self.SECTION}.topic: must be set")
+        object.__setattr__(self, "type", normalize_type(self.type))
+
+    @property
+    def size(self) -> int:
+        return dims(self.shape)
+
+
+@dataclass(frozen=True)
+class ControlConfig(ConfigSection):
+    """When steps run, what happens on a missed deadline, and the episode log."""
+
+    SECTION = "control"
+
+    mode: str = setting("timer", "timer: steps at rate_hz; trigger: one step per message on trigger_port",
+                        choices=("timer", "trigger"))
+    rate_hz: float = setting(20.0, "step rate in timer mode", low=0.1, high=10000.0)
+    trigger_port: str = setting("", "port whose messages trigger steps in trigger mode")
+    deadline_ms: float = setting(0.0, "a step slower than this publishes the safe action instead "
+                                 "(0 = one control period in timer mode, no deadline in trigger mode)",
+                                 low=0.0, high=1e6)
+    deadline_action: str = setting("hold", "safe action on a deadline miss", choices=("hold", "zero"))
+    frame_id: str = setting("", "header.frame_id of published actions")
+    status_rate_hz: float = setting(2.0, "rate of ~/status and /diagnostics", low=0.1, high=100.0)
+    autostart: bool = setting(True, "start episode 1 (RUNNING) at launch; else IDLE until ~/reset")
+    input_log_steps: int = setting(20000, "steps of inputs kept per episode for the recompute fallback "
+                                   "(0 = no fallback)", low=0, high=100_000_000)
+    service_timeout_ms: float = setting(500.0, "how long a service waits for a step boundary (then BUSY)",
+                                        low=1.0, high=60000.0)
+
+    def check(self) -> None:
+        if self.mode == "trigger" and not self.trigger_port:
+            raise ConfigError("control.trigger_port: must name a port when control.mode is 'trigger'")
+
+    def effective_deadline_s(self) -> Optional[float]:
+        if self.deadline_ms > 0:
+            return self.deadline_ms / 1e3
+        return 1.0 / self.rate_hz if self.mode == "timer" else None
+
+
+@dataclass(frozen=True)
+class PolicyConfig(ConfigSection):
+    """Which policy, which weights."""
+
+    SECTION = "policy"
+
+    kind: str = setting("hybrid", "policy implementation", choices=("hybrid",), read_only=True)
+    weights: str = setting("builtin:arm_reach", "safetensors file, 'builtin:<name>' for a shipped policy, "
+                           "or '' for random weights from init_seed", read_only=True)
+    init_seed: int = setting(0, "seed of random weights when weights is ''", low=0, high=2**31 - 1, read_only=True)
+    prefix: Tuple[int, ...] = setting((), "token ids prefilled at every reset to the initial state", low=0)
+
+
+@dataclass(frozen=True)
+class RecordConfig(ConfigSection):
+    """Rosbag2 recording of the node's inputs, actions and capsule events."""
+
+    SECTION = "record"
+
+    enabled: bool = setting(False, "record from start-up")
+    directory: str = setting("~/.ros/capsule_ros/bags", "parent directory of new bags")
+    storage: str = setting("mcap", "rosbag2 storage plugin", choices=("mcap", "sqlite3"))
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Everything the serving stack needs, validated."""
+
+    ports: Dict[str, PortConfig]
+    control: ControlConfig
+    policy: PolicyConfig
+    hybrid: HybridConfig
+    runtime: RuntimeConfig
+    capsules: CapsuleStoreConfig
+    record: RecordConfig
+    source: str = field(default="")
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any], source: str = "") -> "ServingConfig":
+        known = {"ports", "control", "policy", "runtime", "capsules", "record"}
+        extra = sorted(set(params) - known)
+        if extra:
+            raise ConfigError(f"unknown parameter group(s) {extra}; known: {sorted(known)}")
+        port_params = section_values(params, "ports")
+        names = port_params.pop("names", [])
+        if not isinstance(names, (list, tuple)) or not names:
+            raise ConfigError("ports.names: must list at least one port name")
+        ports = {}
+        for name in names:
+            if not isinstance(name, str) or not _is_name(name):
+                raise ConfigError(f"ports.names: {name!r} must match {NAME_PATTERN}")
+            ports[name] = PortConfig.from_mapping(section_values(port_params, name), section=f"ports.{name}")
+        undeclared = sorted(set(port_params) - set(names))
+        if undeclared:
+            raise ConfigError(f"ports: {undeclared} configured but not listed in ports.names {list(names)}")
+        control = ControlConfig.from_mapping(section_values(params, "control"))
+        if control.mode == "trigger" and control.trigger_port not in ports:
+            raise ConfigError(f"control.trigger_port = {control.trigger_port!r}: not one of ports.names {list(names)}")
+        policy_values = section_values(params, "policy")
+        hybrid = HybridConfig.from_mapping(policy_values.pop("hybrid", {}))
+        return cls(ports=ports, control=control, policy=PolicyConfig.from_mapping(policy_values), hybrid=hybrid,
+                   runtime=RuntimeConfig.from_mapping(section_values(params, "runtime")),
+                   capsules=CapsuleStoreConfig.from_mapping(section_values(params, "capsules")),
+                   record=RecordConfig.from_mapping(section_values(params, "record")), source=source)
+
+    @classmethod
+    def from_file(cls, path: Path, node_name: str = "capsule_policy") -> "ServingConfig":
+        return cls.from_params(load_params_file(path, node_name), source=str(path))
+
+
+def _is_name(name: str) -> bool:
+    import re
+    return re.fullmatch(NAME_PATTERN, name) is not None
+
+
+def default_config_path() -> Path:
+    """config/policy.yaml of the installed package (or of the source tree)."""
+    try:
+        from ament_index_python.packages import get_package_share_directory
+        path = Path(get_package_share_directory("capsule_ros")) / "config" / "policy.yaml"
+        if path.is_file():
+            return path
+    except Exception:  # noqa: BLE001 - no ROS / not installed: fall back to the source tree
+        pass
+    return Path(__file__).resolve().parents[2] / "config" / "policy.yaml"

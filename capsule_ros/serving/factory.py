@@ -1,0 +1,51 @@
+"""Build the policy and its runtime from a ServingConfig."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from capsule_ros.errors import ConfigError
+from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
+from capsule_ros.runtime.engine import PolicyRuntime
+from capsule_ros.runtime.hybrid import HybridPolicy
+from capsule_ros.runtime.weights import load_weights
+from capsule_ros.serving.config import ServingConfig
+
+BUILTIN_DIR = Path(__file__).resolve().parents[1] / "policies"
+
+
+def resolve_weights(spec: str) -> Optional[Path]:
+    """'builtin:<name>' -> the shipped file; a path -> itself; '' -> None (random init)."""
+    if not spec:
+        return None
+    if spec.startswith("builtin:"):
+        path = BUILTIN_DIR / f"{spec[len('builtin:'):]}.safetensors"
+    else:
+        path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"policy.weights = {spec!r}: no such file {path}")
+    return path
+
+
+def input_specs(config: ServingConfig):
+    """One input buffer per port, of the port's shape and dtype."""
+    return [BufferSpec(name, port.shape, dtype_from_name(port.dtype), BufferKind.INPUT)
+            for name, port in config.ports.items()]
+
+
+def build_policy(config: ServingConfig, weights: Optional[str] = None) -> HybridPolicy:
+    """The configured policy with its weights (``weights`` overrides policy.weights)."""
+    spec = config.policy.weights if weights is None else weights
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.policy.init_seed)
+        policy = HybridPolicy(config.hybrid, input_specs(config))
+    path = resolve_weights(spec)
+    if path is not None:
+        load_weights(policy, path)
+    return policy
+
+
+def build_runtime(config: ServingConfig, weights: Optional[str] = None) -> PolicyRuntime:
+    return PolicyRuntime(build_policy(config, weights), config.runtime)
