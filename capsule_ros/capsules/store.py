@@ -88,7 +88,8 @@ class Capsule:
     nbytes: int
     fingerprint: str
     stamp_ns: int
-    pinned: bool = False
+    pinned: bool = False                  # by the user: never evicted until unpinned or dropped
+    held: bool = False                    # by the session (interrupt capsule, timeline root): never evicted
     payload: Optional[Payload] = field(default=None, repr=False)
     path: Optional[str] = None            # persisted copy in the capsule directory
 
@@ -180,6 +181,10 @@ class CapsuleStore:
         except KeyError:
             raise NotFound(f"no capsule {capsule_id!r}") from None
 
+    def find(self, capsule_id: str) -> Optional[Capsule]:
+        """The capsule, or None (no id check, no miss counted)."""
+        return self._capsules.get(capsule_id)
+
     def list(self) -> List[Capsule]:
         """All capsules, newest first."""
         return sorted(self._capsules.values(), key=lambda c: c.stamp_ns, reverse=True)
@@ -189,7 +194,7 @@ class CapsuleStore:
 
     # -- verbs ----------------------------------------------------------------------------------
     def snapshot(self, runtime, *, label: str = "", parent_id: str = "", episode_id: int, step: int,
-                 pinned: bool = False, capsule_id: Optional[str] = None) -> Capsule:
+                 pinned: bool = False, held: bool = False, capsule_id: Optional[str] = None) -> Capsule:
         """Copy the runtime's whole arena into a new capsule (asynchronous on CUDA)."""
         self._check_target(runtime, self.fingerprint, self.nbytes)
         capsule_id = check_capsule_id(capsule_id) if capsule_id else new_capsule_id(episode_id, step)
@@ -198,16 +203,18 @@ class CapsuleStore:
         payload = self._new_payload(protect=())
         self._copy(dst=payload.slab, src=runtime.arena.storage, runtime=runtime, payload=payload, timed=False)
         capsule = Capsule(capsule_id, label, parent_id, episode_id, step, self.nbytes, self.fingerprint,
-                          time.time_ns(), pinned, None)
+                          time.time_ns(), pinned, held, None)
         self._attach(capsule, payload)
         self.counters.snapshots += 1
         return capsule
 
-    def restore(self, capsule_id: str, runtime, *, kinds: Optional[Sequence[BufferKind]] = None) -> RestoreReport:
+    def restore(self, capsule_id: str, runtime, *, kinds: Optional[Sequence[BufferKind]] = None,
+                count_as: Optional[Tier] = None) -> RestoreReport:
         """Copy a capsule back into the runtime's arena. ``kinds`` restores only those
         buffer kinds (an ablation: e.g. (BufferKind.KV,) for KV-only). Refuses, with the
         live state untouched, an unknown id, a disk-only capsule (load it first) or a
-        capsule of another fingerprint."""
+        capsule of another fingerprint. ``count_as`` attributes the hit to another tier
+        (DISK, when the caller just loaded the capsule from its file)."""
         start = time.perf_counter()
         try:
             capsule = self.get(capsule_id)
@@ -223,7 +230,7 @@ class CapsuleStore:
                    payload=payload, timed=True)
         self._touch(payload)
         self.counters.restores += 1
-        self.counters.hits[payload.tier] += 1
+        self.counters.hits[count_as if count_as is not None else payload.tier] += 1
         seconds = time.perf_counter() - start
         if self.copy_stream is None:
             self.restore_latency.record(seconds)
@@ -237,7 +244,7 @@ class CapsuleStore:
         if new_id in self._capsules:
             raise InvalidArgument(f"capsule id {new_id!r} already exists")
         capsule = replace(source, id=new_id, label=label, parent_id=source.id, stamp_ns=time.time_ns(),
-                          pinned=pinned, payload=None, path=None)
+                          pinned=pinned, held=False, payload=None, path=None)
         if source.payload is not None:
             self._attach(capsule, source.payload)
             self._touch(source.payload)
@@ -264,10 +271,11 @@ class CapsuleStore:
         self._detach(capsule)
         return capsule
 
-    def set_pinned(self, capsule_id: str, pinned: bool) -> Capsule:
-        capsule = self.get(capsule_id)
-        capsule.pinned = pinned
-        return capsule
+    def set_held(self, capsule_id: str, held: bool) -> None:
+        """The session's own pin (interrupt capsule, timeline root); no-op for unknown ids."""
+        capsule = self._capsules.get(capsule_id)
+        if capsule is not None:
+            capsule.held = held
 
     def release_memory(self, capsule_id: str) -> Capsule:
         """Drop a persisted capsule's memory copy; it stays listed on the DISK tier."""
@@ -361,7 +369,7 @@ class CapsuleStore:
     def _lru_victim(self, tier: Tier, protect: Iterable[Payload]) -> Optional[Tuple[Payload, List[Capsule]]]:
         protected = {id(p) for p in protect}
         candidates = [(p, cs) for key, (p, cs) in self._payloads(tier).items()
-                      if key not in protected and not any(c.pinned for c in cs)]
+                      if key not in protected and not any(c.pinned or c.held for c in cs)]
         return min(candidates, key=lambda pc: pc[0].last_used) if candidates else None
 
     def _free_slab(self, tier: Tier, protect: Sequence[Payload]) -> Optional[torch.Tensor]:

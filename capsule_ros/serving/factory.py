@@ -11,7 +11,9 @@ from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.runtime.hybrid import HybridPolicy
 from capsule_ros.runtime.weights import load_weights
+from capsule_ros.capsules.store import CapsuleStore
 from capsule_ros.serving.config import ServingConfig
+from capsule_ros.serving.session import PolicySession
 
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "policies"
 
@@ -49,3 +51,21 @@ def build_policy(config: ServingConfig, weights: Optional[str] = None) -> Hybrid
 
 def build_runtime(config: ServingConfig, weights: Optional[str] = None) -> PolicyRuntime:
     return PolicyRuntime(build_policy(config, weights), config.runtime)
+
+
+def build_session(config: ServingConfig, *, weights: Optional[str] = None, on_event=None,
+                  runtime: Optional[PolicyRuntime] = None) -> PolicySession:
+    """Runtime + capsule store + capsule directory + session, started when configured."""
+    runtime = runtime or build_runtime(config, weights)
+    store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
+    directory = None
+    if config.capsules.directory:
+        from capsule_ros.capsules.directory import CapsuleDirectory
+        directory = CapsuleDirectory(Path(config.capsules.directory).expanduser(), key_file=config.capsules.key_file,
+                                     chunk_bytes=int(config.capsules.chunk_mb * 2**20),
+                                     max_file_bytes=int(config.capsules.max_file_mb * 2**20))
+    session = PolicySession(runtime, store, config.control, directory=directory, prefix=config.policy.prefix,
+                            on_event=on_event)
+    if config.control.autostart:
+        session.reset()
+    return session

@@ -1,0 +1,75 @@
+"""The episode input log: what the recompute fallback replays.
+
+Each step's staged inputs (the whole input region, a few bytes to a few KB) are copied
+into a preallocated ring of ``capacity`` rows, so logging never allocates. Entry ``i``
+holds the inputs of the step taken from state step ``base_step + i`` of the current
+episode's timeline. A rollback truncates the log at the restored step; the log remembers
+every truncation so it can tell whether a capsule's prefix is still the logged one.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+
+class InputLog:
+    """Inputs of the current episode's timeline, from its root state onwards."""
+
+    def __init__(self, capacity: int, row_bytes: int):
+        self.capacity = capacity
+        self._rows = np.zeros((capacity, row_bytes), dtype=np.uint8)
+        self.episode_id = -1
+        self.base_step = 0
+        self.length = 0
+        self.generation = 0
+        self._start_generation = 0
+        self._cuts: List[Tuple[int, int]] = []   # (generation after the cut, step cut at)
+
+    def start(self, episode_id: int, base_step: int) -> None:
+        """A new timeline: the episode's root state is at ``base_step``."""
+        self.episode_id, self.base_step, self.length = episode_id, base_step, 0
+        self.generation += 1
+        self._start_generation = self.generation
+        self._cuts.clear()
+
+    def append(self, step: int, row: np.ndarray) -> None:
+        """Log the inputs of the step taken from state ``step`` (must be the next one)."""
+        if self.length >= self.capacity or step != self.base_step + self.length:
+            self.length = self.capacity + 1 if self.length >= self.capacity else self.length
+            return   # the log no longer covers the timeline beyond this point
+        self._rows[self.length] = row
+        self.length += 1
+
+    def truncate(self, step: int) -> None:
+        """The timeline continues from state ``step`` (a rollback): forget later inputs."""
+        keep = step - self.base_step
+        if 0 <= keep < self.length:
+            self.length = keep
+            self.generation += 1
+            self._cuts.append((self.generation, step))
+
+    @property
+    def overflowed(self) -> bool:
+        return self.length > self.capacity
+
+    def covers(self, episode_id: int, step: int, generation: int) -> Optional[str]:
+        """None if the log can rebuild the state of ``step`` made at ``generation``,
+        else the reason it cannot."""
+        if episode_id != self.episode_id:
+            return f"the input log holds episode {self.episode_id}, not {episode_id}"
+        if self.overflowed:
+            return f"the episode outgrew the input log ({self.capacity} steps)"
+        if not self.base_step <= step <= self.base_step + self.length:
+            return (f"step {step} is outside the logged steps "
+                    f"{self.base_step}..{self.base_step + self.length}")
+        if generation < self._start_generation:
+            return "the capsule was made on an earlier timeline of this episode"
+        for gen, cut in self._cuts:
+            if gen > generation and cut < step:
+                return f"a rollback to step {cut} replaced the inputs that led to step {step}"
+        return None
+
+    def rows(self, upto_step: int) -> np.ndarray:
+        """Logged inputs from the root up to (not including) state ``upto_step``."""
+        return self._rows[:upto_step - self.base_step]

@@ -1,0 +1,542 @@
+"""PolicySession: the episode state machine over one runtime and one capsule store.
+
+This is everything the node does, without ROS: ``capsule_ros.ros`` maps topics and
+services onto it, and ``capsule-ros replay --in-process`` and the demo drive it
+directly. Policy, not mechanism: the runtime and the store provide verbs (step,
+snapshot, restore, fork); the session decides when to use them.
+
+Episode states: IDLE (no episode), RUNNING (each tick steps the policy), INTERRUPTED
+(each tick publishes the safe action; the state waits at its boundary).
+
+Concurrency: one boundary lock. ``tick`` holds it for exactly one step; every other verb
+takes it between steps, so a state change is never applied during a step and a service
+never waits behind more than one step (it gives up with BUSY after
+``control.service_timeout_ms``). Sensor callbacks write the input staging area under a
+separate, short staging lock, so they never wait for a step either.
+
+Recompute fallback: every step's inputs go to the episode's input log. When a capsule
+cannot be restored (corrupt or missing file, wrong key, foreign fingerprint) but its
+step lies on the logged timeline, the state is rebuilt by restoring the timeline's root
+and replaying the logged inputs: deterministic steps make the result bit-identical.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from capsule_ros.capsules.ids import check_capsule_id
+from capsule_ros.capsules.store import Capsule, CapsuleStore, Tier
+from capsule_ros.errors import (Busy, CapsuleIOError, CapsuleRosError, CorruptCapsule, FingerprintMismatch,
+                                InvalidArgument, NotFound, PermissionDenied, WrongState)
+from capsule_ros.metrics import LatencyWindow
+from capsule_ros.runtime.engine import PolicyRuntime
+from capsule_ros.serving.config import ControlConfig
+from capsule_ros.serving.inputlog import InputLog
+
+LOG = logging.getLogger(__name__)
+MAX_LABEL = 256
+
+
+class EpisodeState(enum.IntEnum):
+    """Values match RuntimeStatus.IDLE / RUNNING / INTERRUPTED."""
+
+    IDLE = 0
+    RUNNING = 1
+    INTERRUPTED = 2
+
+
+class HoldMode(enum.IntEnum):
+    """Values match Interrupt.Request.HOLD_*."""
+
+    HOLD_LAST = 0
+    HOLD_ZERO = 1
+    HOLD_SILENT = 2
+
+
+class ActionSource(enum.IntEnum):
+    """Values match Action.SOURCE_*."""
+
+    POLICY = 0
+    HOLD = 1
+    ZERO = 2
+
+
+class EventKind(enum.IntEnum):
+    """Values match CapsuleEvent constants."""
+
+    COMMIT = 0
+    INTERRUPT = 1
+    REENTER = 2
+    RESET = 3
+    FORK = 4
+    DROP = 5
+    SAVE = 6
+    LOAD = 7
+    EVICT = 8
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One tick's command."""
+
+    values: np.ndarray
+    chunk: Optional[np.ndarray]        # [H, A] for policy actions, None for safe actions
+    source: ActionSource
+    episode_id: int
+    step: int                          # the state's step counter after this tick
+    lineage: str
+    stamp_ns: int
+    step_seconds: float = 0.0
+    late: bool = False                 # the step missed its deadline: values are the safe action
+
+
+@dataclass(frozen=True)
+class CapsuleEvent:
+    kind: EventKind
+    capsule_id: str
+    parent_id: str
+    episode_id: int
+    step: int
+    rollback: bool = False
+    fallback: bool = False
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ReenterResult:
+    capsule: Optional[Capsule]         # None when resuming an interrupt without a capsule
+    rollback: bool
+    fallback: bool
+    fallback_reason: str
+    restore_seconds: float
+    recompute_seconds: float
+
+
+@dataclass
+class SessionCounters:
+    steps: int = 0
+    deadline_misses: int = 0
+    fallback_recomputes: int = 0
+    ticks_waiting_for_inputs: int = 0
+
+
+@dataclass(frozen=True)
+class _LedgerEntry:
+    """What the session knows of a capsule it made, for the recompute fallback."""
+
+    episode_id: int
+    step: int
+    generation: int
+
+
+@dataclass
+class _Timeline:
+    """The current episode timeline: where the input log starts."""
+
+    root_id: str = ""
+
+
+class PolicySession:
+    """See the module docstring."""
+
+    def __init__(self, runtime: PolicyRuntime, store: CapsuleStore, control: ControlConfig, *,
+                 directory=None, prefix: Sequence[int] = (),
+                 on_event: Optional[Callable[[CapsuleEvent], None]] = None,
+                 clock_ns: Callable[[], int] = time.time_ns):
+        self.runtime = runtime
+        self.store = store
+        self.control = control
+        self.directory = directory
+        self.prefix = tuple(prefix)
+        self.on_event = on_event
+        self.clock_ns = clock_ns
+        self.state = EpisodeState.IDLE
+        self.episode_id = 0
+        self.step = 0
+        self.lineage = ""
+        self.hold_mode = HoldMode.HOLD_LAST
+        self.interrupt_capsule_id = ""
+        self.counters = SessionCounters()
+        self.step_latency = LatencyWindow()
+        self.staging_lock = threading.Lock()
+        self._boundary = threading.Lock()
+        self._next_episode = 1
+        self._last_applied = np.zeros(runtime.policy.action_dim, dtype=np.float32)
+        self._ledger: Dict[str, _LedgerEntry] = {}
+        self._timeline = _Timeline()
+        self._inputs_seen: set = set()
+        self._input_names = tuple(runtime.staging)
+        row_bytes = runtime.input_staging.numel()
+        self.input_log = InputLog(control.input_log_steps, row_bytes)
+        store.on_evict = self._on_evict
+
+    # -- boundary ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def at_boundary(self, timeout_s: Optional[float] = None) -> Iterator[None]:
+        """Hold the boundary lock (between steps); BUSY if no boundary comes in time."""
+        timeout = self.control.service_timeout_ms / 1e3 if timeout_s is None else timeout_s
+        if not self._boundary.acquire(timeout=timeout):
+            raise Busy(f"no step boundary within {timeout * 1e3:.0f} ms")
+        try:
+            yield
+        finally:
+            self._boundary.release()
+
+    # -- inputs -----------------------------------------------------------------------------
+    def write_input(self, name: str, values: np.ndarray) -> None:
+        """Copy a port's values into its staging buffer (shape already checked by the port)."""
+        staging = self.runtime.staging[name]
+        with self.staging_lock:
+            np.copyto(staging, values.reshape(staging.shape), casting="unsafe")
+            self._inputs_seen.add(name)
+
+    @property
+    def inputs_ready(self) -> bool:
+        return len(self._inputs_seen) == len(self._input_names)
+
+    # -- control loop -------------------------------------------------------------------------
+    def tick(self, stamp_ns: Optional[int] = None) -> Optional[ActionRecord]:
+        """One control period. RUNNING: step the policy on the staged inputs; INTERRUPTED:
+        the safe action of the hold mode (None when silent); IDLE or inputs missing: None."""
+        stamp_ns = self.clock_ns() if stamp_ns is None else stamp_ns
+        with self._boundary:
+            if self.state == EpisodeState.INTERRUPTED:
+                return self._safe_record(self.hold_mode, stamp_ns)
+            if self.state != EpisodeState.RUNNING:
+                return None
+            if not self.inputs_ready:
+                self.counters.ticks_waiting_for_inputs += 1
+                return None
+            start = time.perf_counter()
+            with self.staging_lock:
+                self.runtime.load_inputs()
+                self.input_log.append(self.step, self.runtime.input_staging.numpy())
+            self.runtime.step()
+            out = self.runtime.read_outputs()
+            seconds = time.perf_counter() - start
+            self.step_latency.record(seconds)
+            self.counters.steps += 1
+            self.step = out.step
+            deadline = self.control.effective_deadline_s()
+            if deadline is not None and seconds > deadline:
+                self.counters.deadline_misses += 1
+                mode = HoldMode.HOLD_ZERO if self.control.deadline_action == "zero" else HoldMode.HOLD_LAST
+                record = self._safe_record(mode, stamp_ns)
+                return ActionRecord(record.values, None, record.source, self.episode_id, self.step, self.lineage,
+                                    stamp_ns, seconds, late=True)
+            self._last_applied = out.action
+            return ActionRecord(out.action, out.chunk, ActionSource.POLICY, self.episode_id, self.step,
+                                self.lineage, stamp_ns, seconds)
+
+    def safe_action(self, mode: HoldMode) -> Optional[np.ndarray]:
+        """The values of a safe action (hold the last applied action, or zeros)."""
+        if mode == HoldMode.HOLD_SILENT:
+            return None
+        if mode == HoldMode.HOLD_ZERO:
+            return np.zeros_like(self._last_applied)
+        return self._last_applied.copy()
+
+    def _safe_record(self, mode: HoldMode, stamp_ns: int) -> Optional[ActionRecord]:
+        values = self.safe_action(mode)
+        if values is None:
+            return None
+        source = ActionSource.ZERO if mode == HoldMode.HOLD_ZERO else ActionSource.HOLD
+        return ActionRecord(values, None, source, self.episode_id, self.step, self.lineage, stamp_ns)
+
+    # -- verbs ---------------------------------------------------------------------------------
+    def commit(self, label: str = "", persist: bool = False, pin: bool = False) -> Capsule:
+        """Snapshot the whole state at this boundary into a new capsule."""
+        _check_label(label)
+        with self.at_boundary():
+            self._require(EpisodeState.RUNNING, EpisodeState.INTERRUPTED, verb="commit")
+            capsule = self._snapshot(label, pinned=pin)
+            if persist:
+                try:
+                    self._save(capsule)
+                except CapsuleRosError:
+                    self.store.drop(capsule.id)
+                    raise
+            self.lineage = capsule.id
+            self._emit(EventKind.COMMIT, capsule, detail=label)
+            return capsule
+
+    def reset(self, capsule_id: str = "") -> Tuple[int, Optional[Capsule]]:
+        """Start a new episode from the initial state or from a capsule's state."""
+        with self.at_boundary():
+            source = None
+            if capsule_id:
+                source, from_disk = self._in_memory(check_capsule_id(capsule_id))
+                self.store.restore(source.id, self.runtime, count_as=Tier.DISK if from_disk else None)
+            episode = self._next_episode
+            self._next_episode += 1
+            if source is None:
+                self.runtime.reset(episode=episode)
+                if self.prefix:
+                    self.runtime.prefill(self.prefix)
+                step, lineage = self._read_step(), ""
+            else:
+                self.runtime.set_episode(episode)
+                step, lineage = source.step, source.id
+            self.episode_id, self.step, self.lineage = episode, step, lineage
+            self._release_interrupt_capsule()
+            root = self.store.snapshot(self.runtime, label=f"episode {episode} start", parent_id=lineage,
+                                       episode_id=episode, step=step, held=True, capsule_id=f"e{episode}.root")
+            self._start_timeline(root)
+            self.state = EpisodeState.RUNNING
+            self._emit(EventKind.RESET, source, detail=f"episode {episode}")
+            return episode, source
+
+    def interrupt(self, hold_mode: int = HoldMode.HOLD_LAST, commit: bool = True) -> Optional[Capsule]:
+        """Stop acting at this boundary; optionally commit the boundary capsule."""
+        try:
+            mode = HoldMode(hold_mode)
+        except ValueError:
+            raise InvalidArgument(f"hold_mode {hold_mode!r}: must be one of {[m.value for m in HoldMode]}") from None
+        with self.at_boundary():
+            self._require(EpisodeState.RUNNING, verb="interrupt")
+            capsule = None
+            self._release_interrupt_capsule()
+            if commit:
+                capsule = self._snapshot("interrupt", held=True)
+                self.interrupt_capsule_id = capsule.id
+                self.lineage = capsule.id
+            self.hold_mode = mode
+            self.state = EpisodeState.INTERRUPTED
+            self._emit(EventKind.INTERRUPT, capsule, detail=mode.name)
+            return capsule
+
+    def reenter(self, capsule_id: str = "") -> ReenterResult:
+        """Restore a capsule and resume (see the module docstring for the fallback)."""
+        with self.at_boundary():
+            if not capsule_id:
+                if self.interrupt_capsule_id:
+                    capsule_id = self.interrupt_capsule_id
+                elif self.state == EpisodeState.INTERRUPTED:
+                    self.state = EpisodeState.RUNNING     # no capsule: resume the untouched live state
+                    self._emit(EventKind.REENTER, None, detail="resume")
+                    return ReenterResult(None, False, False, "", 0.0, 0.0)
+                else:
+                    raise WrongState(f"reenter without a capsule id needs an interrupt capsule "
+                                     f"(episode is {self.state.name})")
+            check_capsule_id(capsule_id)
+            fallback_reason, recompute_s, restore_s = "", 0.0, 0.0
+            try:
+                capsule, from_disk = self._in_memory(capsule_id)
+                restore_s = self.store.restore(capsule.id, self.runtime,
+                                               count_as=Tier.DISK if from_disk else None).seconds
+            except (CorruptCapsule, NotFound, FingerprintMismatch, CapsuleIOError, PermissionDenied) as exc:
+                capsule, recompute_s = self._recompute(capsule_id, exc)
+                fallback_reason = str(exc)
+            entry = self._ledger.get(capsule.id)
+            rollback = capsule.episode_id == self.episode_id and capsule.step < self.step
+            if entry is not None and self.input_log.covers(entry.episode_id, entry.step, entry.generation) is None:
+                self.input_log.truncate(capsule.step)
+            else:
+                self.store.set_held(capsule.id, True)
+                self._start_timeline(capsule)
+            self.episode_id, self.step, self.lineage = capsule.episode_id, capsule.step, capsule.id
+            self._next_episode = max(self._next_episode, capsule.episode_id + 1)
+            self.state = EpisodeState.RUNNING
+            self._emit(EventKind.REENTER, capsule, rollback=rollback, fallback=bool(fallback_reason),
+                       detail=fallback_reason)
+            return ReenterResult(capsule, rollback, bool(fallback_reason), fallback_reason, restore_s, recompute_s)
+
+    def fork(self, capsule_id: str = "", label: str = "") -> Capsule:
+        """A new capsule id with the same state ("" = the live state at this boundary)."""
+        _check_label(label)
+        with self.at_boundary():
+            if not capsule_id:
+                self._require(EpisodeState.RUNNING, EpisodeState.INTERRUPTED, verb="fork the live state")
+                capsule = self._snapshot(label)
+            else:
+                source = self._known(check_capsule_id(capsule_id))
+                capsule = self.store.fork(source.id, label=label)
+                if source.id in self._ledger:
+                    self._ledger[capsule.id] = self._ledger[source.id]
+            self._emit(EventKind.FORK, capsule, detail=label)
+            return capsule
+
+    def list_capsules(self, current_episode_only: bool = False) -> List[Capsule]:
+        """Capsules in memory and in the capsule directory, newest first."""
+        with self.at_boundary():
+            capsules = {c.id: c for c in self.store.list()}
+            if self.directory is not None:
+                for capsule_id in self.directory.ids():
+                    if capsule_id not in capsules:
+                        with contextlib.suppress(CapsuleRosError):
+                            capsules[capsule_id] = self.directory.describe(capsule_id)
+            out = sorted(capsules.values(), key=lambda c: c.stamp_ns, reverse=True)
+            if current_episode_only:
+                out = [c for c in out if c.episode_id == self.episode_id]
+            return out
+
+    def drop(self, capsule_id: str, from_disk: bool = False) -> None:
+        check_capsule_id(capsule_id)
+        with self.at_boundary():
+            if self.state == EpisodeState.INTERRUPTED and capsule_id == self.interrupt_capsule_id:
+                raise WrongState(f"capsule {capsule_id!r} is the interrupt capsule: re-enter or reset first")
+            on_disk = from_disk and self.directory is not None and self.directory.exists(capsule_id)
+            if capsule_id not in self.store and not on_disk:
+                raise NotFound(f"no capsule {capsule_id!r}" + (" in memory or on disk" if from_disk else " in memory"))
+            capsule = self.store.drop(capsule_id) if capsule_id in self.store else None
+            if on_disk:
+                self.directory.remove(capsule_id)
+            if capsule_id == self.interrupt_capsule_id:
+                self.interrupt_capsule_id = ""
+            self._emit(EventKind.DROP, capsule, capsule_id=capsule_id, detail="memory and disk" if on_disk else "memory")
+
+    def save(self, capsule_id: str) -> Capsule:
+        with self.at_boundary():
+            capsule = self._known(check_capsule_id(capsule_id))
+            if capsule.payload is None:
+                raise NotFound(f"capsule {capsule_id!r} is only on disk already ({capsule.path})")
+            self._save(capsule)
+            self._emit(EventKind.SAVE, capsule, detail=capsule.path or "")
+            return capsule
+
+    def load(self, capsule_id: str) -> Capsule:
+        """Read and verify a capsule file into memory (the live state is not touched)."""
+        with self.at_boundary():
+            capsule = self._load(check_capsule_id(capsule_id))
+            self._emit(EventKind.LOAD, capsule, detail=capsule.path or "")
+            return capsule
+
+    # -- internals -------------------------------------------------------------------------------
+    def _require(self, *states: EpisodeState, verb: str) -> None:
+        if self.state not in states:
+            raise WrongState(f"cannot {verb} while {self.state.name} (allowed in "
+                             f"{' / '.join(s.name for s in states)})")
+
+    def _read_step(self) -> int:
+        return self.runtime.read_outputs().step
+
+    def _snapshot(self, label: str, pinned: bool = False, held: bool = False) -> Capsule:
+        capsule = self.store.snapshot(self.runtime, label=label, parent_id=self.lineage,
+                                      episode_id=self.episode_id, step=self.step, pinned=pinned, held=held)
+        self._ledger[capsule.id] = _LedgerEntry(self.episode_id, self.step, self.input_log.generation)
+        return capsule
+
+    def _start_timeline(self, root: Capsule) -> None:
+        if self._timeline.root_id and self._timeline.root_id != root.id:
+            self.store.set_held(self._timeline.root_id, False)
+        self._timeline.root_id = root.id
+        self.input_log.start(root.episode_id, root.step)
+        self._ledger[root.id] = _LedgerEntry(root.episode_id, root.step, self.input_log.generation)
+
+    def _release_interrupt_capsule(self) -> None:
+        if self.interrupt_capsule_id:
+            self.store.set_held(self.interrupt_capsule_id, False)
+            self.interrupt_capsule_id = ""
+
+    def _known(self, capsule_id: str) -> Capsule:
+        """A capsule in the store, or described from its file."""
+        if capsule_id in self.store:
+            return self.store.get(capsule_id)
+        if self.directory is not None and self.directory.exists(capsule_id):
+            return self.directory.describe(capsule_id)
+        raise NotFound(f"no capsule {capsule_id!r} in memory" + (" or on disk" if self.directory else ""))
+
+    def _in_memory(self, capsule_id: str) -> Tuple[Capsule, bool]:
+        """The capsule with its bytes in memory, loading (and verifying) its file if needed."""
+        capsule = self.store.find(capsule_id)
+        if capsule is not None and capsule.payload is not None:
+            return capsule, False
+        if self.directory is None:
+            raise NotFound(f"no capsule {capsule_id!r} in memory and no capsule directory configured")
+        return self._load(capsule_id), True
+
+    def _load(self, capsule_id: str) -> Capsule:
+        if self.directory is None:
+            raise CapsuleIOError("no capsule directory configured (capsules.directory)")
+        try:
+            capsule, data = self.directory.load(capsule_id, expected_fingerprint=self.store.fingerprint,
+                                                expected_schema=self.runtime.layout.schema())
+        except FingerprintMismatch:
+            self.store.counters.invalidations += 1
+            raise
+        return self.store.adopt(capsule, data)
+
+    def _save(self, capsule: Capsule) -> None:
+        if self.directory is None:
+            raise CapsuleIOError("no capsule directory configured (capsules.directory)")
+        path = self.directory.save(capsule, self.store.host_bytes(capsule.id), self.runtime.layout.schema())
+        capsule.path = str(path)
+
+    def _recompute(self, capsule_id: str, cause: CapsuleRosError) -> Tuple[Capsule, float]:
+        """Rebuild a capsule's state from the timeline root and the input log, or re-raise
+        ``cause`` (with the reason no fallback was possible). On failure the live state is
+        put back as it was."""
+        entry = self._ledger.get(capsule_id)
+        reason = None
+        if entry is None:
+            reason = "this process did not make the capsule, so it has no input log for it"
+        elif self.control.input_log_steps == 0:
+            reason = "control.input_log_steps is 0"
+        else:
+            reason = self.input_log.covers(entry.episode_id, entry.step, entry.generation)
+        root_id = self._timeline.root_id
+        if reason is None and (root_id not in self.store or self.store.get(root_id).payload is None):
+            reason = f"the timeline root {root_id!r} is no longer in memory"
+        if reason is not None:
+            raise type(cause)(f"{cause}; no recompute fallback: {reason}") from cause
+        start = time.perf_counter()
+        scratch = self.store.snapshot(self.runtime, label="pre-recompute", episode_id=self.episode_id,
+                                      step=self.step, held=True)
+        saved_staging = self.runtime.input_staging.numpy().copy()
+        try:
+            self.store.restore(root_id, self.runtime)
+            for row in self.input_log.rows(entry.step):
+                with self.staging_lock:
+                    self.runtime.input_staging.numpy()[:] = row
+                    self.runtime.load_inputs()
+                self.runtime.step()
+            rebuilt_step = self._read_step()
+            if rebuilt_step != entry.step:
+                raise CorruptCapsule(f"recompute reached step {rebuilt_step}, expected {entry.step}")
+        except Exception:
+            self.store.restore(scratch.id, self.runtime)
+            raise
+        finally:
+            with self.staging_lock:
+                self.runtime.input_staging.numpy()[:] = saved_staging
+            self.store.drop(scratch.id)
+        seconds = time.perf_counter() - start
+        self.counters.fallback_recomputes += 1
+        known = self.store.find(capsule_id)
+        if known is not None and known.payload is None:
+            self.store.drop(capsule_id)            # its file is bad: forget the disk-only entry
+        capsule = self.store.snapshot(self.runtime, label="rebuilt by recompute", parent_id=root_id,
+                                      episode_id=entry.episode_id, step=entry.step, capsule_id=capsule_id) \
+            if capsule_id not in self.store else self.store.get(capsule_id)
+        self._ledger[capsule.id] = entry
+        LOG.warning("capsule %s rebuilt by recomputing %d steps in %.1f ms (%s)", capsule_id,
+                    entry.step - self.input_log.base_step, seconds * 1e3, cause)
+        return capsule, seconds
+
+    def _on_evict(self, capsule: Capsule) -> None:
+        self._emit(EventKind.EVICT, capsule, detail="evicted from memory (byte budget)")
+
+    def _emit(self, kind: EventKind, capsule: Optional[Capsule], *, capsule_id: Optional[str] = None,
+              rollback: bool = False, fallback: bool = False, detail: str = "") -> None:
+        if self.on_event is None:
+            return
+        event = CapsuleEvent(kind, capsule_id if capsule_id is not None else (capsule.id if capsule else ""),
+                             capsule.parent_id if capsule else "", self.episode_id, self.step,
+                             rollback, fallback, detail)
+        try:
+            self.on_event(event)
+        except Exception:  # noqa: BLE001 - an observer must not break the state machine
+            LOG.exception("capsule event observer failed")
+
+
+def _check_label(label: str) -> None:
+    if not isinstance(label, str) or len(label) > MAX_LABEL:
+        raise InvalidArgument(f"label of {len(label) if isinstance(label, str) else '?'} characters: "
+                              f"at most {MAX_LABEL}")
