@@ -42,6 +42,8 @@ class PortConfig(ConfigSection):
     type: str = setting("sensor_msgs/msg/JointState", "message type", choices=MESSAGE_TYPES, read_only=True)
     fields: Tuple[str, ...] = setting(("position",), "message fields read, concatenated in order "
                                       "(dotted paths, e.g. point.x; for Image: data)", read_only=True)
+    names: Tuple[str, ...] = setting((), "JointState only: joint names, in buffer order (empty = message order)",
+                                     read_only=True)
     shape: Tuple[int, ...] = setting((1,), "fixed shape of the buffer", low=1, high=1 << 20, read_only=True)
     dtype: str = setting("float32", "buffer dtype", choices=("float32", "float64", "uint8", "int32", "int64"),
                          read_only=True)

@@ -149,7 +149,7 @@ class PolicySession:
     def __init__(self, runtime: PolicyRuntime, store: CapsuleStore, control: ControlConfig, *,
                  directory=None, prefix: Sequence[int] = (),
                  on_event: Optional[Callable[[CapsuleEvent], None]] = None,
-                 clock_ns: Callable[[], int] = time.time_ns):
+                 clock_ns: Callable[[], int] = time.time_ns, enforce_deadline: bool = True):
         self.runtime = runtime
         self.store = store
         self.control = control
@@ -157,6 +157,7 @@ class PolicySession:
         self.prefix = tuple(prefix)
         self.on_event = on_event
         self.clock_ns = clock_ns
+        self.enforce_deadline = enforce_deadline   # False when a watchdog (the node) enforces it
         self.state = EpisodeState.IDLE
         self.episode_id = 0
         self.step = 0
@@ -208,7 +209,7 @@ class PolicySession:
         stamp_ns = self.clock_ns() if stamp_ns is None else stamp_ns
         with self._boundary:
             if self.state == EpisodeState.INTERRUPTED:
-                return self._safe_record(self.hold_mode, stamp_ns)
+                return self.safe_record(self.hold_mode, stamp_ns)
             if self.state != EpisodeState.RUNNING:
                 return None
             if not self.inputs_ready:
@@ -224,11 +225,11 @@ class PolicySession:
             self.step_latency.record(seconds)
             self.counters.steps += 1
             self.step = out.step
-            deadline = self.control.effective_deadline_s()
+            deadline = self.control.effective_deadline_s() if self.enforce_deadline else None
             if deadline is not None and seconds > deadline:
                 self.counters.deadline_misses += 1
                 mode = HoldMode.HOLD_ZERO if self.control.deadline_action == "zero" else HoldMode.HOLD_LAST
-                record = self._safe_record(mode, stamp_ns)
+                record = self.safe_record(mode, stamp_ns)
                 return ActionRecord(record.values, None, record.source, self.episode_id, self.step, self.lineage,
                                     stamp_ns, seconds, late=True)
             self._last_applied = out.action
@@ -243,7 +244,9 @@ class PolicySession:
             return np.zeros_like(self._last_applied)
         return self._last_applied.copy()
 
-    def _safe_record(self, mode: HoldMode, stamp_ns: int) -> Optional[ActionRecord]:
+    def safe_record(self, mode: HoldMode, stamp_ns: Optional[int] = None) -> Optional[ActionRecord]:
+        """The safe action as a record (None when silent)."""
+        stamp_ns = self.clock_ns() if stamp_ns is None else stamp_ns
         values = self.safe_action(mode)
         if values is None:
             return None

@@ -1,0 +1,336 @@
+"""PolicyNode: the ROS 2 face of a PolicySession (a thin layer: topics and services in,
+session verbs out).
+
+Callback groups: sensor subscriptions, the trigger and the control timer share one
+mutually exclusive *control* group (steps never overlap); services have their own group
+and reach the session between steps through its boundary lock; status has a third.
+Spin it on a MultiThreadedExecutor (``policy_node`` does).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from typing import Any, Callable, Dict, Optional
+
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.node import Node
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data, qos_profile_system_default
+from rclpy.serialization import deserialize_message
+
+from capsule_ros import srv
+from capsule_ros.msg import Action, CapsuleEvent, RuntimeStatus
+from diagnostic_msgs.msg import DiagnosticArray
+
+from capsule_ros.config import flatten, unflatten
+from capsule_ros.errors import CapsuleRosError, ConfigError, ErrorCode
+from capsule_ros.ros.messages import action_message, capsule_info, event_message
+from capsule_ros.ros.params import declare_parameters
+from capsule_ros.ros.status import DiagnosticsBuilder, runtime_status
+from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
+from capsule_ros.serving.factory import build_session
+from capsule_ros.serving.ports import PortDrop, port_adapters, stamp_ns
+from capsule_ros.serving.session import ActionRecord, CapsuleEvent as CoreEvent, HoldMode
+from capsule_ros.serving.watchdog import DeadlineWatchdog
+
+LOG = logging.getLogger(__name__)
+WARN_PERIOD_S = 5.0
+
+
+def message_class(type_name: str):
+    package, _, name = type_name.split("/")
+    return getattr(importlib.import_module(f"{package}.msg"), name)
+
+
+def qos_of(port: PortConfig) -> QoSProfile:
+    if port.qos == "sensor_data":
+        profile = QoSProfile(depth=port.depth, reliability=qos_profile_sensor_data.reliability,
+                             durability=qos_profile_sensor_data.durability, history=qos_profile_sensor_data.history)
+        return profile
+    if port.qos == "reliable":
+        return QoSProfile(depth=port.depth, reliability=ReliabilityPolicy.RELIABLE)
+    return qos_profile_system_default
+
+
+class PolicyNode(Node):
+    """See the module docstring."""
+
+    def __init__(self, node_name: str = "capsule_policy", **kwargs: Any):
+        super().__init__(node_name, **kwargs)
+        self.config = ServingConfig.from_params(declare_parameters(self), source="ROS parameters")
+        control = self.config.control
+        self._control_group = MutuallyExclusiveCallbackGroup()
+        self._service_group = MutuallyExclusiveCallbackGroup()
+        self._status_group = MutuallyExclusiveCallbackGroup()
+        self.action_pub = self.create_publisher(Action, "~/action", 10)
+        self.event_pub = self.create_publisher(CapsuleEvent, "~/capsule_events", 100)
+        self.status_pub = self.create_publisher(RuntimeStatus, "~/status", 10)
+        self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.recorder = None
+        self.session = build_session(self.config, on_event=self._on_event)
+        self.session.clock_ns = lambda: self.get_clock().now().nanoseconds
+        self.session.enforce_deadline = False          # the watchdog below enforces it
+        self.adapters = port_adapters(self.config.ports)
+        self.watchdog = DeadlineWatchdog(self._on_deadline_miss)
+        self._last_warn: Dict[str, float] = {}
+        self._diagnostics = DiagnosticsBuilder(self.get_fully_qualified_name())
+        self._subscriptions = [self._subscribe(name, port) for name, port in self.config.ports.items()]
+        self._timer = None
+        self._configure_loop(control)
+        self._status_timer = self.create_timer(1.0 / control.status_rate_hz, self._publish_status,
+                                               callback_group=self._status_group)
+        self._services = [self.create_service(srv_type, f"~/{name}", self._service(handler),
+                                              callback_group=self._service_group)
+                          for srv_type, name, handler in self._service_table()]
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+        if self.config.record.enabled:
+            self._start_recording("", self.config.record.storage)
+        self.get_logger().info(
+            f"serving on {self.session.runtime.device} ({'CUDA graph' if self.session.runtime.plan.captured else 'eager'}),"
+            f" {control.mode} mode, ports {list(self.config.ports)}, episode {self.session.episode_id} "
+            f"{self.session.state.name}, fingerprint {self.session.runtime.fingerprint[:12]}")
+
+    # -- control loop ----------------------------------------------------------------------------
+    def _configure_loop(self, control: ControlConfig) -> None:
+        if self._timer is not None:
+            self.destroy_timer(self._timer)
+            self._timer = None
+        if control.mode == "timer":
+            self._timer = self.create_timer(1.0 / control.rate_hz, lambda: self._control_tick(None),
+                                            callback_group=self._control_group)
+
+    def _subscribe(self, name: str, port: PortConfig):
+        cls = message_class(port.type)
+        adapter_name = name
+
+        def on_message(raw: bytes) -> None:
+            self._on_port_message(adapter_name, cls, raw)
+        return self.create_subscription(cls, port.topic, on_message, qos_of(port),
+                                        callback_group=self._control_group, raw=True)
+
+    def _on_port_message(self, name: str, cls, raw: bytes) -> None:
+        adapter = self.adapters[name]
+        if self.recorder is not None:
+            self.recorder.write_raw(adapter.config.topic, adapter.config.type, raw, self.get_clock().now().nanoseconds)
+        try:
+            msg = deserialize_message(raw, cls)
+            values = adapter.accept(msg)
+        except PortDrop as drop:
+            self._warn_throttled(f"drop.{name}", f"port {name}: dropped a message ({drop.reason}): {drop}")
+            return
+        except Exception as exc:  # noqa: BLE001 - undecodable message: count it, never crash
+            adapter.counters.dropped["type"] += 1
+            self._warn_throttled(f"drop.{name}", f"port {name}: undecodable message: {exc}")
+            return
+        self.session.write_input(name, values)
+        control = self.config.control
+        if control.mode == "trigger" and name == control.trigger_port:
+            self._control_tick(stamp_ns(msg))
+
+    def _control_tick(self, stamp: Optional[int]) -> None:
+        deadline = self.config.control.effective_deadline_s()
+        if deadline is not None:
+            self.watchdog.arm(deadline)
+        try:
+            record = self.session.tick(stamp)
+        except Exception as exc:  # noqa: BLE001 - a failed step must not kill the loop
+            self.watchdog.disarm()
+            self._warn_throttled("tick", f"step failed: {exc!r}")
+            return
+        missed = self.watchdog.disarm() if deadline is not None else False
+        if missed:
+            self.session.counters.deadline_misses += 1
+            return                                    # the watchdog published the safe action
+        if record is not None:
+            self._publish_action(record)
+            if record.source == 0:
+                self._count_stale_ports()
+        elif not self.session.inputs_ready:
+            missing = [n for n in self.config.ports if n not in self.session._inputs_seen]
+            self._warn_throttled("inputs", f"waiting for first message on port(s) {missing}")
+
+    def _on_deadline_miss(self) -> None:
+        mode = HoldMode.HOLD_ZERO if self.config.control.deadline_action == "zero" else HoldMode.HOLD_LAST
+        record = self.session.safe_record(mode)
+        if record is not None:
+            self._publish_action(record)
+        self._warn_throttled("deadline", f"step missed its {self.config.control.effective_deadline_s() * 1e3:.1f} ms "
+                             f"deadline: published the safe action ({mode.name})")
+
+    def _count_stale_ports(self) -> None:
+        for adapter in self.adapters.values():
+            if adapter.is_stale():
+                adapter.counters.stale_steps += 1
+                self._warn_throttled(f"stale.{adapter.name}", f"port {adapter.name} is stale "
+                                     f"({adapter.age_ms():.0f} ms > {adapter.config.staleness_ms:.0f} ms)")
+
+    def _publish_action(self, record: ActionRecord) -> None:
+        msg = action_message(record, self.config.control.frame_id, self.session.runtime.policy.action_dim)
+        self.action_pub.publish(msg)
+        if self.recorder is not None:
+            self.recorder.write_message(self.action_pub.topic_name, msg, self.get_clock().now().nanoseconds)
+
+    def _on_event(self, event: CoreEvent) -> None:
+        msg = event_message(event, self.get_clock().now().nanoseconds)
+        self.event_pub.publish(msg)
+        if self.recorder is not None:
+            self.recorder.write_message(self.event_pub.topic_name, msg, self.get_clock().now().nanoseconds)
+
+    def _warn_throttled(self, key: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warn.get(key, -1e9) >= WARN_PERIOD_S:
+            self._last_warn[key] = now
+            self.get_logger().warning(text)
+
+    # -- status ------------------------------------------------------------------------------------
+    def _publish_status(self) -> None:
+        stamp = self.get_clock().now().to_msg()
+        status = runtime_status(self.session, self.adapters, stamp)
+        self.status_pub.publish(status)
+        self.diag_pub.publish(self._diagnostics.build(status, stamp))
+
+    # -- services ----------------------------------------------------------------------------------
+    def _service_table(self):
+        return (
+            (srv.Commit, "commit", self._srv_commit), (srv.Reset, "reset", self._srv_reset),
+            (srv.Interrupt, "interrupt", self._srv_interrupt), (srv.Reenter, "reenter", self._srv_reenter),
+            (srv.Fork, "fork", self._srv_fork), (srv.ListCapsules, "list_capsules", self._srv_list),
+            (srv.DropCapsule, "drop_capsule", self._srv_drop), (srv.SaveCapsule, "save_capsule", self._srv_save),
+            (srv.LoadCapsule, "load_capsule", self._srv_load), (srv.Record, "record", self._srv_record),
+        )
+
+    def _service(self, handler: Callable[[Any, Any], str]):
+        """Wrap a handler: every call answers success / message / error_code, never raises."""
+        def callback(request, response):
+            try:
+                response.message = handler(request, response) or "ok"
+                response.success, response.error_code = True, int(ErrorCode.OK)
+            except CapsuleRosError as exc:
+                response.success, response.error_code, response.message = False, int(exc.code), str(exc)
+            except Exception as exc:  # noqa: BLE001 - answer INTERNAL, keep serving
+                self.get_logger().error(f"{handler.__name__} failed: {exc!r}")
+                response.success, response.error_code = False, int(ErrorCode.INTERNAL)
+                response.message = f"internal error ({type(exc).__name__}: {exc}); the live state is unchanged"
+            return response
+        return callback
+
+    def _srv_commit(self, req, resp) -> str:
+        capsule = self.session.commit(req.label, req.persist, req.pin)
+        resp.capsule = capsule_info(capsule)
+        return f"committed {capsule.id} at step {capsule.step}" + (f", saved to {capsule.path}" if req.persist else "")
+
+    def _srv_reset(self, req, resp) -> str:
+        episode, source = self.session.reset(req.capsule_id)
+        resp.episode_id = episode
+        if source is not None:
+            resp.capsule = capsule_info(source)
+        return f"episode {episode} started from " + (f"capsule {source.id}" if source else "the initial state")
+
+    def _srv_interrupt(self, req, resp) -> str:
+        capsule = self.session.interrupt(req.hold_mode, req.commit)
+        record = self.session.safe_record(self.session.hold_mode)
+        if record is not None:
+            self._publish_action(record)
+        if capsule is not None:
+            resp.capsule = capsule_info(capsule)
+        return f"interrupted at step {self.session.step} ({HoldMode(req.hold_mode).name})" + (
+            f", boundary capsule {capsule.id}" if capsule else "")
+
+    def _srv_reenter(self, req, resp) -> str:
+        result = self.session.reenter(req.capsule_id)
+        if result.capsule is not None:
+            resp.capsule = capsule_info(result.capsule)
+        resp.rollback, resp.fallback, resp.fallback_reason = result.rollback, result.fallback, result.fallback_reason
+        resp.restore_ms, resp.recompute_ms = result.restore_seconds * 1e3, result.recompute_seconds * 1e3
+        if result.capsule is None:
+            return f"resumed at step {self.session.step}"
+        verb = "rolled back to" if result.rollback else "re-entered"
+        return f"{verb} {result.capsule.id} (episode {result.capsule.episode_id}, step {result.capsule.step})" + (
+            f" by recomputation: {result.fallback_reason}" if result.fallback else "")
+
+    def _srv_fork(self, req, resp) -> str:
+        capsule = self.session.fork(req.capsule_id, req.label)
+        resp.capsule = capsule_info(capsule)
+        return f"forked {capsule.id} from {capsule.parent_id or 'the live state'}"
+
+    def _srv_list(self, req, resp) -> str:
+        capsules = self.session.list_capsules(req.current_episode_only)
+        resp.capsules = [capsule_info(c) for c in capsules]
+        return f"{len(capsules)} capsule(s)"
+
+    def _srv_drop(self, req, resp) -> str:
+        self.session.drop(req.capsule_id, req.from_disk)
+        return f"dropped {req.capsule_id}"
+
+    def _srv_save(self, req, resp) -> str:
+        capsule = self.session.save(req.capsule_id)
+        resp.capsule, resp.path = capsule_info(capsule), capsule.path or ""
+        return f"saved {capsule.id} to {capsule.path}"
+
+    def _srv_load(self, req, resp) -> str:
+        capsule = self.session.load(req.capsule_id)
+        resp.capsule = capsule_info(capsule)
+        return f"loaded {capsule.id} (episode {capsule.episode_id}, step {capsule.step})"
+
+    def _srv_record(self, req, resp) -> str:
+        if req.start:
+            path = self._start_recording(req.path, req.storage or self.config.record.storage)
+            resp.bag_path = str(path)
+            return f"recording to {path}"
+        if self.recorder is None:
+            from capsule_ros.errors import WrongState
+            raise WrongState("not recording")
+        path, count = self._stop_recording()
+        resp.bag_path, resp.messages = str(path), count
+        return f"wrote {count} messages to {path}"
+
+    def _start_recording(self, path: str, storage: str):
+        from capsule_ros.bag.recorder import NodeRecorder
+        if self.recorder is not None:
+            self._stop_recording()
+        self.recorder = NodeRecorder.start(path, self.config.record.directory, storage, self.config,
+                                           self.action_pub.topic_name, self.event_pub.topic_name)
+        self.get_logger().info(f"recording to {self.recorder.path}")
+        return self.recorder.path
+
+    def _stop_recording(self):
+        recorder, self.recorder = self.recorder, None
+        return recorder.path, recorder.close()
+
+    # -- parameters --------------------------------------------------------------------------------
+    def _on_set_parameters(self, params) -> SetParametersResult:
+        """Validate run-time changes through the config dataclasses; apply them if valid."""
+        flat = flatten({"control": self.config.control.to_mapping(),
+                        "ports": {n: p.to_mapping() for n, p in self.config.ports.items()}})
+        touched = False
+        for p in params:
+            if p.name.startswith("control.") or (p.name.startswith("ports.") and p.name != "ports.names"):
+                flat[p.name] = p.value
+                touched = True
+        if not touched:
+            return SetParametersResult(successful=True)
+        nested = unflatten(flat)
+        try:
+            control = ControlConfig.from_mapping(nested["control"])
+            ports = {n: PortConfig.from_mapping(v, section=f"ports.{n}") for n, v in nested["ports"].items()}
+            if control.mode == "trigger" and control.trigger_port not in ports:
+                raise ConfigError(f"control.trigger_port = {control.trigger_port!r}: not a port")
+        except CapsuleRosError as exc:
+            return SetParametersResult(successful=False, reason=str(exc))
+        rate_changed = (control.mode, control.rate_hz) != (self.config.control.mode, self.config.control.rate_hz)
+        self.config = ServingConfig(ports=ports, control=control, policy=self.config.policy, hybrid=self.config.hybrid,
+                                    runtime=self.config.runtime, capsules=self.config.capsules,
+                                    record=self.config.record, source=self.config.source)
+        self.session.control = control
+        for name, adapter in self.adapters.items():
+            adapter.config = ports[name]
+        if rate_changed:
+            self._configure_loop(control)
+        return SetParametersResult(successful=True)
+
+    def close(self) -> None:
+        """Stop the watchdog and any recording (called before destroy_node)."""
+        self.watchdog.close()
+        if self.recorder is not None:
+            self._stop_recording()

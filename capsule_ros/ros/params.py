@@ -1,0 +1,97 @@
+"""ROS parameters generated from the config dataclasses.
+
+Every ``setting`` of ``capsule_ros.config`` becomes a declared parameter with its
+description, range and read-only flag, so ``ros2 param describe`` tells the same story
+as the code, and validation has one source (the dataclasses). Read-only parameters are
+the ones that shape the graph: they can only be set at start-up (params file, launch
+arguments, ``--ros-args -p``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Dict, List, Tuple, Type
+
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+from rclpy.node import Node
+from rclpy.parameter import Parameter
+
+from capsule_ros.capsules.store import CapsuleStoreConfig
+from capsule_ros.config import ConfigSection, unflatten
+from capsule_ros.runtime.engine import RuntimeConfig
+from capsule_ros.runtime.hybrid import HybridConfig
+from capsule_ros.serving.config import ControlConfig, PolicyConfig, PortConfig, RecordConfig
+
+SECTIONS: Tuple[Tuple[str, Type[ConfigSection]], ...] = (
+    ("control", ControlConfig), ("policy", PolicyConfig), ("policy.hybrid", HybridConfig),
+    ("runtime", RuntimeConfig), ("capsules", CapsuleStoreConfig), ("record", RecordConfig),
+)
+_INT64 = (-(2**63), 2**63 - 1)
+_ARRAY_TYPES = {str: Parameter.Type.STRING_ARRAY, int: Parameter.Type.INTEGER_ARRAY,
+                float: Parameter.Type.DOUBLE_ARRAY, bool: Parameter.Type.BOOL_ARRAY}
+
+
+def descriptor(f: dataclasses.Field, python_type: Any) -> ParameterDescriptor:
+    meta = f.metadata
+    text = meta["doc"]
+    if meta["choices"]:
+        text += f" (one of {list(meta['choices'])})"
+    desc = ParameterDescriptor(description=text, read_only=bool(meta["read_only"]))
+    low, high = meta["low"], meta["high"]
+    if low is not None or high is not None:
+        scalar = typing.get_args(python_type)[0] if typing.get_origin(python_type) in (tuple, Tuple) else python_type
+        if scalar is float:
+            desc.floating_point_range = [FloatingPointRange(
+                from_value=float(low if low is not None else -1e300),
+                to_value=float(high if high is not None else 1e300), step=0.0)]
+        elif scalar is int:
+            desc.integer_range = [IntegerRange(from_value=int(low if low is not None else _INT64[0]),
+                                               to_value=int(min(high, _INT64[1]) if high is not None else _INT64[1]),
+                                               step=1)]
+    if meta["choices"]:
+        desc.additional_constraints = f"one of {list(meta['choices'])}"
+    return desc
+
+
+def _declare(node: Node, name: str, f: dataclasses.Field, python_type: Any) -> Any:
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if isinstance(default, tuple):
+        item = typing.get_args(python_type)[0] if typing.get_args(python_type) else str
+        value: Any = list(default) if default else _ARRAY_TYPES[item]
+    else:
+        value = default
+    param = node.declare_parameter(name, value, descriptor(f, python_type))
+    return default if param.type_ == Parameter.Type.NOT_SET else param.value
+
+
+def _declare_section(node: Node, prefix: str, cls: Type[ConfigSection]) -> Dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f"{prefix}.{f.name}": _declare(node, f"{prefix}.{f.name}", f, hints[f.name]) for f in cls.settings()}
+
+
+def declare_parameters(node: Node) -> Dict[str, Any]:
+    """Declare every parameter; returns the nested mapping ServingConfig.from_params takes."""
+    flat: Dict[str, Any] = {}
+    for prefix, cls in SECTIONS:
+        flat.update(_declare_section(node, prefix, cls))
+    names_param = node.declare_parameter(
+        "ports.names", Parameter.Type.STRING_ARRAY,
+        ParameterDescriptor(description="names of the sensor ports; each has ports.<name>.* parameters",
+                            read_only=True))
+    names: List[str] = list(names_param.value or [])
+    flat["ports.names"] = names
+    for name in names:
+        flat.update(_declare_section(node, f"ports.{name}", PortConfig))
+    nested = unflatten(flat)
+    # tuples come back as lists; ConfigSection.from_mapping coerces them.
+    return nested
+
+
+def mutable_parameter_names() -> Dict[str, Tuple[str, str]]:
+    """{parameter name: (section, field)} of the parameters that may change at run time."""
+    out = {}
+    for prefix, cls in SECTIONS:
+        for f in cls.settings():
+            if not f.metadata["read_only"]:
+                out[f"{prefix}.{f.name}"] = (prefix, f.name)
+    return out

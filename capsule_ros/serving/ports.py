@@ -1,0 +1,195 @@
+"""Port adapters: a sensor message -> the values of one fixed-shape input buffer.
+
+ROS-free: an adapter reads attributes of any message-like object, so the same code
+serves rclpy messages in the node and ``rosbags`` messages in an in-process replay.
+
+Every message is either accepted (its values go to the staging buffer) or dropped and
+counted under one reason: ``shape`` (wrong length or image size), ``type`` (wrong
+encoding, missing joint, unreadable field), ``nonfinite`` (NaN / Inf), ``out_of_order``
+(header stamp older than the last accepted one). Dropping never touches the buffer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from capsule_ros.serving.config import PortConfig
+
+DROP_REASONS = ("shape", "type", "nonfinite", "out_of_order")
+
+
+class PortDrop(Exception):
+    """A message was refused; ``reason`` is one of DROP_REASONS."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass
+class PortCounters:
+    received: int = 0
+    dropped: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in DROP_REASONS})
+    stale_steps: int = 0
+    last_accept_ns: Optional[int] = None      # monotonic clock of the last accepted message
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+
+def _field_names(msg: Any) -> List[str]:
+    """Field names of an rclpy message (declaration order) or a rosbags dataclass."""
+    if hasattr(msg, "get_fields_and_field_types"):
+        return list(msg.get_fields_and_field_types())
+    if dataclasses.is_dataclass(msg):
+        return [f.name for f in dataclasses.fields(msg) if not f.name.startswith("__")]
+    raise PortDrop("type", f"cannot read fields of {type(msg).__name__}")
+
+
+def flatten_numbers(value: Any) -> List[float]:
+    """A number, a numeric sequence, or a nested message of numeric fields -> numbers,
+    in declaration order (e.g. Quaternion -> x, y, z, w)."""
+    if isinstance(value, (bool, np.bool_)):
+        return [float(value)]
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return [float(value)]
+    if isinstance(value, np.ndarray):
+        return value.astype(np.float64).ravel().tolist()
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "array":
+        out: List[float] = []
+        for item in value:
+            out.extend(flatten_numbers(item))
+        return out
+    out = []
+    for name in _field_names(value):
+        out.extend(flatten_numbers(getattr(value, name)))
+    return out
+
+
+def _resolve(msg: Any, path: str) -> Any:
+    value = msg
+    for part in path.split("."):
+        if not hasattr(value, part):
+            raise PortDrop("type", f"message has no field {path!r}")
+        value = getattr(value, part)
+    return value
+
+
+def stamp_ns(msg: Any) -> Optional[int]:
+    """header.stamp in nanoseconds, or None for messages without a header."""
+    header = getattr(msg, "header", None)
+    stamp = getattr(header, "stamp", None)
+    if stamp is None:
+        return None
+    return int(stamp.sec) * 1_000_000_000 + int(getattr(stamp, "nanosec", 0))
+
+
+class PortAdapter:
+    """Validates and converts messages of one port (see the module docstring)."""
+
+    def __init__(self, name: str, config: PortConfig):
+        self.name = name
+        self.config = config
+        self.counters = PortCounters()
+        self.dtype = np.dtype(config.dtype)
+        self._last_stamp: Optional[int] = None
+        self._short_type = config.type.rsplit("/", 1)[-1]
+
+    def convert(self, msg: Any) -> np.ndarray:
+        """The buffer values of ``msg`` (shape config.shape), or raise PortDrop."""
+        stamp = stamp_ns(msg)
+        if stamp is not None and self._last_stamp is not None and stamp < self._last_stamp:
+            raise PortDrop("out_of_order", f"stamp {stamp} ns is older than the last accepted {self._last_stamp} ns")
+        if self._short_type == "Image":
+            values = self._image(msg)
+        elif self._short_type == "JointState" and self.config.names:
+            values = self._named_joints(msg)
+        else:
+            numbers: List[float] = []
+            for path in self.config.fields:
+                numbers.extend(flatten_numbers(_resolve(msg, path)))
+            values = np.asarray(numbers, dtype=np.float64)
+        if values.size != self.config.size:
+            raise PortDrop("shape", f"{values.size} values, expected {self.config.size} for shape "
+                           f"{list(self.config.shape)}")
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            raise PortDrop("nonfinite", "NaN or Inf in the message")
+        return values.reshape(self.config.shape)
+
+    def accept(self, msg: Any, now_ns: Optional[int] = None) -> np.ndarray:
+        """``convert`` plus bookkeeping: counts the message as received or dropped."""
+        try:
+            values = self.convert(msg)
+        except PortDrop as drop:
+            self.counters.dropped[drop.reason] += 1
+            raise
+        stamp = stamp_ns(msg)
+        if stamp is not None:
+            self._last_stamp = stamp
+        self.counters.received += 1
+        self.counters.last_accept_ns = time.monotonic_ns() if now_ns is None else now_ns
+        return values
+
+    def age_ms(self, now_ns: Optional[int] = None) -> float:
+        """Milliseconds since the last accepted message; -1 if none yet."""
+        if self.counters.last_accept_ns is None:
+            return -1.0
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        return (now - self.counters.last_accept_ns) / 1e6
+
+    def is_stale(self, now_ns: Optional[int] = None) -> bool:
+        limit = self.config.staleness_ms
+        age = self.age_ms(now_ns)
+        return limit > 0 and (age < 0 or age > limit)
+
+    def _named_joints(self, msg: Any) -> np.ndarray:
+        names = list(getattr(msg, "name", []))
+        try:
+            index = [names.index(n) for n in self.config.names]
+        except ValueError:
+            missing = sorted(set(self.config.names) - set(names))
+            raise PortDrop("type", f"joint(s) {missing} missing from the message") from None
+        out: List[float] = []
+        for path in self.config.fields:
+            series = flatten_numbers(_resolve(msg, path))
+            if len(series) != len(names):
+                raise PortDrop("shape", f"{path} has {len(series)} values for {len(names)} joints")
+            out.extend(series[i] for i in index)
+        return np.asarray(out, dtype=np.float64)
+
+    def _image(self, msg: Any) -> np.ndarray:
+        shape = self.config.shape
+        if len(shape) != 3:
+            raise PortDrop("type", f"an Image port needs a [height, width, channels] shape, not {list(shape)}")
+        height, width, channels = shape
+        encoding = str(getattr(msg, "encoding", ""))
+        if encoding not in self.config.encodings:
+            raise PortDrop("type", f"encoding {encoding!r} not in {list(self.config.encodings)}")
+        src_channels = 1 if encoding == "mono8" else 3
+        if int(msg.height) != height or int(msg.width) != width:
+            raise PortDrop("shape", f"image {msg.height}x{msg.width}, expected {height}x{width}")
+        step = int(msg.step)
+        data = np.frombuffer(bytes(msg.data), dtype=np.uint8)
+        if step < width * src_channels or data.size != step * height:
+            raise PortDrop("shape", f"image data of {data.size} bytes does not match step {step} x {height} rows")
+        img = data.reshape(height, step)[:, :width * src_channels].reshape(height, width, src_channels)
+        if encoding == "bgr8":
+            img = img[:, :, ::-1]
+        if src_channels != channels:
+            if channels == 1:       # colour -> grey (ITU-R 601 luma)
+                img = (img.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32))[..., None]
+            elif channels == 3:     # grey -> colour
+                img = np.repeat(img, 3, axis=2)
+            else:
+                raise PortDrop("shape", f"cannot convert {encoding} to {channels} channels")
+        return np.ascontiguousarray(img).astype(self.dtype, copy=False)
+
+
+def port_adapters(ports: Dict[str, PortConfig]) -> Dict[str, PortAdapter]:
+    return {name: PortAdapter(name, cfg) for name, cfg in ports.items()}
