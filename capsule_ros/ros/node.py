@@ -31,7 +31,7 @@ from capsule_ros.ros.status import DiagnosticsBuilder, runtime_status
 from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
 from capsule_ros.serving.factory import build_session
 from capsule_ros.serving.ports import PortDrop, port_adapters, stamp_ns
-from capsule_ros.serving.session import ActionRecord, CapsuleEvent as CoreEvent, HoldMode
+from capsule_ros.serving.session import ActionRecord, ActionSource, CapsuleEvent as CoreEvent, HoldMode
 from capsule_ros.serving.watchdog import DeadlineWatchdog
 
 LOG = logging.getLogger(__name__)
@@ -75,12 +75,12 @@ class PolicyNode(Node):
         self.watchdog = DeadlineWatchdog(self._on_deadline_miss)
         self._last_warn: Dict[str, float] = {}
         self._diagnostics = DiagnosticsBuilder(self.get_fully_qualified_name())
-        self._subscriptions = [self._subscribe(name, port) for name, port in self.config.ports.items()]
-        self._timer = None
+        self._port_subscriptions = [self._subscribe(name, port) for name, port in self.config.ports.items()]
+        self._control_timer = None
         self._configure_loop(control)
         self._status_timer = self.create_timer(1.0 / control.status_rate_hz, self._publish_status,
                                                callback_group=self._status_group)
-        self._services = [self.create_service(srv_type, f"~/{name}", self._service(handler),
+        self._capsule_services = [self.create_service(srv_type, f"~/{name}", self._service(handler),
                                               callback_group=self._service_group)
                           for srv_type, name, handler in self._service_table()]
         self.add_on_set_parameters_callback(self._on_set_parameters)
@@ -93,11 +93,11 @@ class PolicyNode(Node):
 
     # -- control loop ----------------------------------------------------------------------------
     def _configure_loop(self, control: ControlConfig) -> None:
-        if self._timer is not None:
-            self.destroy_timer(self._timer)
-            self._timer = None
+        if self._control_timer is not None:
+            self.destroy_timer(self._control_timer)
+            self._control_timer = None
         if control.mode == "timer":
-            self._timer = self.create_timer(1.0 / control.rate_hz, lambda: self._control_tick(None),
+            self._control_timer = self.create_timer(1.0 / control.rate_hz, lambda: self._control_tick(None),
                                             callback_group=self._control_group)
 
     def _subscribe(self, name: str, port: PortConfig):
@@ -138,16 +138,22 @@ class PolicyNode(Node):
             self.watchdog.disarm()
             self._warn_throttled("tick", f"step failed: {exc!r}")
             return
-        missed = self.watchdog.disarm() if deadline is not None else False
-        if missed:
+        fired = self.watchdog.disarm() if deadline is not None else False
+        late = record is not None and record.source == ActionSource.POLICY and deadline is not None \
+            and record.step_seconds > deadline
+        if fired or late:
+            # The watchdog thread may not get the GIL before a short step ends: the measured
+            # duration decides too, so a late policy action is never published.
             self.session.counters.deadline_misses += 1
-            return                                    # the watchdog published the safe action
+            if not fired:
+                self._on_deadline_miss()
+            return
         if record is not None:
             self._publish_action(record)
-            if record.source == 0:
+            if record.source == ActionSource.POLICY:
                 self._count_stale_ports()
         elif not self.session.inputs_ready:
-            missing = [n for n in self.config.ports if n not in self.session._inputs_seen]
+            missing = [n for n in self.config.ports if n not in self.session.inputs_seen]
             self._warn_throttled("inputs", f"waiting for first message on port(s) {missing}")
 
     def _on_deadline_miss(self) -> None:

@@ -11,6 +11,9 @@ from capsule_ros.errors import ConfigError
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    # Hand the GIL over within 1 ms (default 5 ms) so the deadline watchdog, the service
+    # threads and the control loop interleave at control-loop time scales.
+    sys.setswitchinterval(0.001)
     rclpy.init(args=argv if argv is not None else sys.argv)
     from capsule_ros.ros.node import PolicyNode   # after init: torch import is slow, fail fast on bad args
     node = None

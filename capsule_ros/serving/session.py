@@ -202,6 +202,11 @@ class PolicySession:
     def inputs_ready(self) -> bool:
         return len(self._inputs_seen) == len(self._input_names)
 
+    @property
+    def inputs_seen(self) -> frozenset:
+        """Names of the inputs that received at least one value."""
+        return frozenset(self._inputs_seen)
+
     # -- control loop -------------------------------------------------------------------------
     def tick(self, stamp_ns: Optional[int] = None) -> Optional[ActionRecord]:
         """One control period. RUNNING: step the policy on the staged inputs; INTERRUPTED:

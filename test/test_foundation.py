@@ -1,0 +1,109 @@
+"""The package foundation: interfaces, package metadata, idempotent set-up, and the
+installed policy_node serving all its services over ROS 2 and exiting cleanly."""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from harness import REPO, ClientNode, start_policy_node, wait_for
+
+SERVICE_NAMES = ("commit", "reset", "interrupt", "reenter", "fork", "list_capsules", "drop_capsule",
+                 "save_capsule", "load_capsule")
+SRV_TYPES = ("Commit", "Reset", "Interrupt", "Reenter", "Fork", "ListCapsules", "DropCapsule", "SaveCapsule",
+             "LoadCapsule", "Record")
+
+
+def test_interfaces_share_error_codes_and_response_fields():
+    from capsule_ros import msg, srv
+    from capsule_ros.errors import ErrorCode
+    for name in SRV_TYPES:
+        srv_type = getattr(srv, name)
+        response = srv_type.Response()
+        assert isinstance(response.success, bool) and response.message == "" and response.error_code == 0, name
+        for code in ErrorCode:
+            assert getattr(srv_type.Response, code.name) == code.value, f"{name}.{code.name}"
+    for name in ("Action", "CapsuleInfo", "RuntimeStatus", "CapsuleEvent", "PortStatus"):
+        assert getattr(msg, name)() is not None
+    assert msg.RuntimeStatus.RUNNING == 1 and msg.CapsuleInfo.TIER_DISK == 2
+
+
+def test_package_xml_is_format_3_with_rosdep_keys_and_the_version():
+    import capsule_ros
+    root = ET.parse(REPO / "package.xml").getroot()
+    assert root.get("format") == "3"
+    assert root.findtext("version") == capsule_ros.__version__
+    deps = {e.text for e in root if e.tag.endswith("depend")}
+    for key in ("rclpy", "std_msgs", "sensor_msgs", "geometry_msgs", "diagnostic_msgs", "builtin_interfaces",
+                "rosidl_default_generators", "rosidl_default_runtime", "python3-numpy", "python3-yaml",
+                "python3-pytest", "launch", "launch_ros"):
+        assert key in deps, key
+    assert root.find("export/build_type").text == "ament_cmake"
+    assert root.findtext("member_of_group") == "rosidl_interface_packages"
+
+
+def _tree_fingerprint(path):
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in sorted(os.walk(path)):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            st = os.lstat(full)
+            h.update(f"{full}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def test_setup_is_idempotent():
+    before = _tree_fingerprint(REPO / "install")
+    start = time.monotonic()
+    out = subprocess.run(["bash", str(REPO / "setup.sh")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 0, out.stdout + out.stderr
+    steps = [line for line in out.stdout.splitlines() if re.search(r"\[setup\] [1-5]/5", line)]
+    assert len(steps) == 5, out.stdout
+    assert all(re.search(r"(exists|up to date|done before|\(Python)", line) for line in steps), out.stdout
+    assert _tree_fingerprint(REPO / "install") == before
+    assert elapsed < 30, f"a second set-up took {elapsed:.1f} s"
+
+
+@pytest.mark.ros
+def test_policy_node_serves_every_service_and_exits_on_sigint(tmp_path, rclpy_context):
+    from capsule_ros import srv
+    node = start_policy_node(tmp_path, namespace="/foundation")
+    client = ClientNode(rclpy_context, "foundation_client", node_path="/foundation/capsule_policy")
+    try:
+        expected = {f"/foundation/capsule_policy/{name}": f"capsule_ros/srv/{t}"
+                    for name, t in zip(SERVICE_NAMES + ("record",), SRV_TYPES)}
+
+        def advertised():
+            found = dict((n, t[0]) for n, t in client.node.get_service_names_and_types())
+            return all(found.get(n) == t for n, t in expected.items()) and found
+
+        wait_for(advertised, timeout=60, what="the node's services")
+        requests = {
+            "commit": srv.Commit.Request(label="foundation"), "reset": srv.Reset.Request(),
+            "interrupt": srv.Interrupt.Request(hold_mode=srv.Interrupt.Request.HOLD_ZERO, commit=True),
+            "reenter": srv.Reenter.Request(), "fork": srv.Fork.Request(label="branch"),
+            "list_capsules": srv.ListCapsules.Request(), "drop_capsule": srv.DropCapsule.Request(capsule_id="nope"),
+            "save_capsule": srv.SaveCapsule.Request(capsule_id="nope"),
+            "load_capsule": srv.LoadCapsule.Request(capsule_id="nope"),
+        }
+        for name, request in requests.items():
+            response = client.capsules.call(name, request, check=False)
+            assert isinstance(response.success, bool) and isinstance(response.error_code, int)
+            assert response.message, name
+            assert response.success == (response.error_code == 0), (name, response)
+        assert node.alive(), node.log()
+    finally:
+        client.close()
+        start = time.monotonic()
+        code = node.stop(timeout=10)
+        elapsed = time.monotonic() - start
+    assert code == 0, node.log()
+    assert elapsed < 2.0, f"policy_node took {elapsed:.2f} s to exit after SIGINT"

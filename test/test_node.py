@@ -1,0 +1,405 @@
+"""policy_node through ROS: ports, both step modes, the services and their error paths,
+bit-identical re-entry, interrupt/hold, deadlines, status, parameters, malformed floods.
+
+Every test talks to the installed executable in its own process over real topics and
+services; the policy has random (seeded) weights so the tests do not depend on training.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import stat
+import time
+
+import numpy as np
+import pytest
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+from harness import ClientNode, start_policy_node, wait_for
+
+pytestmark = pytest.mark.ros
+NS = "/tn"
+RELIABLE = QoSProfile(depth=2000, reliability=ReliabilityPolicy.RELIABLE)
+
+
+class Driver:
+    """Feeds a trigger-mode node one joint-state message at a time and collects actions."""
+
+    def __init__(self, client: ClientNode, ns: str):
+        from capsule_ros.msg import Action, CapsuleEvent, RuntimeStatus
+        from geometry_msgs.msg import PointStamped
+        from sensor_msgs.msg import JointState
+        self.client, self.ns = client, ns
+        self.JointState, self.PointStamped = JointState, PointStamped
+        self.actions = client.subscribe(Action, f"{ns}/capsule_policy/action", RELIABLE)
+        self.status = client.subscribe(RuntimeStatus, f"{ns}/capsule_policy/status")
+        self.events = client.subscribe(CapsuleEvent, f"{ns}/capsule_policy/capsule_events", RELIABLE)
+        self.joints_pub = client.publisher(JointState, f"{ns}/arm/joint_states", RELIABLE)
+        self.goal_pub = client.publisher(PointStamped, f"{ns}/arm/goal", RELIABLE)
+        self.stamp = 1
+        client.wait_for_subscribers(self.joints_pub)
+        client.wait_for_subscribers(self.goal_pub)
+
+    def latest_status(self, timeout=5.0):
+        """A status published after this call (the queue may hold older ones)."""
+        ClientNode.drain(self.status)
+        return self.status.get(timeout=timeout)
+
+    def send_goal(self, x=0.3, y=0.4):
+        msg = self.PointStamped()
+        msg.header.stamp.sec = self.stamp
+        msg.point.x, msg.point.y = float(x), float(y)
+        self.goal_pub.publish(msg)
+
+    def joint_msg(self, values, stamp=None):
+        msg = self.JointState()
+        if stamp is None:
+            self.stamp += 1
+            stamp = self.stamp
+        msg.header.stamp.sec = int(stamp)
+        msg.name = ["shoulder", "elbow"]
+        msg.position = [float(values[0]), float(values[1])]
+        msg.velocity = [float(values[2]), float(values[3])]
+        return msg
+
+    def step(self, values, timeout=10.0):
+        """Publish one joint state; return the action it triggered."""
+        ClientNode.drain(self.actions)
+        self.joints_pub.publish(self.joint_msg(values))
+        return self.actions.get(timeout=timeout)
+
+    def run(self, observations):
+        return [self.step(o) for o in observations]
+
+
+def action_bytes(actions):
+    return [(np.asarray(a.values, np.float32).tobytes(), np.asarray(a.chunk, np.float32).tobytes()) for a in actions]
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, rclpy_context):
+    tmp = tmp_path_factory.mktemp("trigger_node")
+    params = {"policy": {"weights": ""}, "control": {"deadline_ms": 2000.0},
+              # a flood of 1,000 messages must not overflow the readers' history (it would be lost
+              # in DDS before the node could count it)
+              "ports": {"joints": {"qos": "reliable", "depth": 2000}, "goal": {"depth": 2000}}}
+    proc = start_policy_node(tmp, params, namespace=NS)
+    client = ClientNode(rclpy_context, "node_test_client", node_path=f"{NS}/capsule_policy")
+    driver = Driver(client, NS)
+    driver.send_goal()
+    wait_for(lambda: any(p.name == "goal" and p.received >= 1 for p in driver.latest_status().ports),
+             timeout=30, what="the goal to be received")
+    yield proc, client, driver, tmp
+    client.close()
+    assert proc.stop() == 0, proc.log()
+
+
+def observations(n, seed):
+    return np.random.default_rng(seed).uniform(-1.0, 1.0, size=(n, 4))
+
+
+def test_trigger_mode_publishes_one_action_per_message(node):
+    proc, client, driver, _ = node
+    actions = driver.run(observations(15, 1))
+    steps = [a.step for a in actions]
+    assert steps == list(range(steps[0], steps[0] + 15))
+    for a in actions:
+        assert a.source == a.SOURCE_POLICY and len(a.values) == 2 and a.action_dim == 2
+        assert len(a.chunk) == a.chunk_horizon * a.action_dim == 16
+        assert np.isfinite(a.values).all()
+    assert len({a.episode_id for a in actions}) == 1
+
+
+def test_commit_then_reenter_replays_bit_identically_through_ros(node):
+    proc, client, driver, _ = node
+    driver.run(observations(5, 2))
+    capsule = client.capsules.commit(label="k").capsule
+    obs = observations(40, 3)
+    first = driver.run(obs)
+    response = client.capsules.reenter(capsule.id)
+    assert response.rollback and not response.fallback and response.capsule.step == capsule.step
+    second = driver.run(obs)
+    assert [a.step for a in second] == [a.step for a in first]
+    assert action_bytes(second) == action_bytes(first)
+    assert all(a.lineage == capsule.id for a in second[:1])
+
+
+def test_interrupt_publishes_safe_action_stops_stepping_and_reenter_resumes(node):
+    from capsule_ros.srv import Interrupt
+    proc, client, driver, _ = node
+    driver.run(observations(3, 4))
+    reference_point = client.capsules.commit(label="before interrupt").capsule
+    ClientNode.drain(driver.actions)
+    response = client.capsules.interrupt(hold_mode=Interrupt.Request.HOLD_ZERO, commit=True)
+    boundary = response.capsule
+    safe = driver.actions.get(timeout=5)
+    assert safe.source == safe.SOURCE_ZERO and list(safe.values) == [0.0, 0.0] and len(safe.chunk) == 0
+    held = driver.run(observations(5, 5))
+    assert all(a.source == a.SOURCE_ZERO and a.step == boundary.step for a in held)
+    status = driver.latest_status()
+    assert status.episode_state == status.INTERRUPTED
+    resumed = client.capsules.reenter()
+    assert resumed.capsule.id == boundary.id and not resumed.rollback
+    obs = observations(10, 6)
+    after_interrupt = driver.run(obs)
+    assert after_interrupt[0].step == boundary.step + 1
+    client.capsules.reenter(reference_point.id)
+    uninterrupted = driver.run(obs)
+    assert action_bytes(after_interrupt) == action_bytes(uninterrupted)
+
+
+def test_hold_last_and_silent_modes(node):
+    from capsule_ros.srv import Interrupt
+    proc, client, driver, _ = node
+    last = driver.run(observations(2, 7))[-1]
+    client.capsules.interrupt(hold_mode=Interrupt.Request.HOLD_LAST, commit=False)
+    held = driver.step(observations(1, 8)[0])
+    assert held.source == held.SOURCE_HOLD and list(held.values) == list(last.values)
+    client.capsules.reenter()
+    client.capsules.interrupt(hold_mode=Interrupt.Request.HOLD_SILENT, commit=False)
+    ClientNode.drain(driver.actions)
+    driver.joints_pub.publish(driver.joint_msg(observations(1, 9)[0]))
+    with pytest.raises(queue.Empty):
+        driver.actions.get(timeout=1.0)
+    client.capsules.reenter()
+
+
+def test_reset_starts_a_new_episode_from_initial_state_or_capsule(node):
+    proc, client, driver, _ = node
+    before = driver.run(observations(3, 10))[-1]
+    capsule = client.capsules.commit(label="for reset").capsule
+    response = client.capsules.reset()
+    assert response.episode_id == before.episode_id + 1
+    first = driver.step(observations(1, 11)[0])
+    assert first.episode_id == response.episode_id and first.step == 1 and first.lineage == ""
+    response2 = client.capsules.reset(capsule.id)
+    assert response2.episode_id == response.episode_id + 1 and response2.capsule.id == capsule.id
+    nxt = driver.step(observations(1, 12)[0])
+    assert nxt.episode_id == response2.episode_id and nxt.step == capsule.step + 1
+
+
+def test_fork_list_save_drop_load(node):
+    proc, client, driver, tmp = node
+    driver.run(observations(2, 13))
+    capsule = client.capsules.commit(label="source").capsule
+    fork = client.capsules.fork(capsule.id, label="branch").capsule
+    assert fork.id != capsule.id and fork.parent_id == capsule.id and fork.step == capsule.step
+    ids = [c.id for c in client.capsules.list_capsules().capsules]
+    assert capsule.id in ids and fork.id in ids
+    saved = client.capsules.save(fork.id)
+    assert os.path.exists(saved.path) and stat.S_IMODE(os.stat(saved.path).st_mode) == 0o600
+    assert saved.capsule.persisted
+    client.capsules.drop(fork.id)
+    listed = {c.id: c for c in client.capsules.list_capsules().capsules}
+    assert listed[fork.id].tier == listed[fork.id].TIER_DISK          # only on disk now
+    loaded = client.capsules.load(fork.id).capsule
+    assert loaded.id == fork.id and loaded.step == fork.step and loaded.tier != loaded.TIER_DISK
+    obs = observations(8, 14)
+    client.capsules.reenter(capsule.id)
+    from_source = driver.run(obs)
+    client.capsules.reenter(fork.id)
+    from_fork = driver.run(obs)
+    assert action_bytes(from_source) == action_bytes(from_fork)
+    client.capsules.drop(fork.id, from_disk=True)
+    assert not os.path.exists(saved.path)
+    current = client.capsules.list_capsules(current_episode_only=True).capsules
+    assert all(c.episode_id == capsule.episode_id for c in current)
+
+
+def test_error_paths_answer_their_code_and_change_nothing(node):
+    from capsule_ros.srv import Commit, DropCapsule, Fork, Interrupt, LoadCapsule, Reenter, Reset, SaveCapsule
+    from capsule_ros.errors import ErrorCode as E
+    proc, client, driver, tmp = node
+    driver.run(observations(2, 15))
+    anchor = client.capsules.commit(label="anchor").capsule
+    status_before = driver.latest_status()
+    bad_file_dir = tmp / "policy-capsules"
+    (bad_file_dir / "garbage.capsule").write_bytes(b"CAPSULE\0 not really")
+    os.chmod(bad_file_dir / "garbage.capsule", 0o600)
+    cases = [
+        ("commit", Commit.Request(label="x" * 300), E.INVALID_ARGUMENT),
+        ("reenter", Reenter.Request(capsule_id="../etc/passwd"), E.INVALID_ARGUMENT),
+        ("reenter", Reenter.Request(capsule_id="no-such-capsule"), E.NOT_FOUND),
+        ("reenter", Reenter.Request(capsule_id="garbage"), E.CORRUPT),
+        ("reset", Reset.Request(capsule_id="no-such-capsule"), E.NOT_FOUND),
+        ("reset", Reset.Request(capsule_id="a/b"), E.INVALID_ARGUMENT),
+        ("fork", Fork.Request(capsule_id="no-such-capsule"), E.NOT_FOUND),
+        ("fork", Fork.Request(capsule_id=".hidden"), E.INVALID_ARGUMENT),
+        ("drop_capsule", DropCapsule.Request(capsule_id="no-such-capsule"), E.NOT_FOUND),
+        ("save_capsule", SaveCapsule.Request(capsule_id="no-such-capsule"), E.NOT_FOUND),
+        ("load_capsule", LoadCapsule.Request(capsule_id="no-such-capsule"), E.NOT_FOUND),
+        ("load_capsule", LoadCapsule.Request(capsule_id="garbage"), E.CORRUPT),
+        ("load_capsule", LoadCapsule.Request(capsule_id=""), E.INVALID_ARGUMENT),
+        ("interrupt", Interrupt.Request(hold_mode=7), E.INVALID_ARGUMENT),
+    ]
+    for name, request, code in cases:
+        response = client.capsules.call(name, request, check=False)
+        assert not response.success and response.error_code == code, (name, request, response)
+        assert response.message
+    # wrong-state paths
+    client.capsules.interrupt(hold_mode=Interrupt.Request.HOLD_LAST, commit=True)
+    for name, request in [("interrupt", Interrupt.Request()),
+                          ("drop_capsule", DropCapsule.Request(capsule_id=client.capsules.list_capsules()
+                                                               .capsules[0].id))]:
+        response = client.capsules.call(name, request, check=False)
+        if name == "drop_capsule" and response.success:
+            continue   # the newest capsule was not the interrupt capsule
+        assert response.error_code == E.WRONG_STATE, (name, response)
+    interrupted = driver.latest_status()
+    wrong = client.capsules.call("drop_capsule", DropCapsule.Request(capsule_id=interrupted.lineage), check=False)
+    assert wrong.error_code == E.WRONG_STATE
+    client.capsules.reenter()
+    record_stop = client.capsules.call("record", __import__("capsule_ros.srv", fromlist=["Record"]).Record.Request(
+        start=False), check=False)
+    assert record_stop.error_code == E.WRONG_STATE
+    # nothing changed: same episode, and the live state still continues the anchor's timeline
+    status_after = driver.latest_status()
+    assert status_after.episode_id == status_before.episode_id
+    obs = observations(6, 16)
+    live = driver.run(obs)
+    client.capsules.reenter(anchor.id)
+    reference = driver.run(obs)
+    assert action_bytes(live) == action_bytes(reference)
+    assert proc.alive()
+
+
+def test_malformed_flood_is_dropped_counted_and_harmless(node):
+    proc, client, driver, _ = node
+    driver.run(observations(2, 17))
+    anchor = client.capsules.commit(label="before flood").capsule
+    counts_before = {p.name: p for p in driver.latest_status().ports}
+    sent = {"shape": 0, "nonfinite": 0, "out_of_order": 0}
+    ClientNode.drain(driver.actions)
+    for i in range(1000):
+        kind = ("shape", "nonfinite", "out_of_order", "goal_nonfinite")[i % 4]
+        if kind == "shape":
+            msg = driver.joint_msg([0.1, 0.2, 0.3, 0.4])
+            msg.velocity = [0.3]
+            driver.joints_pub.publish(msg)
+            sent["shape"] += 1
+        elif kind == "nonfinite":
+            driver.joints_pub.publish(driver.joint_msg([np.nan, 0.2, np.inf, 0.4]))
+            sent["nonfinite"] += 1
+        elif kind == "out_of_order":
+            driver.joints_pub.publish(driver.joint_msg([0.1, 0.2, 0.3, 0.4], stamp=0))
+            sent["out_of_order"] += 1
+        else:
+            goal = driver.PointStamped()
+            goal.header.stamp.sec = driver.stamp
+            goal.point.x = float("nan")
+            driver.goal_pub.publish(goal)
+    expected_goal_nonfinite = 250
+
+    def counted():
+        ports = {p.name: p for p in driver.latest_status().ports}
+        j, g = ports["joints"], ports["goal"]
+        b, bg = counts_before["joints"], counts_before["goal"]
+        seen.append((j.dropped_shape - b.dropped_shape, j.dropped_nonfinite - b.dropped_nonfinite,
+                     j.dropped_out_of_order - b.dropped_out_of_order, g.dropped_nonfinite - bg.dropped_nonfinite))
+        return ((j.dropped_shape - b.dropped_shape, j.dropped_nonfinite - b.dropped_nonfinite,
+                 j.dropped_out_of_order - b.dropped_out_of_order, g.dropped_nonfinite - bg.dropped_nonfinite)
+                == (sent["shape"], sent["nonfinite"], sent["out_of_order"], expected_goal_nonfinite))
+
+    seen = []
+    try:
+        wait_for(counted, timeout=30, what="drop counters to match what was sent")
+    except TimeoutError:
+        pytest.fail(f"drop counters {seen[-1] if seen else None} != sent {sent} + {expected_goal_nonfinite} goals")
+    assert ClientNode.drain(driver.actions) == []           # no message of the flood made a step
+    assert proc.alive()
+    obs = observations(10, 18)
+    after_flood = driver.run(obs)
+    client.capsules.reenter(anchor.id)
+    reference = driver.run(obs)
+    assert action_bytes(after_flood) == action_bytes(reference)
+    status = driver.latest_status()
+    assert status.dropped_inputs >= 1000
+
+
+def test_status_and_diagnostics_are_published(node, rclpy_context):
+    from diagnostic_msgs.msg import DiagnosticArray
+    proc, client, driver, _ = node
+    diag = client.subscribe(DiagnosticArray, "/diagnostics")
+    ClientNode.drain(driver.status)
+    time.sleep(2.2)
+    statuses = ClientNode.drain(driver.status)
+    assert len(statuses) >= 4, f"{len(statuses)} status messages in 2.2 s"
+    s = statuses[-1]
+    assert s.device == "cpu" and len(s.fingerprint) == 64 and s.steps_run > 0
+    assert s.step_p50_ms > 0 and s.step_p99_ms >= s.step_p50_ms
+    assert s.hits_device > 0 and s.hit_rate_device > 0
+    assert {p.name for p in s.ports} == {"joints", "goal"}
+    diags = wait_for(lambda: [d for d in ClientNode.drain(diag) for st in d.status if "capsule_policy" in st.name],
+                     timeout=5, what="/diagnostics")
+    keys = {kv.key for st in diags[-1].status for kv in st.values}
+    assert {"step_p99_ms", "restore_p99_ms", "deadline_misses", "port.joints.dropped"} <= keys
+
+
+def test_parameters_are_validated_with_a_reason(node):
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+    proc, client, driver, _ = node
+    cli = client.node.create_client(SetParameters, f"{NS}/capsule_policy/set_parameters")
+    assert cli.wait_for_service(timeout_sec=10)
+
+    def set_param(name, value):
+        if isinstance(value, float):
+            v = ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=value)
+        elif isinstance(value, str):
+            v = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
+        else:
+            v = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
+        future = cli.call_async(SetParameters.Request(parameters=[Parameter(name=name, value=v)]))
+        wait_for(future.done, timeout=5, what="set_parameters")
+        return future.result().results[0]
+
+    bad = set_param("control.rate_hz", -5.0)          # refused by the descriptor's range
+    assert not bad.successful and "-5.0" in bad.reason
+    bad_choice = set_param("control.deadline_action", "explode")   # refused by the config's validation
+    assert not bad_choice.successful and "'explode'" in bad_choice.reason and "hold" in bad_choice.reason
+    read_only = set_param("policy.hybrid.d_model", 128)
+    assert not read_only.successful
+    good = set_param("control.deadline_ms", 1500.0)
+    assert good.successful
+
+
+def test_deadline_miss_publishes_the_safe_action_never_a_stale_chunk(tmp_path, rclpy_context):
+    params = {"policy": {"weights": ""}, "control": {"deadline_ms": 0.001, "deadline_action": "zero"}}
+    proc = start_policy_node(tmp_path, params, namespace="/deadline", tag="deadline")
+    client = ClientNode(rclpy_context, "deadline_client", node_path="/deadline/capsule_policy")
+    try:
+        driver = Driver(client, "/deadline")
+        driver.send_goal()
+        wait_for(lambda: any(p.name == "goal" and p.received for p in driver.latest_status().ports), timeout=30,
+                 what="goal")
+        actions = driver.run(observations(10, 19))
+        assert all(a.source == a.SOURCE_ZERO and len(a.chunk) == 0 and list(a.values) == [0.0, 0.0]
+                   for a in actions)
+        time.sleep(0.1)
+        assert ClientNode.drain(driver.actions) == []       # the late steps' actions were discarded
+        status = wait_for(lambda: (lambda s: s if s.deadline_misses >= 10 else None)(driver.latest_status()),
+                          timeout=5, what="deadline misses in status")
+        assert status.deadline_misses >= 10
+    finally:
+        client.close()
+        assert proc.stop() == 0, proc.log()
+
+
+def test_timer_mode_steps_at_the_control_rate(tmp_path, rclpy_context):
+    params = {"policy": {"weights": ""}, "control": {"mode": "timer", "rate_hz": 40.0}}
+    proc = start_policy_node(tmp_path, params, namespace="/timer", tag="timer")
+    client = ClientNode(rclpy_context, "timer_client", node_path="/timer/capsule_policy")
+    try:
+        driver = Driver(client, "/timer")
+        driver.send_goal()
+        driver.joints_pub.publish(driver.joint_msg([0.1, 0.2, 0.0, 0.0]))
+        wait_for(lambda: driver.actions.qsize() > 0, timeout=30, what="the first timer action")
+        ClientNode.drain(driver.actions)
+        time.sleep(1.0)
+        actions = ClientNode.drain(driver.actions)
+        assert 20 <= len(actions) <= 50, f"{len(actions)} actions in 1 s at 40 Hz"
+        steps = [a.step for a in actions]
+        assert steps == sorted(steps) and all(a.source == a.SOURCE_POLICY for a in actions)
+    finally:
+        client.close()
+        assert proc.stop() == 0, proc.log()
