@@ -29,6 +29,19 @@ class LatencyWindow:
     def count(self) -> int:
         return self._count
 
+    def samples(self) -> np.ndarray:
+        """The samples in the window, oldest first (a copy)."""
+        with self._lock:
+            n, cap = self._count, len(self._samples)
+            if n <= cap:
+                return self._samples[:n].copy()
+            start = n % cap
+            return np.concatenate([self._samples[start:], self._samples[:start]])
+
+    def clear(self) -> None:
+        with self._lock:
+            self._count = 0
+
     def percentiles_ms(self, *qs: float) -> Dict[float, float]:
         """{q: value in ms} for each percentile q in [0, 100]; 0.0 when empty."""
         with self._lock:

@@ -166,8 +166,9 @@ class CapsuleStore:
         self._capsules: Dict[str, Capsule] = {}
         self._clock = 0
         self.counters = StoreCounters()
-        self.restore_latency = LatencyWindow()
-        self._pending_timings: List[Tuple["torch.cuda.Event", "torch.cuda.Event"]] = []
+        self.restore_latency = LatencyWindow()    # copy time: CUDA events on GPU, wall time on CPU
+        self.snapshot_latency = LatencyWindow()
+        self._pending_timings: List[Tuple["torch.cuda.Event", "torch.cuda.Event", LatencyWindow]] = []
         LOG.info("capsule pools: %d device slab(s), %d host slab(s) of %d bytes",
                  self.pools[Tier.DEVICE].capacity, self.pools[Tier.HOST].capacity, nbytes)
 
@@ -205,7 +206,8 @@ class CapsuleStore:
         if capsule_id in self._capsules:
             raise InvalidArgument(f"capsule id {capsule_id!r} already exists")
         payload = self._new_payload(protect=())
-        self._copy(dst=payload.slab, src=runtime.arena.storage, runtime=runtime, payload=payload, timed=False)
+        self._copy(dst=payload.slab, src=runtime.arena.storage, runtime=runtime, payload=payload,
+                   timing=self.snapshot_latency)
         capsule = Capsule(capsule_id, label, parent_id, episode_id, step, self.nbytes, self.fingerprint,
                           time.time_ns(), pinned, held, None)
         self._attach(capsule, payload)
@@ -231,13 +233,11 @@ class CapsuleStore:
         payload = capsule.payload
         lo, hi = (0, self.nbytes) if not kinds else runtime.layout.byte_range(*kinds)
         self._copy(dst=runtime.arena.storage[lo:hi], src=payload.slab[lo:hi], runtime=runtime,
-                   payload=payload, timed=True)
+                   payload=payload, timing=self.restore_latency)
         self._touch(payload)
         self.counters.restores += 1
         self.counters.hits[count_as if count_as is not None else payload.tier] += 1
         seconds = time.perf_counter() - start
-        if self.copy_stream is None:
-            self.restore_latency.record(seconds)
         return RestoreReport(capsule, payload.tier, seconds)
 
     def fork(self, capsule_id: str, *, label: str = "", new_id: Optional[str] = None,
@@ -319,7 +319,7 @@ class CapsuleStore:
             if data.numel() != self.nbytes:
                 raise InvalidArgument(f"capsule {capsule.id!r}: {data.numel()} bytes, expected {self.nbytes}")
             payload = self._new_payload(protect=(), prefer=Tier.HOST)
-            self._copy(dst=payload.slab, src=data, runtime=None, payload=payload, timed=False)
+            self._copy(dst=payload.slab, src=data, runtime=None, payload=payload)
             self._attach(capsule, payload)
         else:
             self._capsules[capsule.id] = capsule
@@ -327,13 +327,13 @@ class CapsuleStore:
 
     # -- timing ----------------------------------------------------------------------------------
     def flush_timings(self) -> None:
-        """Move completed CUDA restore timings into ``restore_latency`` (non-blocking)."""
+        """Move completed CUDA copy timings into their latency windows (non-blocking)."""
         still = []
-        for start, end in self._pending_timings:
+        for start, end, window in self._pending_timings:
             if end.query():
-                self.restore_latency.record(start.elapsed_time(end) / 1e3)
+                window.record(start.elapsed_time(end) / 1e3)
             else:
-                still.append((start, end))
+                still.append((start, end, window))
         self._pending_timings = still
 
     # -- internals -------------------------------------------------------------------------------
@@ -419,16 +419,21 @@ class CapsuleStore:
         if slab is None:
             return False
         old_slab, old_tier = payload.slab, payload.tier
-        self._copy(dst=slab, src=old_slab, runtime=None, payload=payload, timed=False)
+        self._copy(dst=slab, src=old_slab, runtime=None, payload=payload)
         self._wait(payload)   # the old slab returns to its pool: the copy out of it must be done
         payload.slab, payload.tier = slab, tier
         self.pools[old_tier].release(old_slab)
         return True
 
-    def _copy(self, *, dst: torch.Tensor, src: torch.Tensor, runtime, payload: Payload, timed: bool) -> None:
-        """dst <- src, ordered after the runtime's in-flight work and before its next step."""
+    def _copy(self, *, dst: torch.Tensor, src: torch.Tensor, runtime, payload: Payload,
+              timing: Optional[LatencyWindow] = None) -> None:
+        """dst <- src, ordered after the runtime's in-flight work and before its next step.
+        With ``timing``, the copy's own duration goes to that window (CUDA events on a GPU)."""
         if self.copy_stream is None:
+            start = time.perf_counter()
             dst.copy_(src)
+            if timing is not None:
+                timing.record(time.perf_counter() - start)
             return
         stream = self.copy_stream
         if runtime is not None:
@@ -436,15 +441,15 @@ class CapsuleStore:
         if payload.ready is not None:
             stream.wait_event(payload.ready)            # the copy that filled the source slab
         start = end = None
-        if timed:
+        if timing is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         done = end or torch.cuda.Event()
         done.record(stream)
-        if timed:
-            self._pending_timings.append((start, end))
+        if timing is not None:
+            self._pending_timings.append((start, end, timing))
         if runtime is not None:
             runtime.stream.wait_event(done)             # the next step waits for this copy
         payload.ready = done

@@ -375,10 +375,6 @@ class AttentionLayer(nn.Module):
         self.out = nn.Linear(cfg.n_heads * hd, d, bias=False)
         self.mlp = SwiGLU(d, int(cfg.mlp_ratio * d)) if cfg.mlp_ratio > 0 else None
 
-    def state_specs(self, dtype: torch.dtype) -> List[BufferSpec]:
-        cfg = self.cfg
-        return [BufferSpec(self.kv_name, (2, cfg.n_kv_heads, cfg.max_context, cfg.head_dim), dtype, BufferKind.KV)]
-
     def _weights(self):
         return (self.norm.weight, self.qkv.weight, self.out.weight, self.mlp.weights() if self.mlp else ())
 
@@ -418,12 +414,6 @@ class RecurrentLayer(nn.Module):
         self.out_proj = nn.Linear(sh.inner, d, bias=False)
         self.mlp = SwiGLU(d, int(cfg.mlp_ratio * d)) if cfg.mlp_ratio > 0 else None
 
-    def state_specs(self, dtype: torch.dtype) -> List[BufferSpec]:
-        sh = self.shape
-        # conv history is time-major [width-1, conv_dim]: the shift is one contiguous copy
-        return [BufferSpec(self.conv_name, (sh.conv_width - 1, sh.conv_dim), dtype, BufferKind.CONV),
-                BufferSpec(self.ssm_name, (sh.heads, sh.head_dim, sh.d_state), torch.float32, BufferKind.RECURRENT)]
-
     def _weights(self):
         return (self.norm.weight, self.in_proj.weight, self.conv_weight, self.conv_bias, self.dt_bias, self.a_log,
                 self.skip, self.out_norm.weight, self.out_proj.weight, self.mlp.weights() if self.mlp else ())
@@ -444,6 +434,26 @@ class RecurrentLayer(nn.Module):
 
 
 # --- encoder and policy ----------------------------------------------------------------------
+
+def hybrid_state_spec(cfg: HybridConfig, inputs: Sequence[BufferSpec]) -> List[BufferSpec]:
+    """Every buffer of a hybrid policy of this config, without building its weights
+    (benchmarks size arenas from it)."""
+    dtype = dtype_from_name(cfg.dtype)
+    specs = [BufferSpec(s.name, s.shape, s.dtype, BufferKind.INPUT) for s in inputs]
+    rec = RecurrentShape(cfg.rec_heads, cfg.rec_head_dim, cfg.d_state, cfg.conv_width, cfg.scan_chunk)
+    for i, kind in enumerate(cfg.layers):
+        if kind == "A":
+            specs.append(BufferSpec(f"L{i}.kv", (2, cfg.n_kv_heads, cfg.max_context, cfg.head_dim), dtype,
+                                    BufferKind.KV))
+        else:
+            # conv history is time-major [width-1, conv_dim]: the shift is one contiguous copy
+            specs += [BufferSpec(f"L{i}.conv", (rec.conv_width - 1, rec.conv_dim), dtype, BufferKind.CONV),
+                      BufferSpec(f"L{i}.ssm", (rec.heads, rec.head_dim, rec.d_state), torch.float32,
+                                 BufferKind.RECURRENT)]
+    specs += [BufferSpec(CHUNK_ACC, (cfg.chunk_horizon, cfg.action_dim), torch.float32, BufferKind.CHUNK),
+              BufferSpec(CHUNK_WEIGHT, (cfg.chunk_horizon,), torch.float32, BufferKind.CHUNK)]
+    return specs + standard_specs(cfg.action_dim, cfg.chunk_horizon)
+
 
 class ObservationEncoder(nn.Module):
     """Vector inputs (flattened, normalised) and an optional image -> one token."""
@@ -522,12 +532,7 @@ class HybridPolicy(StatefulPolicy):
                 "inputs": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype)} for s in self.inputs]}
 
     def state_spec(self) -> List[BufferSpec]:
-        specs = list(self.inputs)
-        for layer in self.layers:
-            specs += layer.state_specs(self.dtype)
-        specs += [BufferSpec(CHUNK_ACC, (self.chunk_horizon, self.action_dim), torch.float32, BufferKind.CHUNK),
-                  BufferSpec(CHUNK_WEIGHT, (self.chunk_horizon,), torch.float32, BufferKind.CHUNK)]
-        return specs + standard_specs(self.action_dim, self.chunk_horizon)
+        return hybrid_state_spec(self.cfg, self.inputs)
 
     @property
     def supports_prefill(self) -> bool:

@@ -37,10 +37,15 @@ def input_specs(config: ServingConfig):
             for name, port in config.ports.items()]
 
 
-def build_policy(config: ServingConfig, weights: Optional[str] = None) -> HybridPolicy:
-    """The configured policy with its weights (``weights`` overrides policy.weights)."""
+def build_policy(config: ServingConfig, weights: Optional[str] = None,
+                 device: Optional[torch.device] = None) -> HybridPolicy:
+    """The configured policy with its weights (``weights`` overrides policy.weights).
+
+    ``device`` builds the modules there directly (random initialisation of a large policy
+    is much faster on a GPU; the seed makes it deterministic per device kind)."""
     spec = config.policy.weights if weights is None else weights
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device or "cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(config.policy.init_seed)
         policy = HybridPolicy(config.hybrid, input_specs(config))
     path = resolve_weights(spec)

@@ -1,0 +1,5 @@
+"""`capsule-ros bench ...`: benchmarks that report ratios measured side by side in one run.
+
+Each benchmark returns one JSON-able dict (``--json`` prints it) and a readable table.
+Targets are compared in the output (``met``), never asserted in tests.
+"""

@@ -1,0 +1,122 @@
+"""Timing and reporting helpers shared by the benchmarks."""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from capsule_ros.runtime.arena import ArenaLayout, StateArena
+
+REPO_CONFIG = Path(__file__).resolve().parents[2] / "config"
+
+
+def config_path(name: str) -> Path:
+    """A file of the package's config/ (installed share/ first, then the source tree)."""
+    try:
+        from ament_index_python.packages import get_package_share_directory
+        path = Path(get_package_share_directory("capsule_ros")) / "config" / name
+        if path.is_file():
+            return path
+    except Exception:  # noqa: BLE001 - no ROS here (e.g. the GPU machine): use the source tree
+        pass
+    return REPO_CONFIG / name
+
+
+def resolve_device(name: str) -> torch.device:
+    """The benchmark device. On a CPU, torch runs single-threaded as the node does
+    (runtime.cpu_threads: 1): an intra-op thread pool turns every small copy into a
+    wake-up of the other cores, which costs milliseconds on a busy machine."""
+    device = torch.device("cuda" if name == "auto" and torch.cuda.is_available() else
+                          "cpu" if name == "auto" else name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: no CUDA device available")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    return device
+
+
+def time_calls(fn: Callable[[], None], reps: int, device: torch.device, warmup: int = 2,
+               stream: Optional["torch.cuda.Stream"] = None) -> np.ndarray:
+    """Seconds per call: CUDA events around each call on a GPU (``stream`` or the current
+    one), a host clock on a CPU."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    out = np.empty(reps)
+    for i in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            fn()
+            end.record(stream)
+            end.synchronize()
+            out[i] = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out[i] = time.perf_counter() - t0
+    return out
+
+
+def pct(samples: Sequence[float], scale: float = 1e6) -> Dict[str, float]:
+    """p50 / p99 in microseconds (scale 1e6) or milliseconds (1e3)."""
+    a = np.asarray(samples, dtype=np.float64) * scale
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+
+def environment(device: torch.device) -> dict:
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": str(device), "torch": torch.__version__, "python": platform.python_version(),
+            "command": " ".join(["capsule-ros", *sys.argv[1:]]) if sys.argv else "",
+            "cpu_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+@dataclass
+class ArenaHost:
+    """The slice of a runtime a CapsuleStore needs: benchmarks snapshot bare arenas."""
+
+    arena: StateArena
+    layout: ArenaLayout
+    fingerprint: str
+    stream: Optional["torch.cuda.Stream"]
+
+
+def random_arena(layout: ArenaLayout, device: torch.device, seed: int = 0) -> ArenaHost:
+    """An arena filled with random bytes (never benchmark on zeros)."""
+    arena = StateArena(layout, device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    arena.storage.copy_(torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, generator=gen))
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    return ArenaHost(arena, layout, f"bench-{layout.digest()}", stream)
+
+
+def print_table(title: str, header: List[str], rows: Iterable[List[object]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(title=title)
+    for column in header:
+        table.add_column(column, justify="right" if column != header[0] else "left")
+    for row in rows:
+        table.add_row(*[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row])
+    Console(width=200).print(table)
+
+
+def emit(result: dict, as_json: bool, table: Callable[[dict], None]) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        table(result)
