@@ -1,0 +1,62 @@
+"""Small policies and drivers for runtime tests (CPU-sized; the same code runs on CUDA)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+import torch
+
+from capsule_ros.capsules.store import CapsuleStore, CapsuleStoreConfig
+from capsule_ros.runtime.arena import BufferKind, BufferSpec
+from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
+from capsule_ros.runtime.hybrid import HybridConfig, HybridPolicy
+
+INPUTS = [BufferSpec("joints", (4,), torch.float32, BufferKind.INPUT),
+          BufferSpec("goal", (2,), torch.float32, BufferKind.INPUT)]
+SMALL = HybridConfig(d_model=32, layers="RRA", n_heads=2, n_kv_heads=1, head_dim=16, max_context=64,
+                     rec_heads=2, rec_head_dim=8, d_state=8, mlp_ratio=2.0, chunk_horizon=4, vocab_size=50)
+
+
+def make_policy(cfg: HybridConfig = SMALL, seed: int = 0) -> HybridPolicy:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return HybridPolicy(cfg, INPUTS)
+
+
+def make_runtime(cfg: HybridConfig = SMALL, seed: int = 0, device: str = "cpu", **runtime_kw) -> PolicyRuntime:
+    return PolicyRuntime(make_policy(cfg, seed), RuntimeConfig(device=device, **runtime_kw))
+
+
+def make_store(runtime: PolicyRuntime, device_mb: float = 4.0, host_mb: float = 4.0) -> CapsuleStore:
+    return CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device,
+                        CapsuleStoreConfig(device_budget_mb=device_mb, host_budget_mb=host_mb, directory=""))
+
+
+def observations(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, 6)).astype(np.float32)
+
+
+def run(runtime: PolicyRuntime, obs: np.ndarray) -> np.ndarray:
+    """Step through ``obs``; the actions as raw bytes-comparable float32 rows."""
+    out = []
+    for row in obs:
+        runtime.staging["joints"][:] = row[:4]
+        runtime.staging["goal"][:] = row[4:]
+        runtime.load_inputs()
+        runtime.step()
+        out.append(runtime.read_outputs().action)
+    return np.stack(out)
+
+
+def arena_bytes(runtime: PolicyRuntime) -> dict:
+    return {name: runtime.arena.buffer_bytes(name) for name in runtime.layout.names()}
+
+
+def with_overrides(cfg: HybridConfig = SMALL, **kw) -> HybridConfig:
+    return dataclasses.replace(cfg, **kw)
+
+
+def first_divergence(a: np.ndarray, b: np.ndarray) -> Optional[int]:
+    diff = np.nonzero((a.view(np.uint32) != b.view(np.uint32)).any(axis=1))[0]
+    return int(diff[0]) if diff.size else None
