@@ -59,12 +59,13 @@ class CapsuleStoreConfig(ConfigSection):
                                       low=0.0, high=1 << 24, read_only=True)
     host_budget_mb: float = setting(1024.0, "MiB of capsules kept in (pinned) host memory (allocated at start)",
                                     low=0.0, high=1 << 24, read_only=True)
-    directory: str = setting("~/.ros/capsule_ros/capsules", "capsule directory for save/load ('' = none)",
+    directory: str = setting("~/.ros/capsule_ros/{node}/capsules",
+                             "capsule directory for save/load, one per node ({node}: the node's name; '' = none)",
                              read_only=True)
     key_file: str = setting("", "key-encryption key file (32 raw bytes, mode 0600); '' = no encryption",
                             read_only=True)
     chunk_mb: float = setting(4.0, "payload chunk size on disk (each verified on its own)", low=0.0625,
-                              high=1024.0, read_only=True)
+                              high=64.0, read_only=True)
     max_file_mb: float = setting(65536.0, "largest capsule file the loader accepts", low=1.0, high=1 << 24,
                                  read_only=True)
 
@@ -290,13 +291,15 @@ class CapsuleStore:
         return capsule
 
     # -- disk tier hooks (used by capsule_ros.capsules.directory) ------------------------------
-    def host_bytes(self, capsule_id: str) -> torch.Tensor:
-        """The capsule's bytes on the host (a copy for DEVICE capsules), e.g. to save them."""
+    def host_copy(self, capsule_id: str) -> torch.Tensor:
+        """A private host copy of the capsule's bytes (e.g. to save them without holding
+        the store: the slab itself may be reused once the capsule moves or goes)."""
         capsule = self.get(capsule_id)
         if capsule.payload is None:
             raise NotFound(f"capsule {capsule_id!r} is only on disk")
         self._wait(capsule.payload)
-        return capsule.payload.slab.cpu() if capsule.payload.tier == Tier.DEVICE else capsule.payload.slab
+        slab = capsule.payload.slab
+        return slab.cpu() if slab.device.type != "cpu" else slab.clone()
 
     def adopt(self, capsule: Capsule, data: Optional[torch.Tensor]) -> Capsule:
         """Insert a capsule read from disk; ``data`` (host uint8, nbytes) or None (disk only).

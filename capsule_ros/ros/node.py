@@ -2,8 +2,9 @@
 session verbs out).
 
 Callback groups: sensor subscriptions, the trigger and the control timer share one
-mutually exclusive *control* group (steps never overlap); services have their own group
-and reach the session between steps through its boundary lock; status has a third.
+mutually exclusive *control* group (steps never overlap); services have their own
+reentrant group and reach the session between steps through its boundary lock; status
+has a third.
 Spin it on a MultiThreadedExecutor (``policy_node`` does).
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 from rcl_interfaces.msg import SetParametersResult
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data, qos_profile_system_default
 from rclpy.serialization import deserialize_message
@@ -61,14 +62,20 @@ class PolicyNode(Node):
         self.config = ServingConfig.from_params(declare_parameters(self), source="ROS parameters")
         control = self.config.control
         self._control_group = MutuallyExclusiveCallbackGroup()
-        self._service_group = MutuallyExclusiveCallbackGroup()
+        # services may run side by side (a slow save must not hold up a commit); the session's
+        # boundary lock orders what touches the state
+        self._service_group = ReentrantCallbackGroup()
         self._status_group = MutuallyExclusiveCallbackGroup()
         self.action_pub = self.create_publisher(Action, "~/action", 10)
         self.event_pub = self.create_publisher(CapsuleEvent, "~/capsule_events", 100)
         self.status_pub = self.create_publisher(RuntimeStatus, "~/status", 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self.recorder = None
-        self.session = build_session(self.config, on_event=self._on_event)
+        self.session = build_session(self.config, on_event=self._on_event,
+                                     node_name=self.get_fully_qualified_name())
+        if self.session.directory is not None and self.session.directory.recovered:
+            self.get_logger().warning(f"moved {len(self.session.directory.recovered)} unfinished capsule save(s) "
+                                      f"aside: {[str(p) for p in self.session.directory.recovered]}")
         self.session.clock_ns = lambda: self.get_clock().now().nanoseconds
         self.session.enforce_deadline = False          # the watchdog below enforces it
         self.adapters = port_adapters(self.config.ports)

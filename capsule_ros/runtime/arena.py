@@ -74,7 +74,7 @@ class BufferSpec:
     kind: BufferKind
 
     def __post_init__(self) -> None:
-        if not self.name or any(c in self.name for c in "/\\\0 "):
+        if not self.name or not self.name.isprintable() or any(c in self.name for c in "/\\ "):
             raise InvalidArgument(f"buffer name {self.name!r}: must be a plain non-empty name")
         if any(int(d) <= 0 for d in self.shape):
             raise InvalidArgument(f"buffer {self.name!r}: shape {self.shape} must have positive dims")

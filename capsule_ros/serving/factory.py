@@ -58,15 +58,23 @@ def build_runtime(config: ServingConfig, weights: Optional[str] = None) -> Polic
     return PolicyRuntime(build_policy(config, weights), config.runtime)
 
 
+def capsule_directory_path(template: str, node_name: str) -> Path:
+    """capsules.directory with ``{node}`` replaced by the node's name ("/robot1/capsule_policy"
+    -> "robot1.capsule_policy"): one directory per node, since a directory recovers its
+    unfinished saves at start-up."""
+    return Path(template.replace("{node}", node_name.strip("/").replace("/", ".") or "capsule_policy")).expanduser()
+
+
 def build_session(config: ServingConfig, *, weights: Optional[str] = None, on_event=None,
-                  runtime: Optional[PolicyRuntime] = None) -> PolicySession:
+                  runtime: Optional[PolicyRuntime] = None, node_name: str = "capsule_policy") -> PolicySession:
     """Runtime + capsule store + capsule directory + session, started when configured."""
     runtime = runtime or build_runtime(config, weights)
     store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
     directory = None
     if config.capsules.directory:
         from capsule_ros.capsules.directory import CapsuleDirectory
-        directory = CapsuleDirectory(Path(config.capsules.directory).expanduser(), key_file=config.capsules.key_file,
+        directory = CapsuleDirectory(capsule_directory_path(config.capsules.directory, node_name),
+                                     key_file=config.capsules.key_file,
                                      chunk_bytes=int(config.capsules.chunk_mb * 2**20),
                                      max_file_bytes=int(config.capsules.max_file_mb * 2**20))
     session = PolicySession(runtime, store, config.control, directory=directory, prefix=config.policy.prefix,

@@ -259,28 +259,41 @@ class PolicySession:
         return ActionRecord(values, None, source, self.episode_id, self.step, self.lineage, stamp_ns)
 
     # -- verbs ---------------------------------------------------------------------------------
+    # File I/O (save, load, reading a capsule that is only on disk) happens outside the
+    # boundary lock, so a large capsule never stalls the control loop; only the store and
+    # the arena are touched under it.
+
     def commit(self, label: str = "", persist: bool = False, pin: bool = False) -> Capsule:
-        """Snapshot the whole state at this boundary into a new capsule."""
+        """Snapshot the whole state at this boundary into a new capsule (and save it)."""
         _check_label(label)
         with self.at_boundary():
             self._require(EpisodeState.RUNNING, EpisodeState.INTERRUPTED, verb="commit")
-            capsule = self._snapshot(label, pinned=pin)
             if persist:
-                try:
-                    self._save(capsule)
-                except CapsuleRosError:
+                self._require_directory()
+            capsule = self._snapshot(label, pinned=pin)
+            parent, self.lineage = self.lineage, capsule.id
+            data = self.store.host_copy(capsule.id) if persist else None
+        if persist:
+            try:
+                path = self.directory.save(capsule, data, self.runtime.layout.schema())
+            except CapsuleRosError:
+                with self.at_boundary():
                     self.store.drop(capsule.id)
-                    raise
-            self.lineage = capsule.id
+                    if self.lineage == capsule.id:
+                        self.lineage = parent
+                raise
+            capsule.path = str(path)
+        with self.at_boundary():
             self._emit(EventKind.COMMIT, capsule, detail=label)
-            return capsule
+        return capsule
 
     def reset(self, capsule_id: str = "") -> Tuple[int, Optional[Capsule]]:
         """Start a new episode from the initial state or from a capsule's state."""
+        fetched = self._prefetch(check_capsule_id(capsule_id)) if capsule_id else None
         with self.at_boundary():
             source = None
             if capsule_id:
-                source, from_disk = self._in_memory(check_capsule_id(capsule_id))
+                source, from_disk = self._materialize(capsule_id, fetched)
                 self.store.restore(source.id, self.runtime, count_as=Tier.DISK if from_disk else None)
             episode = self._next_episode
             self._next_episode += 1
@@ -294,8 +307,11 @@ class PolicySession:
                 step, lineage = source.step, source.id
             self.episode_id, self.step, self.lineage = episode, step, lineage
             self._release_interrupt_capsule()
+            root_id = f"e{episode}.root"
+            if root_id in self.store:
+                self.store.drop(root_id)
             root = self.store.snapshot(self.runtime, label=f"episode {episode} start", parent_id=lineage,
-                                       episode_id=episode, step=step, held=True, capsule_id=f"e{episode}.root")
+                                       episode_id=episode, step=step, held=True, capsule_id=root_id)
             self._start_timeline(root)
             self.state = EpisodeState.RUNNING
             self._emit(EventKind.RESET, source, detail=f"episode {episode}")
@@ -322,6 +338,7 @@ class PolicySession:
 
     def reenter(self, capsule_id: str = "") -> ReenterResult:
         """Restore a capsule and resume (see the module docstring for the fallback)."""
+        fetched = self._prefetch(check_capsule_id(capsule_id)) if capsule_id else None
         with self.at_boundary():
             if not capsule_id:
                 if self.interrupt_capsule_id:
@@ -333,13 +350,13 @@ class PolicySession:
                 else:
                     raise WrongState(f"reenter without a capsule id needs an interrupt capsule "
                                      f"(episode is {self.state.name})")
-            check_capsule_id(capsule_id)
             fallback_reason, recompute_s, restore_s = "", 0.0, 0.0
             try:
-                capsule, from_disk = self._in_memory(capsule_id)
+                capsule, from_disk = self._materialize(capsule_id, fetched)
                 restore_s = self.store.restore(capsule.id, self.runtime,
                                                count_as=Tier.DISK if from_disk else None).seconds
-            except (CorruptCapsule, NotFound, FingerprintMismatch, CapsuleIOError, PermissionDenied) as exc:
+            except (CorruptCapsule, NotFound, FingerprintMismatch, CapsuleIOError, PermissionDenied,
+                    InvalidArgument) as exc:
                 capsule, recompute_s = self._recompute(capsule_id, exc)
                 fallback_reason = str(exc)
             entry = self._ledger.get(capsule.id)
@@ -359,12 +376,13 @@ class PolicySession:
     def fork(self, capsule_id: str = "", label: str = "") -> Capsule:
         """A new capsule id with the same state ("" = the live state at this boundary)."""
         _check_label(label)
+        fetched = self._prefetch(check_capsule_id(capsule_id)) if capsule_id else None
         with self.at_boundary():
             if not capsule_id:
                 self._require(EpisodeState.RUNNING, EpisodeState.INTERRUPTED, verb="fork the live state")
                 capsule = self._snapshot(label)
             else:
-                source = self._known(check_capsule_id(capsule_id))
+                source, _ = self._materialize(capsule_id, fetched)
                 capsule = self.store.fork(source.id, label=label)
                 if source.id in self._ledger:
                     self._ledger[capsule.id] = self._ledger[source.id]
@@ -375,15 +393,14 @@ class PolicySession:
         """Capsules in memory and in the capsule directory, newest first."""
         with self.at_boundary():
             capsules = {c.id: c for c in self.store.list()}
-            if self.directory is not None:
-                for capsule_id in self.directory.ids():
-                    if capsule_id not in capsules:
-                        with contextlib.suppress(CapsuleRosError):
-                            capsules[capsule_id] = self.directory.describe(capsule_id)
-            out = sorted(capsules.values(), key=lambda c: c.stamp_ns, reverse=True)
-            if current_episode_only:
-                out = [c for c in out if c.episode_id == self.episode_id]
-            return out
+            episode = self.episode_id
+        if self.directory is not None:
+            for capsule_id in self.directory.ids():
+                if capsule_id not in capsules:
+                    with contextlib.suppress(CapsuleRosError):
+                        capsules[capsule_id] = self.directory.describe(capsule_id)
+        out = sorted(capsules.values(), key=lambda c: c.stamp_ns, reverse=True)
+        return [c for c in out if c.episode_id == episode] if current_episode_only else out
 
     def drop(self, capsule_id: str, from_disk: bool = False) -> None:
         check_capsule_id(capsule_id)
@@ -401,18 +418,26 @@ class PolicySession:
             self._emit(EventKind.DROP, capsule, capsule_id=capsule_id, detail="memory and disk" if on_disk else "memory")
 
     def save(self, capsule_id: str) -> Capsule:
+        """Write a capsule to the capsule directory (atomic, verified)."""
+        check_capsule_id(capsule_id)
+        self._require_directory()
         with self.at_boundary():
-            capsule = self._known(check_capsule_id(capsule_id))
+            capsule = self._known(capsule_id)
             if capsule.payload is None:
                 raise NotFound(f"capsule {capsule_id!r} is only on disk already ({capsule.path})")
-            self._save(capsule)
-            self._emit(EventKind.SAVE, capsule, detail=capsule.path or "")
-            return capsule
+            data = self.store.host_copy(capsule_id)
+        path = self.directory.save(capsule, data, self.runtime.layout.schema())
+        with self.at_boundary():
+            capsule.path = str(path)
+            self._emit(EventKind.SAVE, capsule, detail=capsule.path)
+        return capsule
 
     def load(self, capsule_id: str) -> Capsule:
         """Read and verify a capsule file into memory (the live state is not touched)."""
+        self._require_directory()
+        fetched = self._prefetch(check_capsule_id(capsule_id), force=True)
         with self.at_boundary():
-            capsule = self._load(check_capsule_id(capsule_id))
+            capsule, _ = self._materialize(capsule_id, fetched)
             self._emit(EventKind.LOAD, capsule, detail=capsule.path or "")
             return capsule
 
@@ -451,31 +476,44 @@ class PolicySession:
             return self.directory.describe(capsule_id)
         raise NotFound(f"no capsule {capsule_id!r} in memory" + (" or on disk" if self.directory else ""))
 
-    def _in_memory(self, capsule_id: str) -> Tuple[Capsule, bool]:
-        """The capsule with its bytes in memory, loading (and verifying) its file if needed."""
-        capsule = self.store.find(capsule_id)
-        if capsule is not None and capsule.payload is not None:
-            return capsule, False
-        if self.directory is None:
-            raise NotFound(f"no capsule {capsule_id!r} in memory and no capsule directory configured")
-        return self._load(capsule_id), True
-
-    def _load(self, capsule_id: str) -> Capsule:
+    def _require_directory(self) -> None:
         if self.directory is None:
             raise CapsuleIOError("no capsule directory configured (capsules.directory)")
+
+    def _prefetch(self, capsule_id: str, force: bool = False):
+        """Outside the boundary lock: read and verify the capsule's file when its bytes are
+        not in memory (or ``force``). Returns (capsule, bytes), None (in memory, nothing to
+        read), or the typed error to raise under the lock."""
+        known = self.store.find(capsule_id)      # a dict lookup: safe without the lock
+        if not force and known is not None and known.payload is not None:
+            return None
+        if self.directory is None:
+            return NotFound(f"no capsule {capsule_id!r} in memory and no capsule directory configured")
         try:
             capsule, data = self.directory.load(capsule_id, expected_fingerprint=self.store.fingerprint,
                                                 expected_schema=self.runtime.layout.schema())
-        except FingerprintMismatch:
-            self.store.counters.invalidations += 1
-            raise
-        return self.store.adopt(capsule, data)
+        except FingerprintMismatch as exc:
+            return exc
+        except CapsuleRosError as exc:
+            return exc
+        if capsule.episode_id >= 2**32:
+            return InvalidArgument(f"capsule {capsule_id!r}: episode id {capsule.episode_id} is out of range")
+        return capsule, data
 
-    def _save(self, capsule: Capsule) -> None:
-        if self.directory is None:
-            raise CapsuleIOError("no capsule directory configured (capsules.directory)")
-        path = self.directory.save(capsule, self.store.host_bytes(capsule.id), self.runtime.layout.schema())
-        capsule.path = str(path)
+    def _materialize(self, capsule_id: str, fetched) -> Tuple[Capsule, bool]:
+        """Under the lock: the capsule with its bytes in memory; True if they came from disk."""
+        known = self.store.find(capsule_id)
+        if known is not None and known.payload is not None and not isinstance(fetched, tuple):
+            return known, False
+        if isinstance(fetched, FingerprintMismatch):
+            self.store.counters.invalidations += 1
+        if isinstance(fetched, Exception):
+            raise fetched
+        if fetched is None:                       # evicted since the prefetch: read it now
+            fetched = self._prefetch(capsule_id, force=True)
+            return self._materialize(capsule_id, fetched)
+        capsule, data = fetched
+        return self.store.adopt(capsule, data), True
 
     def _recompute(self, capsule_id: str, cause: CapsuleRosError) -> Tuple[Capsule, float]:
         """Rebuild a capsule's state from the timeline root and the input log, or re-raise

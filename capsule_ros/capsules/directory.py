@@ -1,0 +1,206 @@
+"""The capsule directory: capsules on disk, one verified file per capsule id.
+
+Guarantees (docs/capsule-format.md explains them and their limits):
+
+- Atomic saves: a capsule is written to ``<id>.capsule.part`` (O_EXCL, mode 0600),
+  fsynced, renamed to ``<id>.capsule`` and the directory fsynced. A ``*.capsule`` file
+  is therefore always complete; a crash leaves at most a ``.part`` file, which the next
+  ``CapsuleDirectory`` moves into ``quarantine/`` (listed in ``recovered``).
+- Confinement: capsule ids are checked against the id alphabet (no separators, no
+  leading dot, no ``..``) and the resolved path must sit directly in the root.
+- Privacy: the root (and quarantine) are mode 0700, files 0600; with a key file every
+  capsule is encrypted and authenticated (AES-GCM), and unencrypted files are refused.
+
+One process writes a directory at a time: recovery at construction treats every
+``.part`` file as a crash leftover.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import os
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from capsule_ros.capsules.fileformat import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, CapsuleHeader,
+                                             os_errors, load_kek, read_capsule, read_header, write_capsule)
+from capsule_ros.capsules.ids import check_capsule_id
+from capsule_ros.capsules.store import Capsule, CapsuleStoreConfig
+from capsule_ros.errors import Busy, CorruptCapsule, InvalidArgument
+
+LOG = logging.getLogger(__name__)
+
+SUFFIX = ".capsule"
+PART_SUFFIX = ".capsule.part"
+QUARANTINE = "quarantine"
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _private_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) if needed and make it 0700; returns it resolved."""
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    os.chmod(path, DIR_MODE)
+    return path.resolve(strict=True)
+
+
+class CapsuleDirectory:
+    """Capsule files under one root directory (see the module docstring)."""
+
+    def __init__(self, root: Union[Path, str], *, key_file: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 max_file_bytes: int):
+        if type(chunk_bytes) is not int or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidArgument(f"chunk_bytes = {chunk_bytes!r}: must be an int in "
+                                  f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
+        if type(max_file_bytes) is not int or max_file_bytes < 1:
+            raise InvalidArgument(f"max_file_bytes = {max_file_bytes!r}: must be a positive int")
+        self.chunk_bytes = chunk_bytes
+        self.max_file_bytes = max_file_bytes
+        self._kek: Optional[bytes] = load_kek(Path(key_file).expanduser()) if key_file else None
+        with os_errors(root, "capsule directory"):
+            self.root = _private_dir(Path(root).expanduser())
+            self.recovered: List[Path] = self._quarantine_leftovers()
+
+    @classmethod
+    def from_config(cls, config: CapsuleStoreConfig) -> "CapsuleDirectory":
+        """The directory a ``capsules`` config section names (which must not be '')."""
+        if not config.directory:
+            raise InvalidArgument("capsules.directory = '': no capsule directory is configured")
+        return cls(config.directory, key_file=config.key_file, chunk_bytes=int(config.chunk_mb * 2**20),
+                   max_file_bytes=int(config.max_file_mb * 2**20))
+
+    @property
+    def encrypted(self) -> bool:
+        return self._kek is not None
+
+    # -- paths ----------------------------------------------------------------------------------
+    def path_of(self, capsule_id: str) -> Path:
+        """``<root>/<id>.capsule``; refuses (InvalidArgument) ids and paths that leave the root."""
+        path = self.root / (check_capsule_id(capsule_id) + SUFFIX)
+        if path.resolve().parent != self.root:   # belt and braces: e.g. a symlink planted in the root
+            raise InvalidArgument(f"capsule id {capsule_id!r} resolves to {str(path.resolve())!r}, "
+                                  f"outside the capsule directory {str(self.root)!r}")
+        return path
+
+    def exists(self, capsule_id: str) -> bool:
+        return self.path_of(capsule_id).is_file()
+
+    def ids(self) -> List[str]:
+        """Ids of the complete capsule files, sorted (other files are ignored)."""
+        with os_errors(self.root, "capsule directory"):
+            names = [entry.name for entry in os.scandir(self.root) if entry.is_file(follow_symlinks=False)]
+        out = []
+        for name in names:
+            if name.endswith(SUFFIX):
+                try:
+                    out.append(check_capsule_id(name[:-len(SUFFIX)]))
+                except InvalidArgument:
+                    continue
+        return sorted(out)
+
+    # -- verbs --------------------------------------------------------------------------------
+    def save(self, capsule: Capsule, data: Any, schema: Sequence[dict]) -> Path:
+        """Write a capsule atomically (see the module docstring); returns its path.
+
+        ``data``: host uint8 tensor or bytes of ``capsule.nbytes``; ``schema``: the arena's
+        ``ArenaLayout.schema()``. Saving an existing id replaces its file atomically.
+        Raises InvalidArgument, Busy (a ``.part`` of that id exists), CapsuleIOError.
+        """
+        path = self.path_of(capsule.id)
+        try:   # int-likes (numpy / torch scalars) become ints; the writer then validates strictly
+            episode, step, stamp, nbytes = (operator.index(v) for v in (capsule.episode_id, capsule.step,
+                                                                        capsule.stamp_ns, capsule.nbytes))
+        except TypeError as exc:
+            raise InvalidArgument(f"capsule {capsule.id!r}: episode, step, stamp and nbytes must be "
+                                  f"integers ({exc})") from None
+        if nbytes > self.max_file_bytes:
+            raise InvalidArgument(f"capsule {capsule.id!r} is {nbytes} bytes: larger than "
+                                  f"max_file_bytes = {self.max_file_bytes}, it could not be loaded back")
+        header = CapsuleHeader(capsule.id, capsule.label, capsule.parent_id, episode, step, stamp, nbytes,
+                               capsule.fingerprint, list(schema), self.chunk_bytes)
+        part = path.with_name(capsule.id + PART_SUFFIX)
+        with os_errors(part):
+            try:
+                fd = os.open(part, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+            except FileExistsError:
+                raise Busy(f"{str(part)!r} exists: another save of {capsule.id!r} is in progress "
+                           "(or a crash left it; the next start quarantines it)") from None
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    os.fchmod(f.fileno(), FILE_MODE)
+                    write_capsule(f, header, data, self._kek)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.rename(part, path)
+            except BaseException:
+                part.unlink(missing_ok=True)
+                raise
+            _fsync_dir(self.root)
+        LOG.debug("saved capsule %s (%d bytes) to %s", capsule.id, capsule.nbytes, path)
+        return path
+
+    def load(self, capsule_id: str, *, expected_fingerprint: str,
+             expected_schema: Optional[Sequence[dict]] = None) -> Tuple[Capsule, torch.Tensor]:
+        """Read and verify a capsule file: its metadata (payload None, path set) and bytes.
+
+        Raises NotFound, FingerprintMismatch, CorruptCapsule, PermissionDenied, CapsuleIOError.
+        """
+        path = self.path_of(capsule_id)
+        header, data = read_capsule(path, kek=self._kek, max_bytes=self.max_file_bytes,
+                                    expected_fingerprint=expected_fingerprint, expected_schema=expected_schema)
+        return self._capsule_of(header, path, capsule_id), data
+
+    def header(self, capsule_id: str) -> CapsuleHeader:
+        """The validated header of a capsule file (its chunks are not read)."""
+        return read_header(self.path_of(capsule_id), max_bytes=self.max_file_bytes)
+
+    def describe(self, capsule_id: str) -> Capsule:
+        """A capsule's metadata from its file's header (payload None, path set; chunks not read)."""
+        path = self.path_of(capsule_id)
+        return self._capsule_of(read_header(path, max_bytes=self.max_file_bytes), path, capsule_id)
+
+    @staticmethod
+    def _capsule_of(header: CapsuleHeader, path: Path, capsule_id: str) -> Capsule:
+        if header.capsule_id != capsule_id:
+            raise CorruptCapsule(f"capsule file {str(path)!r} holds capsule {header.capsule_id!r}, not {capsule_id!r}")
+        return Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
+                       header.nbytes, header.fingerprint, header.stamp_ns, pinned=False, payload=None,
+                       path=str(path))
+
+    def remove(self, capsule_id: str) -> None:
+        """Delete a capsule file (NotFound if there is none)."""
+        path = self.path_of(capsule_id)
+        with os_errors(path):
+            path.unlink()
+            _fsync_dir(self.root)
+
+    # -- recovery -------------------------------------------------------------------------------
+    def _quarantine_leftovers(self) -> List[Path]:
+        """Move crash leftovers (``*.part``) into ``quarantine/``; returns their new paths."""
+        parts = sorted(p for p in self.root.iterdir() if p.name.endswith(".part") and not p.is_dir())
+        if not parts:
+            return []
+        quarantine = _private_dir(self.root / QUARANTINE)
+        moved = []
+        for part in parts:
+            target = quarantine / part.name
+            serial = 0
+            while target.exists():
+                serial += 1
+                target = quarantine / f"{part.name}.{serial}"
+            os.rename(part, target)
+            moved.append(target)
+            LOG.warning("capsule directory %s: moved the unfinished save %s to %s", self.root, part.name, target)
+        _fsync_dir(quarantine)
+        _fsync_dir(self.root)
+        return moved
