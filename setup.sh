@@ -99,13 +99,16 @@ if [[ -f install/setup.bash && "$(cat "$STAMPS/build" 2>/dev/null)" == "$BUILD_H
   say "$STEP: up to date"
 else
   say "$STEP"
+  mkdir -p build
   (
+    # one build at a time in this checkout (several shells may run ./setup.sh at once)
+    flock 9
     export AMENT_PREFIX_PATH="$VENV" CMAKE_PREFIX_PATH="$VENV" PATH="$VENV/bin:$PATH"
     "$VENV/bin/colcon" --log-base build/log build --base-paths "$ROOT" \
         --build-base build --install-base install --symlink-install \
         --event-handlers console_cohesion- summary+ \
         --cmake-args -DPython3_EXECUTABLE="$VENV/bin/python" -DBUILD_TESTING=OFF
-  )
+  ) 9> build/.setup.lock
   echo "$BUILD_HASH" > "$STAMPS/build"
 fi
 
