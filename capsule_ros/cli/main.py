@@ -1,4 +1,4 @@
-"""`capsule-ros`: the command line (demo, replay, record, inspect, bench, smoke).
+"""`capsule-ros`: the command line (demo, replay, record, inspect, bench).
 
 Subcommands import what they need lazily, so `capsule-ros bench snapshot` runs on a
 machine without ROS and `--help` is instant.
@@ -38,8 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("demo", "capsule_ros.cli.demo", "the main job: sim + policy node + scripted capsule plan + report"),
             ("replay", "capsule_ros.bag.replay", "replay a rosbag step by step and verify the actions"),
             ("record", "capsule_ros.bag.record_cmd", "record the node's topics into a rosbag2"),
-            ("inspect", "capsule_ros.cli.inspect_cmd", "print and verify a capsule file"),
-            ("smoke", "capsule_ros.cli.smoke", "start policy_node, call each service once, stop it")):
+            ("inspect", "capsule_ros.cli.inspect_cmd", "print and verify a capsule file")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=_delegate(module))

@@ -1,6 +1,8 @@
 """Conversions between the core's records and capsule_ros messages."""
 from __future__ import annotations
 
+import array
+
 from builtin_interfaces.msg import Time
 from capsule_ros.msg import Action, CapsuleEvent, CapsuleInfo
 
@@ -20,6 +22,13 @@ def capsule_info(capsule: Capsule) -> CapsuleInfo:
                        persisted=capsule.persisted, stamp=ros_time(capsule.stamp_ns))
 
 
+def _float32_array(values) -> array.array:
+    """numpy -> array('f'): the generated setters take it without checking each element."""
+    out = array.array("f")
+    out.frombytes(values.astype("float32", copy=False).tobytes())
+    return out
+
+
 def action_message(record: ActionRecord, frame_id: str, action_dim: int) -> Action:
     msg = Action()
     msg.header.stamp = ros_time(record.stamp_ns)
@@ -28,9 +37,9 @@ def action_message(record: ActionRecord, frame_id: str, action_dim: int) -> Acti
     msg.step = int(record.step)
     msg.lineage = record.lineage
     msg.source = int(record.source)
-    msg.values = record.values.astype("float32").tolist()
+    msg.values = _float32_array(record.values)
     if record.chunk is not None:
-        msg.chunk = record.chunk.astype("float32").ravel().tolist()
+        msg.chunk = _float32_array(record.chunk)
         msg.chunk_horizon = int(record.chunk.shape[0])
     msg.action_dim = int(action_dim)
     return msg

@@ -1,19 +1,16 @@
-"""`policy_node` executable: the serving node on a multi-threaded executor."""
+"""`policy_node` executable: the serving node (its threads are described in ros/node.py)."""
 from __future__ import annotations
 
 import sys
 from typing import List, Optional
 
 import rclpy
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
 from capsule_ros.errors import ConfigError
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    # Hand the GIL over within 1 ms (default 5 ms) so the deadline watchdog, the service
-    # threads and the control loop interleave at control-loop time scales.
-    sys.setswitchinterval(0.001)
     rclpy.init(args=argv if argv is not None else sys.argv)
     from capsule_ros.ros.node import PolicyNode   # after init: torch import is slow, fail fast on bad args
     node = None
@@ -23,7 +20,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"policy_node: invalid configuration: {exc}", file=sys.stderr)
         rclpy.try_shutdown()
         return 2
-    executor = MultiThreadedExecutor(num_threads=4)
+    executor = SingleThreadedExecutor()       # services run on the node's own threads (see node.py)
     executor.add_node(node)
     try:
         executor.spin()

@@ -112,7 +112,6 @@ class PolicyRuntime:
             policy.architecture(), self.layout, weights_digest(policy), device_kind(self.device))
         pin = self.device.type == "cuda"
         in_start, in_end = self.layout.byte_range(BufferKind.INPUT)
-        self._input_range = (in_start, in_end)
         self.input_staging = torch.zeros(in_end - in_start, dtype=torch.uint8, pin_memory=pin)
         self._staging_views: Dict[str, np.ndarray] = {}
         for slot in self.layout:
@@ -120,7 +119,8 @@ class PolicyRuntime:
                 raw = self.input_staging[slot.offset - in_start:slot.end - in_start]
                 self._staging_views[slot.spec.name] = raw.view(slot.spec.dtype).view(slot.spec.shape).numpy()
         out_start, out_end = self.layout.byte_range(BufferKind.META, BufferKind.OUTPUT)
-        self._out_range = (out_start, out_end)
+        self._input_region = self.arena.storage[in_start:in_end]       # views made once: no per-step slicing
+        self._output_region = self.arena.storage[out_start:out_end]
         self._out_host = torch.zeros(out_end - out_start, dtype=torch.uint8, pin_memory=pin)
         self._out_views = {}
         for slot in self.layout:
@@ -153,9 +153,11 @@ class PolicyRuntime:
 
     def load_inputs(self) -> None:
         """Copy the whole staging area into the arena's input region (one copy)."""
-        start, end = self._input_range
-        with self._stream_ctx():
-            self.arena.storage[start:end].copy_(self.input_staging, non_blocking=True)
+        if self.stream is None:
+            self._input_region.copy_(self.input_staging)
+            return
+        with torch.cuda.stream(self.stream):
+            self._input_region.copy_(self.input_staging, non_blocking=True)
 
     def step(self) -> None:
         """Run one step over the arena (asynchronous on CUDA)."""
@@ -169,10 +171,12 @@ class PolicyRuntime:
 
     def read_outputs(self) -> StepOutputs:
         """Copy meta + outputs to the host (one copy, synchronises the runtime's stream)."""
-        start, end = self._out_range
-        with self._stream_ctx():
-            self._out_host.copy_(self.arena.storage[start:end], non_blocking=True)
-        self.synchronize()
+        if self.stream is None:
+            self._out_host.copy_(self._output_region)
+        else:
+            with torch.cuda.stream(self.stream):
+                self._out_host.copy_(self._output_region, non_blocking=True)
+            self.stream.synchronize()
         v = self._out_views
         return StepOutputs(v[ACTION].copy(), v[CHUNK].copy(), int(v[STEP][0]), int(v[POSITION][0]),
                            int(v[EPISODE][0]))

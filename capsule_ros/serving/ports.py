@@ -10,11 +10,11 @@ encoding, missing joint, unreadable field), ``nonfinite`` (NaN / Inf), ``out_of_
 """
 from __future__ import annotations
 
+import array
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -52,24 +52,20 @@ def _field_names(msg: Any) -> List[str]:
     raise PortDrop("type", f"cannot read fields of {type(msg).__name__}")
 
 
-def flatten_numbers(value: Any) -> List[float]:
-    """A number, a numeric sequence, or a nested message of numeric fields -> numbers,
-    in declaration order (e.g. Quaternion -> x, y, z, w)."""
-    if isinstance(value, (bool, np.bool_)):
-        return [float(value)]
-    if isinstance(value, (int, float, np.integer, np.floating)):
-        return [float(value)]
-    if isinstance(value, np.ndarray):
-        return value.astype(np.float64).ravel().tolist()
-    if isinstance(value, (list, tuple)) or type(value).__name__ == "array":
-        out: List[float] = []
-        for item in value:
-            out.extend(flatten_numbers(item))
-        return out
-    out = []
-    for name in _field_names(value):
-        out.extend(flatten_numbers(getattr(value, name)))
-    return out
+def flatten_numbers(value: Any) -> np.ndarray:
+    """A number, a numeric sequence (array.array, list, numpy), or a nested message of
+    numeric fields -> float64 numbers, in declaration order (Quaternion -> x, y, z, w)."""
+    if isinstance(value, (bool, int, float, np.number, np.bool_)):
+        return np.array([float(value)])
+    if isinstance(value, (np.ndarray, array.array)):
+        return np.asarray(value, dtype=np.float64).ravel()
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, (bool, int, float, np.number)) for v in value):
+            return np.asarray(value, dtype=np.float64)
+        parts = [flatten_numbers(v) for v in value]
+    else:
+        parts = [flatten_numbers(getattr(value, name)) for name in _field_names(value)]
+    return np.concatenate(parts) if parts else np.zeros(0)
 
 
 def _resolve(msg: Any, path: str) -> Any:
@@ -111,10 +107,8 @@ class PortAdapter:
         elif self._short_type == "JointState" and self.config.names:
             values = self._named_joints(msg)
         else:
-            numbers: List[float] = []
-            for path in self.config.fields:
-                numbers.extend(flatten_numbers(_resolve(msg, path)))
-            values = np.asarray(numbers, dtype=np.float64)
+            parts = [flatten_numbers(_resolve(msg, path)) for path in self.config.fields]
+            values = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if values.size != self.config.size:
             raise PortDrop("shape", f"{values.size} values, expected {self.config.size} for shape "
                            f"{list(self.config.shape)}")
@@ -155,13 +149,13 @@ class PortAdapter:
         except ValueError:
             missing = sorted(set(self.config.names) - set(names))
             raise PortDrop("type", f"joint(s) {missing} missing from the message") from None
-        out: List[float] = []
+        out = []
         for path in self.config.fields:
             series = flatten_numbers(_resolve(msg, path))
             if len(series) != len(names):
                 raise PortDrop("shape", f"{path} has {len(series)} values for {len(names)} joints")
-            out.extend(series[i] for i in index)
-        return np.asarray(out, dtype=np.float64)
+            out.append(series[index])
+        return np.concatenate(out)
 
     def _image(self, msg: Any) -> np.ndarray:
         shape = self.config.shape

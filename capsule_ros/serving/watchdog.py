@@ -4,6 +4,11 @@ The control loop arms the watchdog before a step and disarms it after. If the de
 passes first, the watchdog's own thread calls ``on_miss`` (the node publishes the safe
 action then, within the control period), and ``disarm`` reports that it fired so the
 late step's action is discarded: a stale chunk is never replayed.
+
+Arming and disarming are two attribute writes and an uncontended lock: waking a
+sleeping thread on every step costs a GIL hand-off (measured ~0.45 ms per step on the
+2-core CI machine). Instead the thread polls every ``poll_s`` (a tenth of the deadline,
+at most 5 ms), so a miss is acted on at most ``poll_s`` after the deadline.
 """
 from __future__ import annotations
 
@@ -15,45 +20,40 @@ from typing import Callable, Optional
 class DeadlineWatchdog:
     def __init__(self, on_miss: Callable[[], None], name: str = "deadline-watchdog"):
         self._on_miss = on_miss
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._deadline: Optional[float] = None
         self._fired = False
-        self._closed = False
+        self._poll_s = 0.005
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def arm(self, seconds: float) -> None:
-        with self._cond:
-            self._deadline = time.monotonic() + seconds
+        """Watch the step starting now; it must end within ``seconds``."""
+        self._poll_s = min(0.005, max(seconds / 10.0, 0.0002))
+        with self._lock:
             self._fired = False
-            self._cond.notify()
+            self._deadline = time.monotonic() + seconds
 
     def disarm(self) -> bool:
         """Stop watching; True if the deadline passed (and on_miss ran or is running)."""
-        with self._cond:
+        with self._lock:
             self._deadline = None
-            return self._fired
+            fired, self._fired = self._fired, False
+            return fired
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
+        self._closed.set()
         self._thread.join(timeout=1.0)
 
     def _run(self) -> None:
-        with self._cond:
-            while not self._closed:
-                if self._deadline is None:
-                    self._cond.wait()
-                    continue
-                remaining = self._deadline - time.monotonic()
-                if remaining > 0:
-                    self._cond.wait(timeout=remaining)
+        while not self._closed.wait(self._poll_s):
+            deadline = self._deadline
+            if deadline is None or time.monotonic() < deadline:
+                continue
+            with self._lock:
+                if self._deadline != deadline:     # disarmed meanwhile
                     continue
                 self._deadline = None
                 self._fired = True
-                self._cond.release()
-                try:
-                    self._on_miss()
-                finally:
-                    self._cond.acquire()
+            self._on_miss()

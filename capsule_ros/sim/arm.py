@@ -22,8 +22,9 @@ than ``SPEED_TOLERANCE`` (0.05 m/s): passing through the goal at speed does not 
 episode (an episode's outcome); ``steps_to_success`` says when.
 
 The scripted expert (``expert_action``) is a pure function of the observation: analytic
-inverse kinematics (the elbow solution closest to the current configuration) and a
-joint-space PD law on the velocity command. Being Markov in the observation, it labels any
+inverse kinematics (the elbow solution closest to the current configuration, steering
+clear of targets at the q1 limit: see ``target_cost``) and a joint-space PD law on the
+velocity command. Being Markov in the observation, it labels any
 visited state the same way, which is what behaviour cloning with noise injection and
 DAgger need.
 """
@@ -52,6 +53,8 @@ SPEED_TOLERANCE = 0.05               # m/s
 # tolerance), and the damping keeps the loop stable with up to two periods of delay.
 EXPERT_GAIN = 8.0                    # 1/s: joint-space proportional gain
 EXPERT_DAMPING = 0.5                 # velocity damping of the expert's command
+LIMIT_MARGIN = 0.35                  # rad: IK targets this close to q1 = +-pi are avoided ...
+LIMIT_PENALTY = 15.0                 # rad: ... by this cost (> any L1 distance between the two solutions)
 
 
 @dataclass(frozen=True)
@@ -98,16 +101,31 @@ def inverse_kinematics(goal: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return solutions[0], solutions[1]
 
 
+def target_cost(target: np.ndarray, q: np.ndarray) -> float:
+    """How far the arm at ``q`` is from the IK solution ``target``: joint-space L1 distance
+    (no wrap: q1 cannot pass +-pi), plus a penalty ramping up as target q1 nears +-pi.
+
+    A target at the q1 limit is a cliff for an imitating policy: nudge the goal across the
+    limit and its q1 jumps by 2 pi, flipping the command for every configuration. A policy
+    blurs that jump into a standstill, and the goal (unlike q) never moves out of the blur.
+    The penalty makes the other elbow win there (the two solutions' q1 differ by at least
+    0.84 rad for goals in GOAL_RADIUS, so at most one is near the limit), which leaves only
+    ties between distances: those depend on q, and the motion itself settles them.
+    """
+    near_limit = (abs(float(target[0])) - (math.pi - LIMIT_MARGIN)) / LIMIT_MARGIN
+    return float(np.abs(target - q).sum()) + LIMIT_PENALTY * min(max(near_limit, 0.0), 1.0)
+
+
 def expert_action(obs: Observation, gain: float = EXPERT_GAIN, damping: float = EXPERT_DAMPING) -> np.ndarray:
     """The scripted expert's velocity command float32[2] for ``obs``.
 
-    IK target q* = the elbow solution closest (in joint space, no wrap: q1 cannot pass
-    +-pi) to the current q, then ``u = clip(gain * (q* - q) - damping * dq, -U_MAX, U_MAX)``.
+    IK target q* = the elbow solution of least ``target_cost`` from the current q (the
+    closest, away from the q1 limit), then ``u = clip(gain * (q* - q) - damping * dq, -U_MAX, U_MAX)``.
     The damping term cancels part of the actuator lag, so large moves do not overshoot.
     """
     q = obs.joints[:2].astype(np.float64)
     dq = obs.joints[2:].astype(np.float64)
-    target = min(inverse_kinematics(obs.goal), key=lambda s: float(np.abs(s - q).sum()))
+    target = min(inverse_kinematics(obs.goal), key=lambda s: target_cost(s, q))
     return np.clip(gain * (target - q) - damping * dq, -U_MAX, U_MAX).astype(np.float32)
 
 

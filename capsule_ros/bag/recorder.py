@@ -1,0 +1,246 @@
+"""Recording a node's inputs, actions and capsule events into a standard rosbag2.
+
+``BagWriter`` is a ``rosbags`` writer with two guarantees replay depends on: log times
+strictly increase in write order (``max(last + 1, stamp)``, so readers that sort by time
+keep the order the node processed messages in), and a digest of every message goes
+into the bag's metadata (see ``capsule_ros.bag.metadata``).
+
+``NodeRecorder`` is the node's side (``PolicyNode.recorder``): callers on any thread
+(control loop, watchdog, services) only take a short lock to stamp a message and queue
+it; one writer thread serialises and writes, so disk I/O never stalls a control step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+
+from rosbags.interfaces import Connection, Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
+from rosbags.rosbag2 import StoragePlugin, Writer, WriterError
+from rosbags.typesys.store import Typestore
+
+from capsule_ros.bag.errors import RecordArgumentError, RecordError
+from capsule_ros.bag.metadata import MessageDigest, RecordingMeta, resolve_topic
+from capsule_ros.bag.typestore import ACTION_TYPE, EVENT_TYPE, build_typestore
+
+LOG = logging.getLogger(__name__)
+STORAGES: Mapping[str, StoragePlugin] = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
+
+
+def reliable_qos(depth: int) -> Qos:
+    """The QoS our ~/action and ~/capsule_events publishers offer (reliable, volatile)."""
+    default = QosTime(0, 0)          # RMW_DURATION_UNSPECIFIED: the rclpy default (no deadline etc.)
+    return Qos(QosHistory.KEEP_LAST, depth, QosReliability.RELIABLE, QosDurability.VOLATILE, default, default,
+               QosLiveliness.AUTOMATIC, default, False)
+
+
+def storage_plugin(storage: str) -> StoragePlugin:
+    try:
+        return STORAGES[storage]
+    except KeyError:
+        raise RecordArgumentError(f"storage {storage!r}: must be one of {sorted(STORAGES)}") from None
+
+
+def new_bag_path(directory: str) -> Path:
+    """``<directory>/capsule_ros_<UTC stamp>`` (``~`` expanded), made unique."""
+    parent = Path(directory).expanduser()
+    stem = "capsule_ros_" + time.strftime("%Y_%m_%d-%H_%M_%S", time.gmtime())
+    path, serial = parent / stem, 0
+    while path.exists():
+        serial += 1
+        path = parent / f"{stem}_{serial}"
+    return path
+
+
+class BagWriter:
+    """A rosbag2 bag being written (see the module docstring); a context manager.
+
+    Not thread-safe: ``NodeRecorder`` serialises access."""
+
+    def __init__(self, path: Path, storage: str, typestore: Typestore):
+        self.path = Path(path).expanduser()
+        self.storage = storage
+        self.typestore = typestore
+        self.digest = MessageDigest()
+        plugin = storage_plugin(storage)
+        try:
+            self._writer = Writer(self.path, version=Writer.VERSION_LATEST, storage_plugin=plugin)
+        except WriterError:
+            raise RecordError(f"bag {str(self.path)!r} exists already: choose another path") from None
+        self._connections: Dict[str, Connection] = {}
+        self._last = -1
+        self._open = False
+
+    def open(self) -> "BagWriter":
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._writer.open()
+        except (WriterError, OSError) as exc:
+            raise RecordError(f"cannot create bag {str(self.path)!r}: {exc}") from None
+        self._open = True
+        return self
+
+    def add_topic(self, topic: str, msgtype: str, qos: Sequence[Qos] = ()) -> Connection:
+        """The topic's connection (created on first use)."""
+        conn = self._connections.get(topic)
+        if conn is None:
+            if msgtype not in self.typestore.types:
+                raise RecordArgumentError(f"topic {topic}: message type {msgtype!r} is unknown to the typestore")
+            conn = self._writer.add_connection(topic, msgtype, typestore=self.typestore, offered_qos_profiles=qos)
+            self._connections[topic] = conn
+        return conn
+
+    def next_time(self, stamp_ns: int) -> int:
+        """The log time of the next message: its stamp, or just after the previous one."""
+        self._last = max(self._last + 1, int(stamp_ns))
+        return self._last
+
+    def write(self, topic: str, msgtype: str, data: bytes, log_time: int) -> None:
+        """Write one serialized message at ``log_time`` (from ``next_time``, in order)."""
+        conn = self.add_topic(topic, msgtype)
+        self._writer.write(conn, log_time, data)
+        self.digest.update(topic, log_time, data)
+
+    def close(self, meta: Optional[RecordingMeta] = None) -> int:
+        """Write the metadata (``meta`` with this bag's digest) and close; returns the count."""
+        if not self._open:
+            return self.digest.count
+        self._open = False
+        if meta is not None:
+            meta = dataclasses.replace(meta, digest=self.digest.hexdigest(), messages=self.digest.count)
+            for key, value in meta.to_custom_data().items():
+                self._writer.set_custom_data(key, value)
+        try:
+            self._writer.close()
+        except (WriterError, OSError) as exc:
+            raise RecordError(f"cannot finish bag {str(self.path)!r}: {exc}") from None
+        return self.digest.count
+
+    def abort(self) -> None:
+        if self._open:
+            self._open = False
+            self._writer.abort()
+
+    def __enter__(self) -> "BagWriter":
+        return self.open()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+_STOP = object()
+
+
+class NodeRecorder:
+    """The node's recording (see the module docstring). Start with ``NodeRecorder.start``."""
+
+    def __init__(self, writer: BagWriter, meta: RecordingMeta):
+        self.writer = writer
+        self.meta = meta
+        self.path = str(writer.path)
+        self._lock = threading.Lock()
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._closed = False
+        self._error: Optional[BaseException] = None
+        self._count = 0
+        self._thread = threading.Thread(target=self._drain, name="capsule_ros.bag", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, path: str, directory: str, storage: str, config, action_topic: str, events_topic: str,
+              fingerprint: str = "") -> "NodeRecorder":
+        """Open a new bag (``path`` "" = ``<directory>/<UTC stamp>``) with a connection per
+        port, ``~/action`` and ``~/capsule_events``."""
+        meta = RecordingMeta.for_node(config, action_topic, events_topic, fingerprint)
+        writer = BagWriter(Path(path).expanduser() if path else new_bag_path(directory), storage or "mcap",
+                           build_typestore())
+        writer.open()
+        try:
+            for port in meta.ports.values():
+                writer.add_topic(port.topic, port.type)
+            writer.add_topic(action_topic, ACTION_TYPE, (reliable_qos(10),))
+            writer.add_topic(events_topic, EVENT_TYPE, (reliable_qos(100),))
+        except BaseException:
+            writer.abort()
+            raise
+        LOG.info("recording to %s (%s)", writer.path, writer.storage)
+        return cls(writer, meta)
+
+    # -- called by the node, from any thread ----------------------------------------------------
+    def write_raw(self, topic: str, msgtype: str, raw_cdr: bytes, stamp_ns: int) -> None:
+        """A sensor message as received (``topic`` as configured: resolved like the node)."""
+        self._put(resolve_topic(topic, self.meta.node), msgtype, bytes(raw_cdr), stamp_ns)
+
+    def write_message(self, topic: str, rclpy_msg, stamp_ns: int) -> None:
+        """A published message (serialized on the writer thread)."""
+        msgtype = ACTION_TYPE if topic == self.meta.action_topic else \
+            EVENT_TYPE if topic == self.meta.events_topic else _rclpy_type_name(rclpy_msg)
+        self._put(topic, msgtype, rclpy_msg, stamp_ns)
+
+    def close(self) -> int:
+        """Stop, write the metadata, close the bag; returns the number of messages written."""
+        with self._lock:
+            if self._closed:
+                return self._count
+            self._closed = True
+            self._queue.put(_STOP)
+        self._thread.join()
+        count = self.writer.close(self.meta) if self._error is None else self._abort()
+        LOG.info("recorded %d messages to %s", count, self.path)
+        return count
+
+    @property
+    def messages(self) -> int:
+        return self._count
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _put(self, topic: str, msgtype: str, payload: Any, stamp_ns: int) -> None:
+        with self._lock:                 # stamping and queueing together keep time order = queue order
+            if self._closed:
+                return                   # a late message from a thread that raced the stop
+            self._queue.put((topic, msgtype, payload, self.writer.next_time(stamp_ns)))
+
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            if self._error is not None:
+                continue
+            topic, msgtype, payload, log_time = item
+            try:
+                data = payload if isinstance(payload, bytes) else _serialize(payload)
+                self.writer.write(topic, msgtype, data, log_time)
+                self._count += 1
+            except Exception as exc:  # noqa: BLE001 - disk full etc.: stop writing, report at close
+                self._error = exc
+                LOG.error("recording to %s failed: %r; further messages are not recorded", self.path, exc)
+
+    def _abort(self) -> int:
+        self.writer.abort()
+        raise RecordError(f"recording to {self.path} failed after {self._count} messages: {self._error!r}")
+
+
+def _serialize(rclpy_msg) -> bytes:
+    from rclpy.serialization import serialize_message
+    return serialize_message(rclpy_msg)
+
+
+def _rclpy_type_name(msg) -> str:
+    module = type(msg).__module__.split(".")        # e.g. capsule_ros.msg._action
+    return f"{module[0]}/msg/{type(msg).__name__}"
+
+
+def write_bag(path: Path, storage: str, meta: RecordingMeta, typestore: Typestore,
+              messages: Iterable[Tuple[str, str, bytes, int]]) -> int:
+    """Write ``(topic, msgtype, data, log_time)`` messages (times increasing) into a new bag
+    with ``meta``; returns the count. Used to edit or convert bags."""
+    with BagWriter(path, storage, typestore) as writer:
+        for topic, msgtype, data, log_time in messages:
+            writer.write(topic, msgtype, data, writer.next_time(log_time))
+        return writer.close(meta)

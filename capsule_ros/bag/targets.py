@@ -1,0 +1,406 @@
+"""What a replay drives: a ``PolicySession`` in this process, or a ``policy_node`` process.
+
+Both offer the same verbs to the replay engine (``capsule_ros.bag.replay``): feed a
+sensor message (and step when it is a trigger), step, and the capsule services. Sensor
+messages reach the policy through the same ``PortAdapter`` code as in the node: in
+process it is called directly; a node receives the recorded bytes on its topics.
+
+Replays never write to a capsule directory: capsules the bag does not commit itself
+(``--from-capsule``, a re-entry of a capsule saved before the recording) are read from
+their files by ``CapsuleFiles``, which neither creates nor recovers anything there.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from capsule_ros.bag.errors import ReplaySetupError
+from capsule_ros.bag.metadata import config_params, params_yaml
+from capsule_ros.bag.verdict import Act
+from capsule_ros.capsules.fileformat import load_kek, read_capsule
+from capsule_ros.capsules.store import Capsule
+from capsule_ros.errors import CapsuleRosError, NotFound
+from capsule_ros.runtime.arena import KIND_ORDER, BufferKind
+from capsule_ros.serving.config import ServingConfig
+from capsule_ros.serving.ports import PortDrop, port_adapters, stamp_ns
+from capsule_ros.serving.session import HoldMode
+
+ABLATIONS = {"kv-only": (BufferKind.KV,), "kv-meta": (BufferKind.KV, BufferKind.META)}
+
+
+class CapsuleFiles:
+    """Read-only access to capsule files (``<directory>/<id>.capsule``)."""
+
+    def __init__(self, directory: Optional[Path], key_file: str = "", max_file_bytes: int = 1 << 36):
+        self.directory = Path(directory).expanduser() if directory else None
+        self.key_file = key_file
+        self.max_file_bytes = max_file_bytes
+
+    def path(self, capsule_id: str) -> Optional[Path]:
+        """The capsule's file, if there is one (ids are plain file names: checked by the caller)."""
+        if self.directory is None or "/" in capsule_id or capsule_id.startswith("."):
+            return None
+        path = self.directory / f"{capsule_id}.capsule"
+        return path if path.is_file() else None
+
+    def read(self, capsule_id: str, fingerprint: str, schema) -> Tuple[Capsule, Any]:
+        """The capsule and its verified bytes (typed capsule errors otherwise)."""
+        path = self.path(capsule_id)
+        if path is None:
+            raise NotFound(f"no capsule file {capsule_id}.capsule in "
+                           f"{self.directory if self.directory else '(no capsule directory: use --capsule-dir)'}")
+        kek = load_kek(Path(self.key_file).expanduser()) if self.key_file else None
+        header, data = read_capsule(path, kek=kek, max_bytes=self.max_file_bytes, expected_fingerprint=fingerprint,
+                                    expected_schema=schema)
+        return Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
+                       header.nbytes, header.fingerprint, header.stamp_ns, path=str(path)), data
+
+
+def complement_runs(kinds: Sequence[BufferKind]) -> List[Tuple[BufferKind, ...]]:
+    """The other buffer kinds, as runs contiguous in the arena's layout order."""
+    runs: List[List[BufferKind]] = [[]]
+    for kind in KIND_ORDER:
+        if kind in kinds:
+            runs.append([])
+        else:
+            runs[-1].append(kind)
+    return [tuple(run) for run in runs if run]
+
+
+class InProcessTarget:
+    """A PolicySession built from the recorded config, in this process."""
+
+    kind = "in-process"
+
+    def __init__(self, config: ServingConfig, files: CapsuleFiles, ablation: Sequence[BufferKind] = ()):
+        from capsule_ros.serving.factory import build_session
+        # no capsule directory: the replay reads capsule files itself and never writes one
+        config = dataclasses.replace(config, capsules=dataclasses.replace(config.capsules, directory=""))
+        self.session = build_session(config)
+        self.session.enforce_deadline = False      # verify the function, not this machine's timing
+        self.adapters = port_adapters(config.ports)
+        self.files = files
+        self.ablation = tuple(ablation)
+
+    def __enter__(self) -> "InProcessTarget":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def fingerprint(self) -> str:
+        return self.session.runtime.fingerprint
+
+    def feed(self, port: str, raw: bytes, msg: Any, tick: bool, expect: bool = False) -> List[Act]:
+        """A sensor message through the port adapter; a step if ``tick`` and it was accepted."""
+        adapter = self.adapters[port]
+        if msg is None:                            # undecodable: the node counts it and drops it
+            adapter.counters.dropped["type"] += 1
+            return []
+        try:
+            values = adapter.accept(msg)
+        except PortDrop:
+            return []
+        self.session.write_input(port, values)
+        return self.step(stamp_ns(msg)) if tick else []
+
+    def step(self, stamp: Optional[int] = None) -> List[Act]:
+        record = self.session.tick(stamp or 0)
+        return [Act.of_record(record)] if record is not None else []
+
+    def settle(self) -> List[Act]:
+        return []
+
+    # -- capsule verbs: each returns what the replay maps to the recording ------------------------
+    def commit(self, label: str) -> str:
+        return self.session.commit(label).id
+
+    def interrupt(self, mode: HoldMode, commit: bool) -> Tuple[str, List[Act]]:
+        """Interrupt, and the safe action the node publishes with it."""
+        capsule = self.session.interrupt(mode, commit)
+        record = self.session.safe_record(self.session.hold_mode)
+        return (capsule.id if capsule else ""), ([Act.of_record(record)] if record is not None else [])
+
+    def reenter(self, capsule_id: str) -> Optional[int]:
+        if self.ablation and capsule_id:
+            self._reenter_ablated(capsule_id)
+        else:
+            self.session.reenter(capsule_id)
+        return self.session.episode_id
+
+    def reset(self, capsule_id: str) -> int:
+        return self.session.reset(capsule_id)[0]
+
+    def fork(self, capsule_id: str, label: str) -> str:
+        return self.session.fork(capsule_id, label).id
+
+    def drop(self, capsule_id: str) -> None:
+        self.session.drop(capsule_id)
+
+    def has(self, capsule_id: str) -> bool:
+        return capsule_id in self.session.store
+
+    def adopt(self, capsule_id: str) -> None:
+        """Load a capsule file into memory (verified, same fingerprint and schema)."""
+        session = self.session
+        capsule, data = self.files.read(capsule_id, session.store.fingerprint, session.runtime.layout.schema())
+        with session.at_boundary():
+            session.store.adopt(capsule, data)
+
+    def close(self) -> None:
+        pass
+
+    def _reenter_ablated(self, capsule_id: str) -> None:
+        """Re-enter, then put back every buffer kind but the ablated ones from the state
+        before: only the ablated kinds end up restored."""
+        session, store, runtime = self.session, self.session.store, self.session.runtime
+        with session.at_boundary():
+            live = store.snapshot(runtime, label="ablation: live state", episode_id=session.episode_id,
+                                  step=session.step, held=True)
+        try:
+            session.reenter(capsule_id)
+            with session.at_boundary():
+                for kinds in complement_runs(self.ablation):
+                    store.restore(live.id, runtime, kinds=kinds)
+        finally:
+            with session.at_boundary():
+                store.drop(live.id)
+
+
+def policy_node_executable() -> str:
+    """The installed ``policy_node``: on PATH, or in the package's lib directory."""
+    found = shutil.which("policy_node")
+    if found:
+        return found
+    try:
+        from ament_index_python.packages import get_package_prefix
+        path = Path(get_package_prefix("capsule_ros")) / "lib" / "capsule_ros" / "policy_node"
+        if path.is_file():
+            return str(path)
+    except Exception:  # noqa: BLE001 - not installed
+        pass
+    raise ReplaySetupError("policy_node is not installed (build the package, then `. scripts/env.sh`)")
+
+
+class NodeTarget:
+    """A ``policy_node`` process started with the recorded config, driven through ROS.
+
+    Isolation: the node runs in its own namespace and its ports are renamed to
+    ``<namespace>/replay_in/<port>``, so a replay never talks to a live robot's topics;
+    ports use reliable QoS, the deadline is off (a late step on this machine would
+    publish a safe action) and status comes at 50 Hz: after each message the target
+    waits until the node counted it (``~/status`` port counters) or until its action
+    arrives, so the node processes the bag's messages in the bag's order.
+    """
+
+    kind = "policy_node"
+
+    def __init__(self, config: ServingConfig, files: CapsuleFiles, workdir: Path, timeout_s: float = 60.0):
+        try:
+            import rclpy
+            from rclpy.context import Context
+            from rclpy.executors import SingleThreadedExecutor
+            from rclpy.qos import QoSProfile, ReliabilityPolicy
+            from capsule_ros.msg import Action, RuntimeStatus
+            from capsule_ros.ros.client import CapsuleClient
+            from capsule_ros.ros.node import message_class
+        except ImportError as exc:
+            raise ReplaySetupError(f"--node needs ROS 2 and the built package ({exc})") from None
+        self.files = files
+        self.timeout_s = timeout_s
+        self.workdir = Path(workdir)
+        self.capsule_dir = self.workdir / "capsules"
+        self.namespace = f"/capsule_replay_{os.getpid()}_{os.urandom(2).hex()}"
+        node_path = f"{self.namespace}/capsule_policy"
+        params_file = self.workdir / "replay_params.yaml"
+        params_file.write_text(params_yaml(self._params(config, self.capsule_dir)))
+        self.log_path = self.workdir / "policy_node.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([policy_node_executable(), "--ros-args", "--params-file", str(params_file),
+                                      "-r", f"__ns:={self.namespace}"], stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self._context = Context()
+        rclpy.init(context=self._context)
+        self.node = rclpy.create_node("capsule_replay_driver", namespace=self.namespace, context=self._context)
+        self._executor = SingleThreadedExecutor(context=self._context)
+        self._executor.add_node(self.node)
+        self._spin = threading.Thread(target=self._executor.spin, daemon=True, name="capsule_replay_spin")
+        self._spin.start()
+        reliable = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
+        self._actions: "queue.Queue[Any]" = queue.Queue()
+        self._status = threading.Condition()
+        self._processed: Dict[str, int] = {}
+        self._fingerprint = ""
+        self._sent = {name: 0 for name in config.ports}
+        self.node.create_subscription(Action, f"{node_path}/action", self._actions.put, reliable)
+        self.node.create_subscription(RuntimeStatus, f"{node_path}/status", self._on_status, 10)
+        self._publishers = {name: self.node.create_publisher(message_class(port.type),
+                                                             f"{self.namespace}/replay_in/{name}", reliable)
+                            for name, port in config.ports.items()}
+        self.client = CapsuleClient(self.node, node_path, server_wait_s=timeout_s, call_timeout_s=10.0)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _params(config: ServingConfig, capsule_dir: Path) -> dict:
+        params = config_params(config)
+        params["capsules"]["directory"] = str(capsule_dir)
+        for name in config.ports:
+            params["ports"][name].update(topic=f"replay_in/{name}", qos="reliable", depth=100)
+        params["control"].update(deadline_ms=1e6, status_rate_hz=50.0)
+        params["record"]["enabled"] = False
+        return params
+
+    def __enter__(self) -> "NodeTarget":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- plumbing -----------------------------------------------------------------------------------
+    def _on_status(self, msg) -> None:
+        with self._status:
+            self._fingerprint = msg.fingerprint
+            for p in msg.ports:
+                self._processed[p.name] = int(p.received + p.dropped_shape + p.dropped_type + p.dropped_nonfinite
+                                              + p.dropped_out_of_order)
+            self._status.notify_all()
+
+    def _wait(self, predicate, what: str, timeout: Optional[float] = None) -> None:
+        deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+        with self._status:
+            while not predicate():
+                if self.proc.poll() is not None:
+                    raise ReplaySetupError(f"policy_node exited with {self.proc.returncode} while waiting for "
+                                           f"{what}: {self._log_tail()}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ReplaySetupError(f"policy_node: timed out waiting for {what}")
+                self._status.wait(min(left, 0.2))
+
+    def _wait_ready(self) -> None:
+        self._wait(lambda: bool(self._fingerprint), "its first ~/status")
+        self._wait(lambda: all(p.get_subscription_count() > 0 for p in self._publishers.values()),
+                   "its port subscriptions")
+        self.client.list_capsules()                 # the services are up
+
+    def _log_tail(self) -> str:
+        try:
+            lines = [l for l in self.log_path.read_text(errors="replace").splitlines() if l.strip()]
+        except OSError:
+            return "(no log)"
+        return lines[-1][:300] if lines else "(empty log)"
+
+    def _drain(self) -> List[Act]:
+        out = []
+        while True:
+            try:
+                out.append(Act.of_msg(self._actions.get_nowait()))
+            except queue.Empty:
+                return out
+
+    def _wait_action(self, timeout: float) -> List[Act]:
+        try:
+            first = self._actions.get(timeout=timeout)
+        except queue.Empty:
+            return []
+        return [Act.of_msg(first)] + self._drain()
+
+    # -- verbs ----------------------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def feed(self, port: str, raw: bytes, msg: Any, tick: bool, expect: bool = False) -> List[Act]:
+        """Publish the recorded bytes; wait for the action the recording says follows, or
+        until the node counted the message."""
+        self._publishers[port].publish(raw)
+        self._sent[port] += 1
+        if expect:
+            return self._wait_action(self.timeout_s)
+        sent = self._sent[port]
+        self._wait(lambda: self._processed.get(port, 0) >= sent, f"port {port} to count message {sent}")
+        time.sleep(0.02)                           # a step it triggered may still be publishing
+        return self._drain()
+
+    def step(self, stamp: Optional[int] = None) -> List[Act]:
+        raise ReplaySetupError("a policy_node steps on its own in timer mode: replay timer-mode bags in-process")
+
+    def settle(self) -> List[Act]:
+        """Every message counted and every action in: what arrived (to be discarded)."""
+        for port, sent in self._sent.items():
+            self._wait(lambda: self._processed.get(port, 0) >= sent, f"port {port} to count message {sent}")
+        time.sleep(0.2)
+        return self._drain()
+
+    def _call(self, service: str, **kwargs) -> Any:
+        """A service call; a refusal or timeout becomes a CapsuleRosError (the replay reports it)."""
+        from capsule_ros.ros.client import ServiceError
+        try:
+            return getattr(self.client, service)(**kwargs)
+        except ServiceError as exc:
+            raise CapsuleRosError(str(exc)) from None
+
+    def commit(self, label: str) -> str:
+        return self._call("commit", label=label).capsule.id
+
+    def interrupt(self, mode: HoldMode, commit: bool) -> Tuple[str, List[Act]]:
+        response = self._call("interrupt", hold_mode=int(mode), commit=commit)
+        acts = self._wait_action(self.timeout_s) if mode != HoldMode.HOLD_SILENT else []
+        return (response.capsule.id if commit else ""), acts
+
+    def reenter(self, capsule_id: str) -> Optional[int]:
+        response = self._call("reenter", capsule_id=capsule_id)
+        return int(response.capsule.episode_id) if response.capsule.id else None
+
+    def reset(self, capsule_id: str) -> int:
+        return int(self._call("reset", capsule_id=capsule_id).episode_id)
+
+    def fork(self, capsule_id: str, label: str) -> str:
+        return self._call("fork", capsule_id=capsule_id, label=label).capsule.id
+
+    def drop(self, capsule_id: str) -> None:
+        self._call("drop", capsule_id=capsule_id)
+
+    def has(self, capsule_id: str) -> bool:
+        return any(c.id == capsule_id and c.tier != c.TIER_DISK for c in self._call("list_capsules").capsules)
+
+    def adopt(self, capsule_id: str) -> None:
+        """Copy the capsule file into the node's own capsule directory and load it."""
+        source = self.files.path(capsule_id)
+        if source is None:
+            raise NotFound(f"no capsule file {capsule_id}.capsule in {self.files.directory}")
+        self.capsule_dir.mkdir(mode=0o700, exist_ok=True)
+        target = self.capsule_dir / source.name
+        shutil.copyfile(source, target)
+        os.chmod(target, 0o600)
+        self._call("load", capsule_id=capsule_id)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        with contextlib.suppress(Exception):
+            self._executor.shutdown(timeout_sec=2.0)
+        with contextlib.suppress(Exception):
+            self.node.destroy_node()
+        with contextlib.suppress(Exception):
+            self._context.try_shutdown()
+        self._log.close()

@@ -1,0 +1,76 @@
+"""Message types for reading and writing bags without ROS: a ``rosbags`` typestore of
+ROS 2 Kilted plus capsule_ros's own ``Action`` and ``CapsuleEvent``.
+
+Our definitions come from the package's ``msg/`` (the installed share directory or the
+source tree); when neither is present (a pip install of the core on a machine without
+ROS) they come from the definitions a bag carries itself (MCAP schemas, the sqlite3
+``message_definitions`` table), so a bag stays readable wherever it goes. Each call
+builds a fresh typestore: registering never touches shared state.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+from rosbags.interfaces import Connection, MessageDefinitionFormat
+from rosbags.typesys import Stores, get_types_from_idl, get_types_from_msg, get_typestore
+from rosbags.typesys.store import Typestore
+
+from capsule_ros.bag.errors import BadBag
+
+PACKAGE = "capsule_ros"
+ACTION_TYPE = f"{PACKAGE}/msg/Action"
+EVENT_TYPE = f"{PACKAGE}/msg/CapsuleEvent"
+OWN_TYPES = (ACTION_TYPE, EVENT_TYPE)
+
+
+def msg_directories() -> List[Path]:
+    """Where our ``.msg`` files may be: the installed share directory, the source tree."""
+    found = []
+    try:
+        from ament_index_python.packages import get_package_share_directory
+        found.append(Path(get_package_share_directory(PACKAGE)) / "msg")
+    except Exception:  # noqa: BLE001 - no ROS, or the package is not installed
+        pass
+    found.append(Path(__file__).resolve().parents[2] / "msg")
+    return [d for d in found if d.is_dir()]
+
+
+def _package_definition(msgtype: str) -> Optional[str]:
+    name = msgtype.rsplit("/", 1)[-1]
+    for directory in msg_directories():
+        path = directory / f"{name}.msg"
+        if path.is_file():
+            return path.read_text()
+    return None
+
+
+def _register(store: Typestore, types: dict) -> None:
+    """Register only the types the store does not know (never redefine a standard one)."""
+    new = {name: value for name, value in types.items() if name not in store.types}
+    if new:
+        store.register(new)
+
+
+def build_typestore(connections: Iterable[Connection] = ()) -> Typestore:
+    """ROS 2 Kilted types, ours, and any other type a bag's connections define."""
+    store = get_typestore(Stores.ROS2_KILTED)
+    for msgtype in OWN_TYPES:
+        text = _package_definition(msgtype)
+        if text is not None:
+            _register(store, get_types_from_msg(text, msgtype))
+    for conn in connections:
+        if conn.msgtype in store.types:
+            continue
+        definition = conn.msgdef
+        try:
+            if definition.format == MessageDefinitionFormat.MSG and definition.data:
+                _register(store, get_types_from_msg(definition.data, conn.msgtype))
+            elif definition.format == MessageDefinitionFormat.IDL and definition.data:
+                _register(store, get_types_from_idl(definition.data))
+        except Exception as exc:  # noqa: BLE001 - a garbled definition is a bad bag
+            raise BadBag(f"topic {conn.topic}: unreadable message definition of {conn.msgtype} ({exc})") from None
+    missing = [t for t in OWN_TYPES if t not in store.types]
+    if missing:
+        raise BadBag(f"no definition of {missing}: neither the bag nor an installed capsule_ros provides one")
+    return store

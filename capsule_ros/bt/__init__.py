@@ -1,0 +1,22 @@
+"""Behaviour-tree client of the capsule services (py_trees; needs rclpy).
+
+- :mod:`capsule_ros.bt.behaviours`: non-blocking service leaves (:class:`CapsuleServiceCall`
+  and one thin class per verb) that fail with BehaviorTree.ROS2's error kinds and pass
+  capsule ids through the blackboard.
+- :mod:`capsule_ros.bt.example`: "commit before the grasp; on failure re-enter the last
+  good capsule and retry; give up after N tries" (``python -m capsule_ros.bt.example``).
+
+docs/behavior-trees.md covers these and calling the services from BehaviorTree.ROS2 / Nav2.
+"""
+from capsule_ros.bt.behaviours import (DEFAULT_CALL_TIMEOUT_S, DEFAULT_NODE, DEFAULT_SERVER_WAIT_S,
+                                       DISK_CALL_TIMEOUT_S, FORK_KEY, INTERRUPT_KEY, LAST_GOOD_KEY, OUTCOME_PREFIX,
+                                       CapsuleServiceCall, Commit, DropCapsule, FailureKind, Fork, Interrupt,
+                                       InvalidRequest, LoadCapsule, Reenter, Reset, SaveCapsule, ServiceOutcome,
+                                       capsule_id_from, shared_capsule_client, spin_in_background, tick_until_done)
+
+__all__ = [
+    "DEFAULT_CALL_TIMEOUT_S", "DEFAULT_NODE", "DEFAULT_SERVER_WAIT_S", "DISK_CALL_TIMEOUT_S", "FORK_KEY",
+    "INTERRUPT_KEY", "LAST_GOOD_KEY", "OUTCOME_PREFIX", "CapsuleServiceCall", "Commit", "DropCapsule", "FailureKind",
+    "Fork", "Interrupt", "InvalidRequest", "LoadCapsule", "Reenter", "Reset", "SaveCapsule", "ServiceOutcome",
+    "capsule_id_from", "shared_capsule_client", "spin_in_background", "tick_until_done",
+]
