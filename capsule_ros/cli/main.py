@@ -15,11 +15,12 @@ def _bench(args) -> int:
     return module.main(args)
 
 
-def _delegate(module_name: str):
-    def run(args) -> int:
-        module = __import__(module_name, fromlist=["main"])
-        return module.main(args.rest)
-    return run
+DELEGATED = {
+    "demo": ("capsule_ros.cli.demo", "the main job: sim + policy node + scripted capsule plan + report"),
+    "replay": ("capsule_ros.bag.replay", "replay a rosbag step by step and verify the actions"),
+    "record": ("capsule_ros.bag.record_cmd", "record the node's topics into a rosbag2"),
+    "inspect": ("capsule_ros.cli.inspect_cmd", "print and verify a capsule file"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,18 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefixes", type=int, nargs="*", help="reenter: prefix lengths in tokens")
     bench.set_defaults(func=_bench)
 
-    for name, module, text in (
-            ("demo", "capsule_ros.cli.demo", "the main job: sim + policy node + scripted capsule plan + report"),
-            ("replay", "capsule_ros.bag.replay", "replay a rosbag step by step and verify the actions"),
-            ("record", "capsule_ros.bag.record_cmd", "record the node's topics into a rosbag2"),
-            ("inspect", "capsule_ros.cli.inspect_cmd", "print and verify a capsule file")):
-        p = sub.add_parser(name, help=text, add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_delegate(module))
+    for name, (_, text) in DELEGATED.items():
+        sub.add_parser(name, help=f"{text} (see capsule-ros {name} --help)", add_help=False)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:            # the subcommand parses its own options
+        module = __import__(DELEGATED[argv[0]][0], fromlist=["main"])
+        return int(module.main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -86,6 +86,10 @@ class CapsuleClient:
             raise ServiceRefused(client.srv_name, response.error_code, response.message)
         return response
 
+    def ready(self) -> bool:
+        """Every service of the node is available now."""
+        return all(client.service_is_ready() for client in self._clients.values())
+
     # thin wrappers -------------------------------------------------------------------------
     def commit(self, label: str = "", persist: bool = False, pin: bool = False, **kw):
         return self.call("commit", srv.Commit.Request(label=label, persist=persist, pin=pin), **kw)

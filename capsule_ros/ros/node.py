@@ -94,7 +94,12 @@ class PolicyNode(Node):
         self.watchdog = DeadlineWatchdog(self._on_deadline_miss)
         self._last_warn: Dict[str, float] = {}
         self._diagnostics = DiagnosticsBuilder(self.get_fully_qualified_name())
-        self._port_subscriptions = [self._subscribe(name, port) for name, port in self.config.ports.items()]
+        # The trigger port subscribes last: when a goal and a joint state wait at once, the
+        # executor takes them in subscription order, so the step sees the goal that came
+        # with it (clients wait for the goal's acknowledgement before the joint state).
+        trigger = self.config.control.trigger_port if self.config.control.mode == "trigger" else ""
+        ordered = sorted(self.config.ports.items(), key=lambda item: item[0] == trigger)
+        self._port_subscriptions = [self._subscribe(name, port) for name, port in ordered]
         self._control_timer = None
         self._configure_loop(control)
         self._status_timer = self.create_timer(1.0 / control.status_rate_hz, self._publish_status,
