@@ -31,9 +31,8 @@ tree and a C++ tree report the same thing. Every outcome, good or bad, is writte
 A tick never blocks: the leaf only polls ``service_is_ready()`` and the response future.
 Something else must spin the rclpy node the leaves were set up with so that responses
 arrive: an executor in a background thread (:func:`spin_in_background`), or the tick loop
-itself (``executor.spin_once(timeout_sec=0)`` between ticks). Leaves calling the same
-policy node share one :class:`~capsule_ros.ros.client.CapsuleClient` per rclpy node, i.e.
-one rclpy client per service, never one per leaf or per call.
+itself (``executor.spin_once(timeout_sec=0)`` between ticks). Each leaf creates its one
+rclpy client at set-up and reuses it for every call (never a client per call).
 
 Set-up: pass the rclpy node to the constructor (``node=``) or to ``setup`` /
 ``BehaviourTree.setup(node=...)`` (the py_trees_ros convention).
@@ -43,7 +42,6 @@ from __future__ import annotations
 import enum
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional
 
@@ -53,7 +51,7 @@ from py_trees.common import Access, Status
 from capsule_ros import srv
 from capsule_ros.capsules.ids import check_capsule_id
 from capsule_ros.errors import ErrorCode
-from capsule_ros.ros.client import SERVICES, CapsuleClient
+from capsule_ros.ros.client import SERVICES
 
 DEFAULT_NODE = "/capsule_policy"
 LAST_GOOD_KEY = "/capsule/last_good"          # Commit writes, Reenter / Fork / Reset read
@@ -118,30 +116,28 @@ class ServiceOutcome:
         return f"{self.service}: {self.failure.value}{code}: {self.message}"
 
 
-# -- shared clients ---------------------------------------------------------------------------
-_shared_lock = threading.Lock()
-_shared: "weakref.WeakKeyDictionary[Any, Dict[str, CapsuleClient]]" = weakref.WeakKeyDictionary()
+# -- spinning -----------------------------------------------------------------------------------
+class BackgroundSpinner:
+    """A MultiThreadedExecutor spinning ``node`` in a daemon thread (see :func:`spin_in_background`)."""
+
+    def __init__(self, node, num_threads: int = 2):
+        from rclpy.executors import MultiThreadedExecutor
+        self.executor = MultiThreadedExecutor(num_threads=num_threads)
+        self.executor.add_node(node)
+        self.thread = threading.Thread(target=self.executor.spin, name="capsule-bt-spin", daemon=True)
+        self.thread.start()
+
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """Stop spinning and join the thread: do this before destroying the node and
+        ``rclpy.shutdown()`` (a thread still inside rclpy at interpreter exit aborts it)."""
+        self.executor.shutdown(timeout_sec=timeout_s)
+        self.thread.join(timeout_s)
 
 
-def shared_capsule_client(node, node_path: str = DEFAULT_NODE) -> CapsuleClient:
-    """The one CapsuleClient of ``node`` for the policy node ``node_path`` (created once)."""
-    key = node_path.rstrip("/") or "/"
-    with _shared_lock:
-        per_node = _shared.setdefault(node, {})
-        client = per_node.get(key)
-        if client is None:
-            client = per_node[key] = CapsuleClient(node, key)
-        return client
-
-
-def spin_in_background(node, num_threads: int = 2):
-    """Spin ``node`` on a MultiThreadedExecutor in a daemon thread; returns the executor
-    (call ``executor.shutdown()`` when done)."""
-    from rclpy.executors import MultiThreadedExecutor
-    executor = MultiThreadedExecutor(num_threads=num_threads)
-    executor.add_node(node)
-    threading.Thread(target=executor.spin, name="capsule-bt-spin", daemon=True).start()
-    return executor
+def spin_in_background(node, num_threads: int = 2) -> BackgroundSpinner:
+    """Spin ``node`` on a MultiThreadedExecutor in a daemon thread; call ``shutdown()`` on
+    the returned spinner when done."""
+    return BackgroundSpinner(node, num_threads)
 
 
 # -- the generic leaf -------------------------------------------------------------------------
@@ -211,12 +207,14 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
 
     # -- py_trees lifecycle ------------------------------------------------------------------------
     def setup(self, **kwargs: Any) -> None:
-        """Create (or reuse) the node's client; ``node`` from the kwargs or the constructor."""
+        """Create this leaf's one rclpy client (at set-up, never per call); ``node`` from the
+        kwargs or the constructor."""
         node = kwargs.get("node", self._node)
         if node is None:
             raise KeyError(f"{self.name}: no rclpy node: pass node= to the constructor or to setup()")
-        self._node = node
-        self._client = shared_capsule_client(node, self.node_path).service_client(self.service)
+        if self._client is None or self._node is not node:
+            self._node = node
+            self._client = node.create_client(SERVICES[self.service], f"{self.node_path.rstrip('/')}/{self.service}")
 
     def initialise(self) -> None:
         self._reset_call()

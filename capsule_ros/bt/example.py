@@ -227,7 +227,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     goal_topic = args.goal_topic or f"{namespace}/arm/goal"
     rclpy.init()
     node = rclpy.create_node("capsule_bt_example")
-    executor = spin_in_background(node)
+    spinner = spin_in_background(node)
     arm = None
     try:
         grasp = ReachGoal("ReachGoal", joints_topic=joints_topic, goal_topic=goal_topic, step_budget=args.step_budget)
@@ -249,7 +249,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         if arm is not None:
             arm.stop()
-        executor.shutdown(timeout_sec=1.0)
+        spinner.shutdown()
         node.destroy_node()
         rclpy.try_shutdown()
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+import torch
 
 from capsule_ros.capsules.ids import check_capsule_id
 from capsule_ros.capsules.store import Capsule, CapsuleStore, Tier
@@ -136,6 +137,16 @@ class _LedgerEntry:
     generation: int
 
 
+@dataclass(frozen=True)
+class _Rebuild:
+    """What a recompute needs, taken under the lock."""
+
+    entry: _LedgerEntry
+    root_id: str
+    root_bytes: "torch.Tensor"
+    rows: np.ndarray
+
+
 @dataclass
 class _Timeline:
     """The current episode timeline: where the input log starts."""
@@ -172,6 +183,8 @@ class PolicySession:
         self._last_applied = np.zeros(runtime.policy.action_dim, dtype=np.float32)
         self._ledger: Dict[str, _LedgerEntry] = {}
         self._timeline = _Timeline()
+        self._scratch: Optional[PolicyRuntime] = None     # second arena for recompute rebuilds
+        self._scratch_lock = threading.Lock()
         self._inputs_seen: set = set()
         self._input_names = tuple(runtime.staging)
         row_bytes = runtime.input_staging.numel()
@@ -337,7 +350,10 @@ class PolicySession:
             return capsule
 
     def reenter(self, capsule_id: str = "") -> ReenterResult:
-        """Restore a capsule and resume (see the module docstring for the fallback)."""
+        """Restore a capsule and resume (see the module docstring for the fallback).
+
+        A fallback rebuild runs on a scratch runtime outside the boundary lock (the control
+        loop keeps stepping meanwhile); its result is then restored at the next boundary."""
         fetched = self._prefetch(check_capsule_id(capsule_id)) if capsule_id else None
         with self.at_boundary():
             if not capsule_id:
@@ -350,28 +366,40 @@ class PolicySession:
                 else:
                     raise WrongState(f"reenter without a capsule id needs an interrupt capsule "
                                      f"(episode is {self.state.name})")
-            fallback_reason, recompute_s, restore_s = "", 0.0, 0.0
             try:
                 capsule, from_disk = self._materialize(capsule_id, fetched)
                 restore_s = self.store.restore(capsule.id, self.runtime,
                                                count_as=Tier.DISK if from_disk else None).seconds
+                return self._resume(capsule, "", restore_s, 0.0)
             except (CorruptCapsule, NotFound, FingerprintMismatch, CapsuleIOError, PermissionDenied,
                     InvalidArgument) as exc:
-                capsule, recompute_s = self._recompute(capsule_id, exc)
-                fallback_reason = str(exc)
-            entry = self._ledger.get(capsule.id)
-            rollback = capsule.episode_id == self.episode_id and capsule.step < self.step
-            if entry is not None and self.input_log.covers(entry.episode_id, entry.step, entry.generation) is None:
-                self.input_log.truncate(capsule.step)
-            else:
-                self.store.set_held(capsule.id, True)
-                self._start_timeline(capsule)
-            self.episode_id, self.step, self.lineage = capsule.episode_id, capsule.step, capsule.id
-            self._next_episode = max(self._next_episode, capsule.episode_id + 1)
-            self.state = EpisodeState.RUNNING
-            self._emit(EventKind.REENTER, capsule, rollback=rollback, fallback=bool(fallback_reason),
-                       detail=fallback_reason)
-            return ReenterResult(capsule, rollback, bool(fallback_reason), fallback_reason, restore_s, recompute_s)
+                cause = exc
+                plan = self._plan_rebuild(capsule_id, exc)
+        start = time.perf_counter()
+        self._rebuild(plan)
+        recompute_s = time.perf_counter() - start
+        with self.at_boundary():
+            capsule = self._adopt_rebuilt(capsule_id, plan, cause, recompute_s)
+            self.store.restore(capsule.id, self.runtime)
+            return self._resume(capsule, str(cause), 0.0, recompute_s)
+
+    def _resume(self, capsule: Capsule, fallback_reason: str, restore_s: float,
+                recompute_s: float) -> ReenterResult:
+        """After the live state became ``capsule``'s (under the lock): timeline, state, event."""
+        entry = self._ledger.get(capsule.id)
+        rollback = capsule.episode_id == self.episode_id and capsule.step < self.step
+        if entry is not None and self.input_log.covers(entry.episode_id, entry.step, entry.generation) is None:
+            self.input_log.truncate(capsule.step)
+        else:
+            self.store.set_held(capsule.id, True)
+            self._start_timeline(capsule)
+        self._release_interrupt_capsule()      # a later reenter("") needs a new interrupt
+        self.episode_id, self.step, self.lineage = capsule.episode_id, capsule.step, capsule.id
+        self._next_episode = max(self._next_episode, capsule.episode_id + 1)
+        self.state = EpisodeState.RUNNING
+        self._emit(EventKind.REENTER, capsule, rollback=rollback, fallback=bool(fallback_reason),
+                   detail=fallback_reason)
+        return ReenterResult(capsule, rollback, bool(fallback_reason), fallback_reason, restore_s, recompute_s)
 
     def fork(self, capsule_id: str = "", label: str = "") -> Capsule:
         """A new capsule id with the same state ("" = the live state at this boundary)."""
@@ -515,10 +543,10 @@ class PolicySession:
         capsule, data = fetched
         return self.store.adopt(capsule, data), True
 
-    def _recompute(self, capsule_id: str, cause: CapsuleRosError) -> Tuple[Capsule, float]:
-        """Rebuild a capsule's state from the timeline root and the input log, or re-raise
-        ``cause`` (with the reason no fallback was possible). On failure the live state is
-        put back as it was."""
+    def _plan_rebuild(self, capsule_id: str, cause: CapsuleRosError) -> "_Rebuild":
+        """Under the lock: check that the input log can rebuild the capsule (else re-raise
+        ``cause`` with the reason), and take what the rebuild needs: the timeline root's
+        bytes and a copy of the logged inputs."""
         entry = self._ledger.get(capsule_id)
         reason = None
         if entry is None:
@@ -532,39 +560,45 @@ class PolicySession:
             reason = f"the timeline root {root_id!r} is no longer in memory"
         if reason is not None:
             raise type(cause)(f"{cause}; no recompute fallback: {reason}") from cause
-        start = time.perf_counter()
-        scratch = self.store.snapshot(self.runtime, label="pre-recompute", episode_id=self.episode_id,
-                                      step=self.step, held=True)
-        saved_staging = self.runtime.input_staging.numpy().copy()
-        try:
-            self.store.restore(root_id, self.runtime)
-            for row in self.input_log.rows(entry.step):
-                with self.staging_lock:
-                    self.runtime.input_staging.numpy()[:] = row
-                    self.runtime.load_inputs()
-                self.runtime.step()
-            rebuilt_step = self._read_step()
-            if rebuilt_step != entry.step:
-                raise CorruptCapsule(f"recompute reached step {rebuilt_step}, expected {entry.step}")
-        except Exception:
-            self.store.restore(scratch.id, self.runtime)
-            raise
-        finally:
-            with self.staging_lock:
-                self.runtime.input_staging.numpy()[:] = saved_staging
-            self.store.drop(scratch.id)
-        seconds = time.perf_counter() - start
-        self.counters.fallback_recomputes += 1
+        return _Rebuild(entry, root_id, self.store.host_copy(root_id), self.input_log.rows(entry.step).copy())
+
+    def _rebuild(self, plan: "_Rebuild") -> None:
+        """Outside the lock: replay the logged inputs from the root on the scratch runtime."""
+        with self._scratch_lock:
+            scratch = self._scratch_runtime()
+            scratch.arena.storage.copy_(plan.root_bytes)
+            staging = scratch.input_staging.numpy()
+            for row in plan.rows:
+                staging[:] = row
+                scratch.load_inputs()
+                scratch.step()
+            rebuilt_step = scratch.read_outputs().step
+        if rebuilt_step != plan.entry.step:
+            raise CorruptCapsule(f"recompute reached step {rebuilt_step}, expected {plan.entry.step}")
+
+    def _adopt_rebuilt(self, capsule_id: str, plan: "_Rebuild", cause: CapsuleRosError,
+                       seconds: float) -> Capsule:
+        """Under the lock: the rebuilt state as an in-memory capsule of the same id."""
         known = self.store.find(capsule_id)
         if known is not None and known.payload is None:
             self.store.drop(capsule_id)            # its file is bad: forget the disk-only entry
-        capsule = self.store.snapshot(self.runtime, label="rebuilt by recompute", parent_id=root_id,
-                                      episode_id=entry.episode_id, step=entry.step, capsule_id=capsule_id) \
-            if capsule_id not in self.store else self.store.get(capsule_id)
-        self._ledger[capsule.id] = entry
-        LOG.warning("capsule %s rebuilt by recomputing %d steps in %.1f ms (%s)", capsule_id,
-                    entry.step - self.input_log.base_step, seconds * 1e3, cause)
-        return capsule, seconds
+        with self._scratch_lock:
+            capsule = self.store.snapshot(self._scratch_runtime(), label="rebuilt by recompute",
+                                          parent_id=plan.root_id, episode_id=plan.entry.episode_id,
+                                          step=plan.entry.step, capsule_id=capsule_id) \
+                if capsule_id not in self.store else self.store.get(capsule_id)
+            self._scratch_runtime().synchronize()
+        self._ledger[capsule.id] = plan.entry
+        self.counters.fallback_recomputes += 1
+        LOG.warning("capsule %s rebuilt by recomputing %d steps in %.1f ms (%s)", capsule_id, len(plan.rows),
+                    seconds * 1e3, cause)
+        return capsule
+
+    def _scratch_runtime(self) -> PolicyRuntime:
+        """A second runtime over the same weights (made on first use) for rebuilds."""
+        if self._scratch is None:
+            self._scratch = self.runtime.fork()
+        return self._scratch
 
     def _on_evict(self, capsule: Capsule) -> None:
         self._emit(EventKind.EVICT, capsule, detail="evicted from memory (byte budget)")

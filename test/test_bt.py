@@ -1,0 +1,316 @@
+"""The py_trees client (capsule_ros.bt) against the real policy node.
+
+Each failure kind of the service leaves is produced for real: SERVICE_UNREACHABLE (no
+node of that name), SERVICE_TIMEOUT (the node's process is stopped with SIGSTOP while the
+call is in flight), SERVICE_ABORTED with the server's exact error code (NOT_FOUND,
+WRONG_STATE), INVALID_REQUEST (missing blackboard key, malformed id: nothing is sent).
+The example tree's retry logic is checked through the node: its ~/capsule_events (one
+REENTER of the committed capsule after each failed try) and its actions (each retry
+replays bit-identically from the committed capsule).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import py_trees
+import pytest
+from py_trees.common import Status
+
+import capsule_ros.bt as bt
+from harness import REPO, ClientNode, start_policy_node, wait_for
+from test_node import Driver, observations
+
+pytestmark = pytest.mark.ros
+NS = "/bt"
+NODE = f"{NS}/capsule_policy"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, rclpy_context):
+    tmp = tmp_path_factory.mktemp("bt_node")
+    proc = start_policy_node(tmp, {"policy": {"weights": ""}, "control": {"deadline_ms": 2000.0}}, namespace=NS)
+    client = ClientNode(rclpy_context, "bt_test_client", node_path=NODE)
+    driver = Driver(client, NS)
+    driver.send_goal()
+    wait_for(lambda: any(p.name == "goal" and p.received >= 1 for p in driver.latest_status().ports),
+             timeout=30, what="the goal to be received")
+    yield proc, client, driver
+    client.close()
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(autouse=True)
+def clean_blackboard():
+    py_trees.blackboard.Blackboard.clear()
+    yield
+    py_trees.blackboard.Blackboard.clear()
+
+
+def run(root, client, timeout=20.0, period=0.005):
+    """Set up and tick ``root`` until it is done; returns (status, ticks, seconds, longest tick)."""
+    py_trees.trees.setup(root, node=client.node)
+    ticks, longest, start = 0, 0.0, time.monotonic()
+    while True:
+        t0 = time.monotonic()
+        root.tick_once()
+        longest = max(longest, time.monotonic() - t0)
+        ticks += 1
+        if root.status != Status.RUNNING:
+            return root.status, ticks, time.monotonic() - start, longest
+        assert time.monotonic() - start < timeout, f"{root.name} still RUNNING after {timeout} s"
+        time.sleep(period)
+
+
+def bb(key):
+    return py_trees.blackboard.Blackboard.get(key)
+
+
+def events_of(driver, kind, timeout=5.0, count=1):
+    """Wait for ``count`` capsule events of ``kind``; return all events seen of that kind."""
+    seen = []
+
+    def enough():
+        seen.extend(e for e in ClientNode.drain(driver.events) if e.kind == kind)
+        return len(seen) >= count
+    wait_for(enough, timeout=timeout, what=f"{count} capsule event(s) of kind {kind}")
+    return seen
+
+
+# -- leaves -------------------------------------------------------------------------------------
+def test_commit_success_stores_the_capsule_id(env):
+    from capsule_ros.bt import LAST_GOOD_KEY, Commit
+    from capsule_ros.msg import CapsuleEvent
+    proc, client, driver = env
+    driver.run(observations(3, 100))
+    ClientNode.drain(driver.events)
+    leaf = Commit(node_path=NODE, label="bt commit")
+    status, ticks, seconds, longest = run(leaf, client)
+    assert status == Status.SUCCESS, leaf.feedback_message
+    capsule_id = bb(LAST_GOOD_KEY)
+    outcome = bb("/capsule/outcome/commit")
+    assert outcome.success and outcome.failure is None and outcome.error_code == 0
+    assert outcome.response.capsule.id == capsule_id and outcome.response.capsule.label == "bt commit"
+    assert ticks >= 2 and longest < 0.1           # sent on one tick, answered on a later one
+    # the node has it
+    event = events_of(driver, CapsuleEvent.COMMIT)[-1]
+    assert event.capsule_id == capsule_id
+    assert capsule_id in [c.id for c in client.capsules.list_capsules().capsules]
+
+
+def test_unreachable_when_no_node_has_that_name(env):
+    from capsule_ros.bt import LAST_GOOD_KEY, Commit, FailureKind
+    proc, client, driver = env
+    leaf = Commit(node_path="/no_such_ns/capsule_policy", server_wait_s=0.3)
+    status, ticks, seconds, longest = run(leaf, client)
+    assert status == Status.FAILURE
+    assert leaf.outcome.failure == FailureKind.SERVICE_UNREACHABLE and leaf.outcome.error_code is None
+    assert "SERVICE_UNREACHABLE" in leaf.feedback_message
+    assert "/no_such_ns/capsule_policy/commit" in leaf.feedback_message
+    assert 0.3 <= seconds < 2.0
+    assert ticks > 10 and longest < 0.1           # waited for the server across ticks, never inside one
+    assert not py_trees.blackboard.Blackboard.exists(LAST_GOOD_KEY)
+
+
+def test_timeout_when_the_node_is_blocked_then_recovers(env):
+    from capsule_ros.bt import CapsuleServiceCall, FailureKind
+    proc, client, driver = env
+    leaf = CapsuleServiceCall("ListWhileStopped", "list_capsules", node_path=NODE, call_timeout_s=0.25)
+    status, *_ = run(leaf, client)             # discovered and answering
+    assert status == Status.SUCCESS
+    os.kill(proc.proc.pid, signal.SIGSTOP)
+    try:
+        status, ticks, seconds, longest = run(leaf, client)
+    finally:
+        os.kill(proc.proc.pid, signal.SIGCONT)
+    assert status == Status.FAILURE, leaf.feedback_message
+    assert leaf.outcome.failure == FailureKind.SERVICE_TIMEOUT and leaf.outcome.error_code is None
+    assert 0.25 <= seconds < 2.0 and ticks > 10 and longest < 0.1
+    assert bb("/capsule/outcome/list_capsules").failure == FailureKind.SERVICE_TIMEOUT
+    # the node answers the dropped call late; the leaf ignores it and the next call succeeds
+    status, *_ = run(leaf, client)
+    assert status == Status.SUCCESS, leaf.feedback_message
+    assert leaf.outcome.response.capsules is not None
+
+
+def test_aborted_keeps_the_servers_error_code_not_found(env):
+    from capsule_ros.bt import LAST_GOOD_KEY, FailureKind, Reenter
+    from capsule_ros.errors import ErrorCode
+    proc, client, driver = env
+    py_trees.blackboard.Blackboard.set(LAST_GOOD_KEY, "no-such-capsule")
+    lineage_before = driver.latest_status().lineage
+    leaf = Reenter(node_path=NODE)
+    status, *_ = run(leaf, client)
+    assert status == Status.FAILURE
+    outcome = bb("/capsule/outcome/reenter")
+    assert outcome is leaf.outcome and outcome.failure == FailureKind.SERVICE_ABORTED
+    assert outcome.error_code == ErrorCode.NOT_FOUND and outcome.error_name == "NOT_FOUND"
+    assert "no-such-capsule" in outcome.message
+    assert "SERVICE_ABORTED: NOT_FOUND" in leaf.feedback_message
+    assert driver.latest_status().lineage == lineage_before       # refused: the live state is untouched
+
+
+def test_aborted_wrong_state_and_the_interrupt_capsule_round_trip(env):
+    from capsule_ros.bt import INTERRUPT_KEY, DropCapsule, FailureKind, Interrupt, Reenter
+    from capsule_ros.errors import ErrorCode
+    from capsule_ros.msg import CapsuleEvent
+    proc, client, driver = env
+    driver.run(observations(2, 101))
+    ClientNode.drain(driver.events)
+    first = Interrupt("Interrupt", node_path=NODE)
+    assert run(first, client)[0] == Status.SUCCESS, first.feedback_message
+    boundary = bb(INTERRUPT_KEY)
+    assert events_of(driver, CapsuleEvent.INTERRUPT)[-1].capsule_id == boundary
+    try:
+        again = Interrupt("InterruptAgain", node_path=NODE)
+        assert run(again, client)[0] == Status.FAILURE
+        assert again.outcome.failure == FailureKind.SERVICE_ABORTED
+        assert again.outcome.error_code == ErrorCode.WRONG_STATE
+        drop = DropCapsule(capsule_key=INTERRUPT_KEY, node_path=NODE)
+        assert run(drop, client)[0] == Status.FAILURE
+        assert drop.outcome.failure == FailureKind.SERVICE_ABORTED and drop.outcome.error_code == ErrorCode.WRONG_STATE
+        assert bb(INTERRUPT_KEY) == boundary           # a failed call never overwrites a result key
+    finally:
+        resume = Reenter("Resume", capsule_key=INTERRUPT_KEY, node_path=NODE)
+        assert run(resume, client)[0] == Status.SUCCESS, resume.feedback_message
+    assert resume.outcome.response.capsule.id == boundary
+    assert driver.latest_status().episode_state == 1   # RUNNING
+
+
+@pytest.mark.parametrize("value, verb, kwargs, reason", [
+    (None, "Reenter", {}, "missing blackboard key '/capsule/last_good'"),   # key never set
+    ("../etc/passwd", "Reenter", {}, "malformed"),
+    ("", "Reenter", {}, "is empty"),                                         # not silently the interrupt capsule
+    (42, "Reset", {"capsule_key": bt.LAST_GOOD_KEY}, "must be a string"),
+    (None, "Fork", {"source_id": "has space"}, "malformed"),
+])
+def test_invalid_request_fails_on_the_first_tick_without_calling(env, value, verb, kwargs, reason):
+    proc, client, driver = env
+    if value is not None:
+        py_trees.blackboard.Blackboard.set(bt.LAST_GOOD_KEY, value)
+    leaf = getattr(bt, verb)(node_path=NODE, **kwargs)
+    status, ticks, seconds, _ = run(leaf, client)
+    assert status == Status.FAILURE and ticks == 1     # nothing was sent
+    assert leaf.outcome.failure == bt.FailureKind.INVALID_REQUEST and leaf.outcome.error_code is None
+    assert reason in leaf.outcome.message and "INVALID_REQUEST" in leaf.feedback_message
+
+
+# -- the example tree -----------------------------------------------------------------------------
+class GraspStub(py_trees.behaviour.Behaviour):
+    """A grasp that drives the node ``steps`` steps (one joint state per tick, the same
+    observations every try), waits for their actions, then succeeds or fails as scripted."""
+
+    def __init__(self, driver, outcomes, steps=4):
+        super().__init__(name="GraspStub")
+        self.driver, self.outcomes, self.steps = driver, list(outcomes), steps
+        self.obs = observations(steps, 102)
+        self.tries = []            # the actions of each try
+
+    def initialise(self):
+        ClientNode.drain(self.driver.actions)
+        self.sent = 0
+        self.tries.append([])
+
+    def update(self):
+        self.tries[-1].extend(ClientNode.drain(self.driver.actions))
+        if self.sent < self.steps:
+            self.driver.joints_pub.publish(self.driver.joint_msg(self.obs[self.sent]))
+            self.sent += 1
+            return Status.RUNNING
+        if len(self.tries[-1]) < self.steps:
+            return Status.RUNNING
+        ok = self.outcomes[min(len(self.tries), len(self.outcomes)) - 1]
+        return Status.SUCCESS if ok else Status.FAILURE
+
+
+def test_example_tree_reenters_the_committed_capsule_between_tries(env):
+    from capsule_ros.bt import LAST_GOOD_KEY
+    from capsule_ros.bt.example import grasp_with_retries
+    from capsule_ros.msg import CapsuleEvent
+    proc, client, driver = env
+    driver.run(observations(3, 103))
+    ClientNode.drain(driver.events)
+    grasp = GraspStub(driver, [False, False, True])
+    root = grasp_with_retries(grasp, tries=3, node_path=NODE)
+    status, ticks, seconds, longest = run(root, client)
+    assert status == Status.SUCCESS
+    assert len(grasp.tries) == 3
+    committed = bb(LAST_GOOD_KEY)
+    events = ClientNode.drain(driver.events)
+    kinds = [(e.kind, e.capsule_id) for e in events if e.kind in (CapsuleEvent.COMMIT, CapsuleEvent.REENTER)]
+    assert kinds == [(CapsuleEvent.COMMIT, committed)] + [(CapsuleEvent.REENTER, committed)] * 2
+    assert all(e.rollback for e in events if e.kind == CapsuleEvent.REENTER)
+    commit_step = next(e.step for e in events if e.kind == CapsuleEvent.COMMIT)
+    for actions in grasp.tries:   # every try starts at the committed step, from the committed state
+        assert [a.step for a in actions] == list(range(commit_step + 1, commit_step + 1 + grasp.steps))
+    for actions in grasp.tries[1:]:
+        assert all(a.lineage == committed for a in actions)
+        assert [np.asarray(a.values).tobytes() for a in actions] == \
+            [np.asarray(a.values).tobytes() for a in grasp.tries[0]]
+    assert longest < 0.1
+
+
+def test_example_tree_gives_up_after_n_tries(env):
+    from capsule_ros.bt import LAST_GOOD_KEY
+    from capsule_ros.bt.example import grasp_with_retries
+    from capsule_ros.msg import CapsuleEvent
+    proc, client, driver = env
+    ClientNode.drain(driver.events)
+    grasp = GraspStub(driver, [False], steps=2)
+    root = grasp_with_retries(grasp, tries=3, node_path=NODE)
+    status, *_ = run(root, client)
+    assert status == Status.FAILURE
+    assert len(grasp.tries) == 3
+    retry = next(b for b in root.iterate() if b.name == "Retry")
+    assert "final failure" in retry.feedback_message
+    committed = bb(LAST_GOOD_KEY)
+    reenters = [e for e in ClientNode.drain(driver.events) if e.kind == CapsuleEvent.REENTER]
+    assert [e.capsule_id for e in reenters] == [committed] * 3     # the last failed try is rolled back too
+    assert driver.latest_status().lineage == committed
+
+
+def test_example_tree_stops_when_a_rollback_fails(env):
+    from capsule_ros.bt import LAST_GOOD_KEY, FailureKind
+    from capsule_ros.bt.example import ROLLBACK_OUTCOME_KEY, grasp_with_retries
+    from capsule_ros.errors import ErrorCode
+    proc, client, driver = env
+
+    class LoseTheCapsule(GraspStub):
+        """Fails, and points the last-good key at a capsule the node does not know, so that
+        the rollback is refused. (Dropping the committed capsule is not enough: the node
+        rebuilds a dropped capsule of its own episode from its input log.)"""
+
+        def update(self):
+            status = super().update()
+            if status == Status.FAILURE:
+                py_trees.blackboard.Blackboard.set(LAST_GOOD_KEY, "e999.s1.000000")
+            return status
+
+    grasp = LoseTheCapsule(driver, [False], steps=2)
+    root = grasp_with_retries(grasp, tries=3, node_path=NODE)
+    status, *_ = run(root, client)
+    assert status == Status.FAILURE
+    assert len(grasp.tries) == 1                      # no second grasp from an unknown state
+    outcome = bb(ROLLBACK_OUTCOME_KEY)
+    assert outcome.failure == FailureKind.SERVICE_ABORTED and outcome.error_code == ErrorCode.NOT_FOUND
+
+
+def test_example_main_against_a_live_node(tmp_path):
+    """``python -m capsule_ros.bt.example`` with its in-process arm: the random-weight
+    policy cannot reach the goal in 5 steps, so it rolls back and gives up after 2 tries."""
+    ns = "/bt_example"
+    proc = start_policy_node(tmp_path, {"policy": {"weights": ""}}, namespace=ns, tag="example")
+    try:
+        out = subprocess.run([sys.executable, "-m", "capsule_ros.bt.example", "--node", f"{ns}/capsule_policy",
+                              "--tries", "2", "--step-budget", "5", "--rate", "50", "--server-wait", "30",
+                              "--timeout", "60"],
+                             cwd=REPO, capture_output=True, text=True, timeout=90)
+    finally:
+        assert proc.stop() == 0, proc.log()
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "GraspWithRetries: FAILURE after 2 grasp attempt(s)" in out.stdout, out.stdout
+    assert "rolled back to" in out.stdout and "not at the goal after 5 steps" in out.stdout
