@@ -59,12 +59,6 @@ class CapsuleClient:
         self.call_timeout_s = call_timeout_s
         self._clients = {name: node.create_client(t, f"{self.node_path}/{name}") for name, t in SERVICES.items()}
 
-    def service_client(self, name: str):
-        """The rclpy client of service ``name`` (e.g. "commit"), for non-blocking use:
-        ``service_is_ready()``, ``call_async()``, ``remove_pending_request()`` (the
-        behaviour-tree leaves of ``capsule_ros.bt`` poll it from their ticks)."""
-        return self._clients[name]
-
     def call(self, name: str, request: Any = None, *, server_wait_s: Optional[float] = None,
              call_timeout_s: Optional[float] = None, check: bool = True) -> Any:
         """Call service ``name``; returns the response (raises ServiceRefused on
