@@ -2,27 +2,17 @@
 talks to them over real topics and services."""
 from __future__ import annotations
 
-import os
 import queue
-import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import yaml
+from capsule_ros.ros import processes
+from capsule_ros.ros.processes import ManagedProcess, start_executable  # noqa: F401 (used by tests)
 
 REPO = Path(__file__).resolve().parents[1]
-INSTALL_BIN = REPO / "install" / "capsule_ros" / "lib" / "capsule_ros"
 DEFAULT_PARAMS = REPO / "config" / "policy.yaml"
-
-
-def executable(name: str) -> Path:
-    path = INSTALL_BIN / name
-    if not path.exists():
-        raise RuntimeError(f"{path} is missing: run ./setup.sh first (the tests use the installed package)")
-    return path
 
 
 def deep_merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
@@ -32,44 +22,11 @@ def deep_merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-class NodeProcess:
-    """An installed executable running as its own process (its own process group)."""
-
-    def __init__(self, name: str, args: list, log_path: Path, env: Optional[dict] = None):
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen([str(executable(name)), *args], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env or os.environ.copy(), start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> Optional[int]:
-        """SIGINT, wait; SIGKILL the group if it does not exit. Returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-
 def start_policy_node(tmp_path: Path, params: Optional[Dict[str, Any]] = None, *, namespace: str = "",
-                      params_file: Path = DEFAULT_PARAMS, tag: str = "policy") -> NodeProcess:
-    """policy_node with config/policy.yaml plus overrides (a second params file)."""
+                      params_file: Path = DEFAULT_PARAMS, tag: str = "policy") -> ManagedProcess:
+    """policy_node with config/policy.yaml plus overrides; capsules in a directory of the test."""
     overrides = deep_merge({"capsules": {"directory": str(tmp_path / f"{tag}-capsules")}}, params or {})
-    override_file = tmp_path / f"{tag}-overrides.yaml"
-    override_file.write_text(yaml.safe_dump({"/**": {"ros__parameters": overrides}}))
-    args = ["--ros-args", "--params-file", str(params_file), "--params-file", str(override_file)]
-    if namespace:
-        args += ["-r", f"__ns:={namespace}"]
-    return NodeProcess("policy_node", args, tmp_path / f"{tag}.log")
+    return processes.start_policy_node(tmp_path, overrides, namespace=namespace, params_file=params_file, tag=tag)
 
 
 class ClientNode:

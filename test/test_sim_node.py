@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
-from harness import ClientNode, NodeProcess, start_policy_node, wait_for
+from harness import ClientNode, ManagedProcess, start_executable, start_policy_node, wait_for
 
 pytestmark = pytest.mark.ros
 RELIABLE = QoSProfile(depth=50, reliability=ReliabilityPolicy.RELIABLE)
 
 
-def start_sim(tmp_path, namespace: str, mode: str = "lockstep", **params) -> NodeProcess:
+def start_sim(tmp_path, namespace: str, mode: str = "lockstep", **params) -> ManagedProcess:
     args = ["--ros-args", "-r", f"__ns:={namespace}", "-p", f"mode:={mode}"]
     for key, value in params.items():
         args += ["-p", f"{key}:={value}"]
-    return NodeProcess("sim_node", args, tmp_path / f"sim-{mode}.log")
+    return start_executable("sim_node", args, tmp_path / f"sim-{mode}.log")
 
 
 def test_lockstep_sim_and_policy_node_drive_each_other(tmp_path, rclpy_context):

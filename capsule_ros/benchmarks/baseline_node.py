@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import sys
 
-import rclpy
 import torch
-from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
 
@@ -22,6 +20,7 @@ from geometry_msgs.msg import PointStamped
 from sensor_msgs.msg import JointState
 
 from capsule_ros.benchmarks.common import config_path
+from capsule_ros.ros.entry import run_node
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_policy
 
@@ -54,16 +53,7 @@ class BaselinePolicyNode(Node):
 
 
 def main(argv=None) -> int:
-    rclpy.init(args=argv if argv is not None else sys.argv)
-    node = BaselinePolicyNode()
-    try:
-        rclpy.spin(node)
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+    return run_node(BaselinePolicyNode, "baseline_node", argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import threading
 import time
 
 from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device
-from capsule_ros.benchmarks.procs import Process, SpunNode, policy_node, wait_until, workdir
+from capsule_ros.benchmarks.procs import SpunNode, policy_node, wait_until, workdir
+from capsule_ros.ros.processes import ManagedProcess
 
 TARGET_RATIO = 1.0
 
@@ -72,7 +73,7 @@ def run(device_name: str = "cpu", quick: bool = False) -> dict:
     params = {"runtime": {"device": str(device)}, "policy": {"weights": ""},
               "capsules": {"directory": str(tmp / "capsules")}, "control": {"deadline_ms": 1000.0}}
     capsule_proc = policy_node(tmp, "/bench_loop_capsule", params, config_path("policy.yaml"))
-    baseline_proc = Process([sys.executable, "-m", "capsule_ros.benchmarks.baseline_node", "--ros-args",
+    baseline_proc = ManagedProcess([sys.executable, "-m", "capsule_ros.benchmarks.baseline_node", "--ros-args",
                              "-r", "__ns:=/bench_loop_baseline"], tmp / "baseline.log")
     rclpy.init()
     client = SpunNode(rclpy, "bench_loop_client")

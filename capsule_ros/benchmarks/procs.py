@@ -1,55 +1,18 @@
 """Processes and a client node for the ROS benchmarks (services, loop)."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
 
-import yaml
-
-
-def installed_executable(name: str) -> str:
-    """An executable of the installed package (install/capsule_ros/lib/capsule_ros/<name>)."""
-    from ament_index_python.packages import get_package_prefix
-    path = Path(get_package_prefix("capsule_ros")) / "lib" / "capsule_ros" / name
-    if not path.exists():
-        raise SystemExit(f"{path} is missing: build the package first (./setup.sh)")
-    return str(path)
+from capsule_ros.ros.processes import ManagedProcess, start_policy_node
 
 
-class Process:
-    """A child process in its own group, logging to a file, stopped with SIGINT."""
-
-    def __init__(self, argv: List[str], log: Path, env: Optional[Dict[str, str]] = None):
-        self.log = log
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=env or os.environ.copy())
-
-    def stop(self, timeout: float = 10.0) -> Optional[int]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-
-def policy_node(workdir: Path, namespace: str, params: dict, params_file: Path) -> Process:
+def policy_node(workdir: Path, namespace: str, params: dict, params_file: Path) -> ManagedProcess:
     """The installed policy_node under ``namespace`` with a params overlay."""
-    overlay = workdir / f"{namespace.strip('/')}.yaml"
-    overlay.write_text(yaml.safe_dump({"/**": {"ros__parameters": params}}))
-    argv = [installed_executable("policy_node"), "--ros-args", "--params-file", str(params_file),
-            "--params-file", str(overlay), "-r", f"__ns:={namespace}"]
-    return Process(argv, workdir / f"{namespace.strip('/')}.log")
+    return start_policy_node(workdir, params, namespace=namespace, params_file=params_file,
+                             tag=namespace.strip("/") or "policy")
 
 
 def workdir() -> Path:

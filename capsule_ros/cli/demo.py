@@ -126,7 +126,7 @@ def wait_ready(client, driver: ArmDriver, node_proc, timeout: float = 60.0) -> N
     deadline = time.monotonic() + timeout
     while True:
         if node_proc.proc.poll() is not None:
-            raise RuntimeError(f"policy_node exited during start-up: {node_proc.log.read_text().strip()[-400:]}")
+            raise RuntimeError(f"policy_node exited during start-up: {node_proc.log().strip()[-400:]}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"policy_node was not ready after {timeout:.0f} s")
         if (client.ready() and driver.joints.get_subscription_count() > 0
@@ -223,7 +223,7 @@ def run(args) -> int:
         rclpy.try_shutdown()
         node_code = node_proc.stop()
     if node_code != 0:
-        failures.append(f"policy_node exited with {node_code} (log: {node_proc.log})")
+        failures.append(f"policy_node exited with {node_code} (log: {node_proc.log_path})")
     identical = bool(segments.get("original") and segments.get("rolled_back")
                      and segments["original"].actions[:INTERRUPT_AT] == segments["rolled_back"].actions[:INTERRUPT_AT]
                      and len(segments["rolled_back"].actions) >= INTERRUPT_AT)

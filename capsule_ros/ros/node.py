@@ -99,7 +99,8 @@ class PolicyNode(Node):
         # with it (clients wait for the goal's acknowledgement before the joint state).
         trigger = self.config.control.trigger_port if self.config.control.mode == "trigger" else ""
         ordered = sorted(self.config.ports.items(), key=lambda item: item[0] == trigger)
-        self._port_subscriptions = [self._subscribe(name, port) for name, port in ordered]
+        self._port_subscriptions = {name: self._subscribe(name, port) for name, port in ordered}
+        self._last_port_messages: Dict[str, Any] = {}     # written first into a new recording
         self._control_timer = None
         self._configure_loop(control)
         self._status_timer = self.create_timer(1.0 / control.status_rate_hz, self._publish_status,
@@ -134,9 +135,8 @@ class PolicyNode(Node):
 
     def _on_port_message(self, name: str, msg) -> None:
         adapter = self.adapters[name]
-        if self.recorder is not None:        # CDR serialisation is deterministic: the bytes as received
-            self.recorder.write_raw(adapter.config.topic, adapter.config.type, serialize_message(msg),
-                                    self.get_clock().now().nanoseconds)
+        if self.recorder is not None:
+            self._record_port_message(name, msg)
         try:
             values = adapter.accept(msg)
         except PortDrop as drop:
@@ -147,9 +147,16 @@ class PolicyNode(Node):
             self._warn_throttled(f"drop.{name}", f"port {name}: undecodable message: {exc}")
             return
         self.session.write_input(name, values)
+        self._last_port_messages[name] = msg
         control = self.config.control
         if control.mode == "trigger" and name == control.trigger_port:
             self._control_tick(stamp_ns(msg))
+
+    def _record_port_message(self, name: str, msg) -> None:
+        """Into the bag under the topic's resolved name (remaps applied); CDR serialisation is
+        deterministic, so these are the bytes as received."""
+        self.recorder.write_raw(self._port_subscriptions[name].topic_name, self.adapters[name].config.type,
+                                serialize_message(msg), self.get_clock().now().nanoseconds)
 
     def _control_tick(self, stamp: Optional[int]) -> None:
         deadline = self.config.control.effective_deadline_s()
@@ -326,7 +333,10 @@ class PolicyNode(Node):
         if self.recorder is not None:
             self._stop_recording()
         self.recorder = NodeRecorder.start(path, self.config.record.directory, storage, self.config,
-                                           self.action_pub.topic_name, self.event_pub.topic_name)
+                                           self.action_pub.topic_name, self.event_pub.topic_name,
+                                           fingerprint=self.session.runtime.fingerprint)
+        for name, msg in self._last_port_messages.items():   # the inputs the next step will use
+            self._record_port_message(name, msg)
         self.get_logger().info(f"recording to {self.recorder.path}")
         return self.recorder.path
 

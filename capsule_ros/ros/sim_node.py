@@ -23,8 +23,6 @@ import time
 from typing import List, Optional
 
 import numpy as np
-import rclpy
-from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
@@ -34,6 +32,7 @@ from rcl_interfaces.msg import FloatingPointRange, ParameterDescriptor
 from sensor_msgs.msg import JointState
 from std_srvs.srv import Trigger
 
+from capsule_ros.ros.entry import run_node
 from capsule_ros.sim.arm import DT, ArmSim, Observation
 
 JOINT_NAMES = ["shoulder", "elbow"]
@@ -122,21 +121,7 @@ class ArmSimNode(Node):
 
 
 def main(argv=None) -> int:
-    rclpy.init(args=argv if argv is not None else sys.argv)
-    try:
-        node = ArmSimNode()
-    except ValueError as exc:
-        print(f"sim_node: {exc}", file=sys.stderr)
-        rclpy.try_shutdown()
-        return 2
-    try:
-        rclpy.spin(node)
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+    return run_node(ArmSimNode, "sim_node", argv)
 
 
 if __name__ == "__main__":

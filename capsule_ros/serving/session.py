@@ -318,6 +318,7 @@ class PolicySession:
             else:
                 self.runtime.set_episode(episode)
                 step, lineage = source.step, source.id
+            self._last_applied = self.runtime.read_outputs().action
             self.episode_id, self.step, self.lineage = episode, step, lineage
             self._release_interrupt_capsule()
             root_id = f"e{episode}.root"
@@ -394,6 +395,7 @@ class PolicySession:
             self.store.set_held(capsule.id, True)
             self._start_timeline(capsule)
         self._release_interrupt_capsule()      # a later reenter("") needs a new interrupt
+        self._last_applied = self.runtime.read_outputs().action    # HOLD_LAST holds the capsule's action
         self.episode_id, self.step, self.lineage = capsule.episode_id, capsule.step, capsule.id
         self._next_episode = max(self._next_episode, capsule.episode_id + 1)
         self.state = EpisodeState.RUNNING
@@ -605,11 +607,15 @@ class PolicySession:
 
     def _emit(self, kind: EventKind, capsule: Optional[Capsule], *, capsule_id: Optional[str] = None,
               rollback: bool = False, fallback: bool = False, detail: str = "") -> None:
+        """Publish an event: episode and step are the state's after the event, except for
+        COMMIT and INTERRUPT, which carry their boundary's (steps may have run since, e.g.
+        while a committed capsule was being saved)."""
         if self.on_event is None:
             return
+        at_boundary = kind in (EventKind.COMMIT, EventKind.INTERRUPT) and capsule is not None
+        episode, step = (capsule.episode_id, capsule.step) if at_boundary else (self.episode_id, self.step)
         event = CapsuleEvent(kind, capsule_id if capsule_id is not None else (capsule.id if capsule else ""),
-                             capsule.parent_id if capsule else "", self.episode_id, self.step,
-                             rollback, fallback, detail)
+                             capsule.parent_id if capsule else "", episode, step, rollback, fallback, detail)
         try:
             self.on_event(event)
         except Exception:  # noqa: BLE001 - an observer must not break the state machine
