@@ -16,14 +16,14 @@ import re
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import yaml
 from rosbags.rosbag2 import Reader
 
 from capsule_ros.bag.errors import BadBag
 from capsule_ros.bag.metadata import MessageDigest, RecordingMeta
-from capsule_ros.bag.typestore import ACTION_TYPE, EVENT_TYPE, build_typestore
+from capsule_ros.bag.typestore import ACTION_TYPE, EVENT_TYPE, build_typestore, deserialize
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.session import EventKind
 
@@ -33,6 +33,12 @@ BAG_INFO_FIELDS = ("version", "storage_identifier", "duration", "starting_time",
                    "topics_with_message_count", "compression_format", "compression_mode",
                    "relative_file_paths", "files", "custom_data", "ros_distro")
 _CAPSULE_ID_STEP = re.compile(r"e(\d+)\.s(\d+)\.[0-9a-f]{6}")
+
+
+def capsule_id_position(capsule_id: str) -> Optional[Tuple[int, int]]:
+    """(episode, step) from a capsule id the node generated (``e3.s120.9f31c2``), else None."""
+    match = _CAPSULE_ID_STEP.fullmatch(capsule_id)
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,8 @@ class RecordedEvent:
         the session's step when it is published, which is later than the snapshot when a
         step ran while the capsule was saved; capsule ids ``e<episode>.s<step>.<hex>`` say
         the snapshot's step."""
-        match = _CAPSULE_ID_STEP.fullmatch(self.capsule_id)
-        return int(match.group(2)) if match else self.step
+        position = capsule_id_position(self.capsule_id)
+        return position[1] if position else self.step
 
     @classmethod
     def of(cls, msg: Any, time: int, index: int) -> "RecordedEvent":
@@ -224,7 +230,7 @@ class Recording:
 
     def decode(self, entry: Entry) -> Any:
         """The message of an entry (a rosbags dataclass); raises on undecodable data."""
-        return self.typestore.deserialize_cdr(entry.data, entry.msgtype)
+        return deserialize(self.typestore, entry.data, entry.msgtype)
 
     def decode_own(self, entry: Entry) -> Any:
         """An action or event message, or BadBag: the node never publishes garbage."""

@@ -1,9 +1,9 @@
 """Recording a node's inputs, actions and capsule events into a standard rosbag2.
 
-``BagWriter`` is a ``rosbags`` writer with two guarantees replay depends on: log times
-strictly increase in write order (``max(last + 1, stamp)``, so readers that sort by time
-keep the order the node processed messages in), and a digest of every message goes
-into the bag's metadata (see ``capsule_ros.bag.metadata``).
+``BagWriter`` is a ``rosbags`` writer that also digests every message into the bag's
+metadata (see ``capsule_ros.bag.metadata``). Its callers give log times that strictly
+increase in write order (``max(last + 1, stamp)``), so readers that sort by time keep
+the order the node processed messages in: replay depends on it.
 
 ``NodeRecorder`` is the node's side (``PolicyNode.recorder``): callers on any thread
 (control loop, watchdog, services) only take a short lock to stamp a message and queue
@@ -59,7 +59,7 @@ def new_bag_path(directory: str) -> Path:
 class BagWriter:
     """A rosbag2 bag being written (see the module docstring); a context manager.
 
-    Not thread-safe: ``NodeRecorder`` serialises access."""
+    Use it from one thread (sqlite3 requires it)."""
 
     def __init__(self, path: Path, storage: str, typestore: Typestore):
         self.path = Path(path).expanduser()
@@ -72,7 +72,6 @@ class BagWriter:
         except WriterError:
             raise RecordError(f"bag {str(self.path)!r} exists already: choose another path") from None
         self._connections: Dict[str, Connection] = {}
-        self._last = -1
         self._open = False
 
     def open(self) -> "BagWriter":
@@ -94,13 +93,15 @@ class BagWriter:
             self._connections[topic] = conn
         return conn
 
-    def next_time(self, stamp_ns: int) -> int:
-        """The log time of the next message: its stamp, or just after the previous one."""
-        self._last = max(self._last + 1, int(stamp_ns))
-        return self._last
+    def add_recording_topics(self, meta: RecordingMeta) -> None:
+        """A connection per port, ``~/action`` and ``~/capsule_events``, even if they stay empty."""
+        for port in meta.ports.values():
+            self.add_topic(port.topic, port.type)
+        self.add_topic(meta.action_topic, ACTION_TYPE, (reliable_qos(10),))
+        self.add_topic(meta.events_topic, EVENT_TYPE, (reliable_qos(100),))
 
     def write(self, topic: str, msgtype: str, data: bytes, log_time: int) -> None:
-        """Write one serialized message at ``log_time`` (from ``next_time``, in order)."""
+        """Write one serialized message at ``log_time`` (callers keep times increasing)."""
         conn = self.add_topic(topic, msgtype)
         self._writer.write(conn, log_time, data)
         self.digest.update(topic, log_time, data)
@@ -131,25 +132,37 @@ class BagWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
+        else:
+            self.close()                          # a no-op when the caller closed it with metadata
 
 
 _STOP = object()
 
 
 class NodeRecorder:
-    """The node's recording (see the module docstring). Start with ``NodeRecorder.start``."""
+    """The node's recording (see the module docstring). Start with ``NodeRecorder.start``.
 
-    def __init__(self, writer: BagWriter, meta: RecordingMeta):
-        self.writer = writer
+    The bag lives on the writer thread from open to close (sqlite3 connections are bound
+    to the thread that made them); ``start`` and ``close`` wait for it and re-raise its
+    errors."""
+
+    def __init__(self, path: Path, storage: str, meta: RecordingMeta):
         self.meta = meta
-        self.path = str(writer.path)
+        self.path = str(path)
+        self.storage = storage
         self._lock = threading.Lock()
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._ready = threading.Event()
         self._closed = False
+        self._last = -1
         self._error: Optional[BaseException] = None
         self._count = 0
-        self._thread = threading.Thread(target=self._drain, name="capsule_ros.bag", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="capsule_ros.bag", daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
 
     @classmethod
     def start(cls, path: str, directory: str, storage: str, config, action_topic: str, events_topic: str,
@@ -157,19 +170,11 @@ class NodeRecorder:
         """Open a new bag (``path`` "" = ``<directory>/<UTC stamp>``) with a connection per
         port, ``~/action`` and ``~/capsule_events``."""
         meta = RecordingMeta.for_node(config, action_topic, events_topic, fingerprint)
-        writer = BagWriter(Path(path).expanduser() if path else new_bag_path(directory), storage or "mcap",
-                           build_typestore())
-        writer.open()
-        try:
-            for port in meta.ports.values():
-                writer.add_topic(port.topic, port.type)
-            writer.add_topic(action_topic, ACTION_TYPE, (reliable_qos(10),))
-            writer.add_topic(events_topic, EVENT_TYPE, (reliable_qos(100),))
-        except BaseException:
-            writer.abort()
-            raise
-        LOG.info("recording to %s (%s)", writer.path, writer.storage)
-        return cls(writer, meta)
+        storage = storage or "mcap"
+        storage_plugin(storage)                   # refuse a bad name before any thread starts
+        recorder = cls(Path(path).expanduser() if path else new_bag_path(directory), storage, meta)
+        LOG.info("recording to %s (%s)", recorder.path, storage)
+        return recorder
 
     # -- called by the node, from any thread ----------------------------------------------------
     def write_raw(self, topic: str, msgtype: str, raw_cdr: bytes, stamp_ns: int) -> None:
@@ -185,14 +190,14 @@ class NodeRecorder:
     def close(self) -> int:
         """Stop, write the metadata, close the bag; returns the number of messages written."""
         with self._lock:
-            if self._closed:
-                return self._count
-            self._closed = True
-            self._queue.put(_STOP)
+            if not self._closed:
+                self._closed = True
+                self._queue.put(_STOP)
         self._thread.join()
-        count = self.writer.close(self.meta) if self._error is None else self._abort()
-        LOG.info("recorded %d messages to %s", count, self.path)
-        return count
+        if self._error is not None:
+            raise RecordError(f"recording to {self.path} failed after {self._count} messages: {self._error}")
+        LOG.info("recorded %d messages to %s", self._count, self.path)
+        return self._count
 
     @property
     def messages(self) -> int:
@@ -200,30 +205,50 @@ class NodeRecorder:
 
     # -- internals ----------------------------------------------------------------------------------
     def _put(self, topic: str, msgtype: str, payload: Any, stamp_ns: int) -> None:
-        with self._lock:                 # stamping and queueing together keep time order = queue order
+        with self._lock:                 # stamping and queueing together: log time order = queue order
             if self._closed:
                 return                   # a late message from a thread that raced the stop
-            self._queue.put((topic, msgtype, payload, self.writer.next_time(stamp_ns)))
+            self._last = max(self._last + 1, int(stamp_ns))
+            self._queue.put((topic, msgtype, payload, self._last))
 
-    def _drain(self) -> None:
+    def _open(self) -> BagWriter:
+        writer = BagWriter(Path(self.path), self.storage, build_typestore()).open()
+        try:
+            writer.add_recording_topics(self.meta)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer
+
+    def _run(self) -> None:
+        try:
+            writer = self._open()
+        except Exception as exc:  # noqa: BLE001 - re-raised by __init__ in the caller's thread
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
         while True:
             item = self._queue.get()
             if item is _STOP:
-                return
+                break
             if self._error is not None:
                 continue
             topic, msgtype, payload, log_time = item
             try:
                 data = payload if isinstance(payload, bytes) else _serialize(payload)
-                self.writer.write(topic, msgtype, data, log_time)
+                writer.write(topic, msgtype, data, log_time)
                 self._count += 1
             except Exception as exc:  # noqa: BLE001 - disk full etc.: stop writing, report at close
                 self._error = exc
                 LOG.error("recording to %s failed: %r; further messages are not recorded", self.path, exc)
-
-    def _abort(self) -> int:
-        self.writer.abort()
-        raise RecordError(f"recording to {self.path} failed after {self._count} messages: {self._error!r}")
+        if self._error is not None:
+            writer.abort()
+            return
+        try:
+            writer.close(self.meta)
+        except Exception as exc:  # noqa: BLE001 - reported by close()
+            self._error = exc
 
 
 def _serialize(rclpy_msg) -> bytes:
@@ -239,8 +264,12 @@ def _rclpy_type_name(msg) -> str:
 def write_bag(path: Path, storage: str, meta: RecordingMeta, typestore: Typestore,
               messages: Iterable[Tuple[str, str, bytes, int]]) -> int:
     """Write ``(topic, msgtype, data, log_time)`` messages (times increasing) into a new bag
-    with ``meta``; returns the count. Used to edit or convert bags."""
+    with ``meta`` and a connection for each of its topics; returns the count. Used to
+    edit or convert bags."""
+    last = -1
     with BagWriter(path, storage, typestore) as writer:
+        writer.add_recording_topics(meta)
         for topic, msgtype, data, log_time in messages:
-            writer.write(topic, msgtype, data, writer.next_time(log_time))
+            last = max(last + 1, int(log_time))
+            writer.write(topic, msgtype, data, last)
         return writer.close(meta)

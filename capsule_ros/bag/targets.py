@@ -16,8 +16,6 @@ import dataclasses
 import os
 import queue
 import shutil
-import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -121,6 +119,10 @@ class InProcessTarget:
     def settle(self) -> List[Act]:
         return []
 
+    def missing_inputs(self) -> List[str]:
+        """Ports that have not received a value yet (a step waits for all of them)."""
+        return [name for name in self.adapters if name not in self.session.inputs_seen]
+
     # -- capsule verbs: each returns what the replay maps to the recording ------------------------
     def commit(self, label: str) -> str:
         return self.session.commit(label).id
@@ -177,21 +179,6 @@ class InProcessTarget:
                 store.drop(live.id)
 
 
-def policy_node_executable() -> str:
-    """The installed ``policy_node``: on PATH, or in the package's lib directory."""
-    found = shutil.which("policy_node")
-    if found:
-        return found
-    try:
-        from ament_index_python.packages import get_package_prefix
-        path = Path(get_package_prefix("capsule_ros")) / "lib" / "capsule_ros" / "policy_node"
-        if path.is_file():
-            return str(path)
-    except Exception:  # noqa: BLE001 - not installed
-        pass
-    raise ReplaySetupError("policy_node is not installed (build the package, then `. scripts/env.sh`)")
-
-
 class NodeTarget:
     """A ``policy_node`` process started with the recorded config, driven through ROS.
 
@@ -214,6 +201,7 @@ class NodeTarget:
             from capsule_ros.msg import Action, RuntimeStatus
             from capsule_ros.ros.client import CapsuleClient
             from capsule_ros.ros.node import message_class
+            from capsule_ros.ros.processes import start_executable
         except ImportError as exc:
             raise ReplaySetupError(f"--node needs ROS 2 and the built package ({exc})") from None
         self.files = files
@@ -225,10 +213,11 @@ class NodeTarget:
         params_file = self.workdir / "replay_params.yaml"
         params_file.write_text(params_yaml(self._params(config, self.capsule_dir)))
         self.log_path = self.workdir / "policy_node.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([policy_node_executable(), "--ros-args", "--params-file", str(params_file),
-                                      "-r", f"__ns:={self.namespace}"], stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        try:
+            self.proc = start_executable("policy_node", ["--ros-args", "--params-file", str(params_file),
+                                                          "-r", f"__ns:={self.namespace}"], self.log_path)
+        except FileNotFoundError as exc:
+            raise ReplaySetupError(str(exc)) from None
         self._context = Context()
         rclpy.init(context=self._context)
         self.node = rclpy.create_node("capsule_replay_driver", namespace=self.namespace, context=self._context)
@@ -283,8 +272,8 @@ class NodeTarget:
         deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
         with self._status:
             while not predicate():
-                if self.proc.poll() is not None:
-                    raise ReplaySetupError(f"policy_node exited with {self.proc.returncode} while waiting for "
+                if not self.proc.alive():
+                    raise ReplaySetupError(f"policy_node exited with {self.proc.proc.returncode} while waiting for "
                                            f"{what}: {self._log_tail()}")
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -295,7 +284,10 @@ class NodeTarget:
         self._wait(lambda: bool(self._fingerprint), "its first ~/status")
         self._wait(lambda: all(p.get_subscription_count() > 0 for p in self._publishers.values()),
                    "its port subscriptions")
-        self.client.list_capsules()                 # the services are up
+        try:
+            self._call("list_capsules")             # the services are up
+        except CapsuleRosError as exc:
+            raise ReplaySetupError(f"policy_node services: {exc}") from None
 
     def _log_tail(self) -> str:
         try:
@@ -335,6 +327,11 @@ class NodeTarget:
         self._wait(lambda: self._processed.get(port, 0) >= sent, f"port {port} to count message {sent}")
         time.sleep(0.02)                           # a step it triggered may still be publishing
         return self._drain()
+
+    def missing_inputs(self) -> List[str]:
+        """Ports the node has not counted a message on yet."""
+        with self._status:
+            return [name for name in self._sent if self._processed.get(name, 0) == 0]
 
     def step(self, stamp: Optional[int] = None) -> List[Act]:
         raise ReplaySetupError("a policy_node steps on its own in timer mode: replay timer-mode bags in-process")
@@ -390,17 +387,11 @@ class NodeTarget:
         self._call("load", capsule_id=capsule_id)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        self.proc.stop(timeout=15)
         with contextlib.suppress(Exception):
             self._executor.shutdown(timeout_sec=2.0)
+        self._spin.join(timeout=2.0)
         with contextlib.suppress(Exception):
             self.node.destroy_node()
         with contextlib.suppress(Exception):
             self._context.try_shutdown()
-        self._log.close()

@@ -19,21 +19,19 @@ that change no state (DROP, SAVE, LOAD, EVICT) and FORK stay where they were rec
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
-from capsule_ros.bag.reader import ActionInfo, RecordedEvent, Timeline
+from capsule_ros.bag.reader import ActionInfo, RecordedEvent, Timeline, capsule_id_position
 from capsule_ros.serving.session import ActionSource, EventKind
 
 BEFORE, AT, AFTER = -1, 0, 1
 SEGMENT_KINDS = (EventKind.REENTER, EventKind.RESET)     # events that replace the state
 
 
-@dataclass(frozen=True, order=True)
-class Slot:
+class Slot(NamedTuple):
     """Just before (-1), at (0) or just after (+1) the stream message at ``time``; ``order``
     keeps the recorded order among events in one slot. Stream messages sort as
-    ``(time, 0, -1)``."""
+    ``(time, 0, -1)`` (``stream_key``)."""
 
     time: int
     side: int
@@ -95,7 +93,8 @@ class Scheduler:
 
     def _commit_slot(self, event: RecordedEvent, segment_start: Optional[RecordedEvent]) -> Optional[Slot]:
         """Just before the first step after the boundary the capsule was taken at."""
-        step, episode = event.boundary_step, event.episode
+        position = capsule_id_position(event.capsule_id)
+        episode, step = position if position else (event.episode, event.step)
         since = segment_start.time if segment_start else -1
         boundary = None
         i = bisect.bisect_left(self.action_times, event.time) - 1
@@ -124,9 +123,12 @@ class Scheduler:
             if tick is None or self._event_between(tick, event.time, event):
                 return None
             i = bisect.bisect_right(self.action_times, tick)
-            if i < len(actions) and actions[i].time > event.time and _follows(actions[i], event):
-                return Slot(tick, BEFORE, event.index)
-            return None
+            if i >= len(actions) or actions[i].time < event.time:
+                return None                  # that step had published before the event
+            later = _first_after(self.ticks, tick)
+            if later is not None and later < actions[i].time:
+                return None                  # the action is a later trigger's: that one made no step
+            return Slot(tick, BEFORE, event.index) if _follows(actions[i], event) else None
         i = bisect.bisect_right(self.action_times, event.time)
         if i >= len(actions) or self._event_between(event.time, actions[i].time, event):
             return None

@@ -9,8 +9,9 @@ builds a fresh typestore: registering never touches shared state.
 """
 from __future__ import annotations
 
+import struct
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import Any, Iterable, List, Optional
 
 from rosbags.interfaces import Connection, MessageDefinitionFormat
 from rosbags.typesys import Stores, get_types_from_idl, get_types_from_msg, get_typestore
@@ -74,3 +75,21 @@ def build_typestore(connections: Iterable[Connection] = ()) -> Typestore:
     if missing:
         raise BadBag(f"no definition of {missing}: neither the bag nor an installed capsule_ros provides one")
     return store
+
+
+def deserialize(store: Typestore, data: bytes, msgtype: str) -> Any:
+    """CDR bytes -> message, accepting the alignment padding (up to 7 bytes, not zeroed)
+    Fast DDS leaves after the last field, which ``Typestore.deserialize_cdr`` refuses
+    beyond 3 bytes. More left over, or a short read, raises ValueError."""
+    if len(data) < 4 or data[:2] not in (b"\x00\x00", b"\x00\x01"):
+        raise ValueError("invalid or unsupported CDR encapsulation")
+    msgdef = store.get_msgdef(msgtype)
+    func = msgdef.deserialize_cdr_le if data[1] else msgdef.deserialize_cdr_be
+    try:
+        message, pos = func(memoryview(data)[4:], 0, msgdef.cls, store)
+    except (struct.error, UnicodeDecodeError, ValueError, IndexError) as exc:
+        raise ValueError(f"cannot deserialize {msgtype}: {exc}") from None
+    rest = data[4 + pos:]
+    if len(rest) >= 8:
+        raise ValueError(f"{msgtype}: {len(rest)} bytes after the last field")
+    return message

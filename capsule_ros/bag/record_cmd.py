@@ -1,0 +1,84 @@
+"""`capsule-ros record`: ask a running policy node to record a rosbag2 through its
+``~/record`` service, wait (``--duration`` seconds, or until Ctrl-C), stop, print the bag.
+
+    capsule-ros record [--node /capsule_policy] [--out DIR] [--storage mcap|sqlite3] [--duration S]
+
+The node writes the bag itself (it records sensor messages as it receives them, in the
+order it processes them), so ``--out`` is a path on the node's machine; a relative one
+is made absolute here. The bag path is the only line on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+from typing import List, Optional
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="capsule-ros record",
+        description="Ask a running policy node to record a rosbag2 (sensor ports, ~/action, ~/capsule_events) "
+                    "through its ~/record service; prints the bag path (docs/rosbag-replay.md).")
+    parser.add_argument("--node", default="/capsule_policy", help="the policy node's full name")
+    parser.add_argument("--out", default="", metavar="DIR",
+                        help="bag directory to create (default: <record.directory>/<UTC stamp> of the node)")
+    parser.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap", help="rosbag2 storage plugin")
+    parser.add_argument("--duration", type=float, default=0.0, metavar="S", help="stop after S seconds (0: Ctrl-C)")
+    parser.add_argument("--wait", type=float, default=10.0, metavar="S", help="how long to wait for the node")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import rclpy
+        from rclpy.context import Context
+        from rclpy.executors import SingleThreadedExecutor
+        from capsule_ros.ros.client import CapsuleClient, ServiceError
+    except ImportError as exc:
+        print(f"capsule-ros record: needs ROS 2 and the built package ({exc})", file=sys.stderr)
+        return 2
+    out = os.path.abspath(os.path.expanduser(args.out)) if args.out else ""
+    context = Context()
+    rclpy.init(context=context)      # not the default context: no rclpy signal handlers, Ctrl-C is ours
+    node = rclpy.create_node("capsule_ros_record", context=context)
+    executor = SingleThreadedExecutor(context=context)
+    executor.add_node(node)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+    client = CapsuleClient(node, args.node, server_wait_s=args.wait, call_timeout_s=10.0)
+    started = False
+    try:
+        response = client.record(True, out, args.storage)
+        started = True
+        print(f"recording {args.node} to {response.bag_path}"
+              + (f" for {args.duration:g} s" if args.duration > 0 else " (Ctrl-C stops)"), file=sys.stderr)
+        stop = threading.Event()
+        try:
+            stop.wait(args.duration if args.duration > 0 else None)
+        except KeyboardInterrupt:
+            pass
+        response = client.record(False)
+        started = False
+        print(f"wrote {response.messages} messages", file=sys.stderr)
+        print(response.bag_path)
+        return 0
+    except ServiceError as exc:
+        print(f"capsule-ros record: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if started:
+            response = client.record(False, check=False)
+            print(response.bag_path)
+        return 130
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        spinner.join(timeout=2.0)
+        node.destroy_node()
+        context.try_shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,494 @@
+"""`capsule-ros replay BAG`: drive the recorded policy step by step from a bag's sensor
+messages and compare every action with the recorded one, bit for bit.
+
+    capsule-ros replay BAG [--verify] [--from-capsule ID] [--node | --in-process]
+                       [--params-file F] [--capsule-dir D] [--json] [--ablation kv-only]
+
+Steps follow the bag, never the wall clock: in trigger mode the policy steps on each
+trigger-port message; a timer-mode bag (in-process only) steps where the node acted.
+Capsule events are re-enacted where they took effect (``capsule_ros.bag.timeline``):
+COMMIT commits (recorded capsule ids map to the replay's), REENTER re-enters the mapped
+capsule, RESET resets, INTERRUPT interrupts with the recorded hold mode, FORK and DROP
+as recorded, LOAD reads a capsule file the bag did not make; SAVE and EVICT change
+nothing a replay can check.
+
+Verification needs a known starting state, an *anchor*: the initial state (the bag's
+first action is step 1 of a fresh timeline), a RESET, a REENTER into a capsule the bag
+committed or whose file is in the capsule directory, or ``--from-capsule ID`` (the
+saved capsule, re-entered where the bag committed it). Actions before an anchor count
+as not verified.
+
+Exit status: 0 every compared action is bit-identical; 1 a divergence (with ``--verify``;
+without it the table is printed and the status is 0); 2 the bag is bad (unreadable,
+truncated, garbled, missing topics or config), the replay cannot start, or nothing
+could be verified; always with a one-line reason and no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import contextlib
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Deque, Dict, List, Optional
+
+from capsule_ros.bag.errors import BagError, ReplaySetupError
+from capsule_ros.bag.reader import EVENT, SENSOR, Entry, RecordedEvent, Recording, Timeline, capsule_id_position
+from capsule_ros.bag.targets import ABLATIONS, CapsuleFiles, InProcessTarget, NodeTarget
+from capsule_ros.bag.timeline import Scheduler, stream_key
+from capsule_ros.bag.verdict import Act, Divergence, Verdict, differences, max_abs_diff
+from capsule_ros.errors import CapsuleRosError
+from capsule_ros.serving.session import ActionSource, EventKind, HoldMode
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """What ``capsule-ros replay`` was asked to do."""
+
+    from_capsule: str = ""
+    node: bool = False
+    params_file: Optional[Path] = None
+    capsule_dir: Optional[Path] = None
+    ablation: str = ""
+    timeout_s: float = 60.0
+
+
+@dataclass
+class _Pending:
+    """A replayed action waiting for its recorded counterpart."""
+
+    act: Act
+    tick: int                       # the replay's tick count when it was made
+    port: str
+    inputs: List[str] = field(default_factory=list)
+
+
+def starts_initial(timeline: Timeline) -> bool:
+    """Whether the bag's first action is the first step from an initial state (and no
+    RESET / REENTER came before it): then the replay's fresh state is the anchor."""
+    first_state_event = next((e.time for e in timeline.events if e.kind in (EventKind.RESET, EventKind.REENTER)),
+                             None)
+    first = timeline.actions[0] if timeline.actions else None
+    return (first is not None and (first_state_event is None or first.time < first_state_event)
+            and first.step == 1 and first.lineage == "" and first.source == ActionSource.POLICY)
+
+
+class Replayer:
+    """Replays one opened recording on one target (see the module docstring)."""
+
+    def __init__(self, recording: Recording, target, options: ReplayOptions):
+        self.recording = recording
+        self.timeline = recording.scan()
+        self.target = target
+        self.options = options
+        self.config = recording.config
+        self.mode = self.config.control.mode
+        self.trigger = self.config.control.trigger_port
+        self.verdict = Verdict(bag=str(recording.path), storage=recording.storage, target=target.kind,
+                               mode=self.mode, messages=self.timeline.messages,
+                               fingerprint_recorded=recording.meta.fingerprint, fingerprint_replay=target.fingerprint,
+                               versions_recorded=dict(recording.meta.versions))
+        self.anchored = False
+        self.capsules: Dict[str, str] = {}          # recorded capsule id -> the replay's
+        self.episodes: Dict[int, int] = {}          # recorded episode id -> the replay's
+        self.fifo: Deque[_Pending] = collections.deque()
+        self.ticks = 0
+        self.inputs: List[str] = []                 # ports with messages since the last step
+        self.recorded_hold: Optional[HoldMode] = None
+        self._action_times = [a.time for a in self.timeline.actions]
+
+    # -- driving -----------------------------------------------------------------------------------
+    def run(self) -> Verdict:
+        start = time.perf_counter()
+        self._initial_anchor()
+        schedule = iter(Scheduler(self.timeline, self.mode).schedule())
+        pending = next(schedule, None)
+        for entry in self.recording.entries():
+            if entry.kind == EVENT:
+                continue                            # events come from the schedule
+            key = stream_key(entry.time)
+            while pending is not None and pending[0] < key:
+                self._apply(pending[1])
+                pending = next(schedule, None)
+            if entry.kind == SENSOR:
+                self._sensor(entry)
+            else:
+                self._action(entry)
+        while pending is not None:
+            self._apply(pending[1])
+            pending = next(schedule, None)
+        for extra in list(self.fifo):
+            self._diverge("extra", extra, None, detail="the replay acted where the recording did not")
+        self.verdict.seconds = time.perf_counter() - start
+        self._version_notes()
+        return self.verdict
+
+    def _initial_anchor(self) -> None:
+        option = self.options.from_capsule
+        if option:
+            known = {e.capsule_id for e in self.timeline.events
+                     if e.kind in (EventKind.COMMIT, EventKind.REENTER, EventKind.RESET)}
+            if option not in known:
+                raise ReplaySetupError(f"--from-capsule {option}: the bag never commits, re-enters or resets to it "
+                                       f"(capsules in the bag: {sorted(c for c in known if c) or 'none'})")
+            return
+        if starts_initial(self.timeline):
+            if not self.config.control.autostart:
+                self.target.reset("")
+            self._anchor("the initial state")
+
+    def _anchor(self, where: str) -> None:
+        if not self.anchored and self.verdict.start == "bag start":
+            self.verdict.start = where
+        self.anchored = True
+
+    def _lose_anchor(self, why: str) -> None:
+        if self.anchored:
+            self.verdict.notes.append(f"verification paused: {why}")
+        self.anchored = False
+        self.fifo.clear()
+
+    def _sensor(self, entry: Entry) -> None:
+        try:
+            msg = self.recording.decode(entry)
+        except Exception:  # noqa: BLE001 - the node drops undecodable messages the same way
+            msg = None
+        self.inputs.append(entry.port)
+        tick = self.mode == "trigger" and entry.port == self.trigger
+        if not self.anchored:
+            self.target.feed(entry.port, entry.data, msg, tick=False)   # a node may still act: not verified
+            return
+        if tick:
+            self._flush_stale()
+            self.ticks += 1
+        acts = self.target.feed(entry.port, entry.data, msg, tick=tick, expect=tick and self._expects(entry.time))
+        self._queue(acts, entry.port)
+
+    def _queue(self, acts: List[Act], port: str) -> None:
+        for act in acts:
+            self.fifo.append(_Pending(act, self.ticks, port, list(dict.fromkeys(self.inputs))))
+        if acts:
+            self.inputs = []
+
+    def _expects(self, t: int) -> bool:
+        """Whether the recording has an action after the trigger at ``t`` and before the next one."""
+        i = bisect.bisect_right(self._action_times, t)
+        if i >= len(self._action_times):
+            return False
+        triggers = self.timeline.trigger_times
+        j = bisect.bisect_right(triggers, t)
+        return j >= len(triggers) or self._action_times[i] < triggers[j]
+
+    def _flush_stale(self) -> None:
+        """A replayed action two steps old that nothing recorded matched: the replay acted
+        where the recording did not."""
+        while self.fifo and self.fifo[0].tick <= self.ticks - 1:
+            self._diverge("extra", self.fifo.popleft(), None, detail="the replay acted where the recording did not")
+
+    def _action(self, entry: Entry) -> None:
+        recorded = Act.of_msg(self.recording.decode_own(entry))
+        if not self.anchored:
+            self.verdict.steps_unverified += 1
+            return
+        if not self.fifo and self.mode == "timer":
+            self.ticks += 1
+            self._queue(self.target.step(), self.inputs[-1] if self.inputs else "")
+        if not self.fifo:
+            missing = self.target.missing_inputs()
+            self._diverge("missing", None, recorded, entry=entry,
+                          detail="the recording acted where the replay did not" + (
+                              f"; the bag gave no value before this step for input(s) {missing} (recording started "
+                              "after they were sent?)" if missing else ""))
+            return
+        pending = self.fifo.popleft()
+        replayed = pending.act
+        if (recorded.source != ActionSource.POLICY and replayed.source == ActionSource.POLICY
+                and self.recorded_hold is None and recorded.step in (replayed.step - 1, replayed.step)):
+            self.verdict.deadline_misses += 1       # the node published its safe action: nothing to compare
+            return
+        episode = self.episodes.setdefault(recorded.episode, replayed.episode)
+        lineage = self.capsules.get(recorded.lineage) if recorded.lineage else ""
+        diffs = differences(recorded, replayed, episode, lineage)
+        if diffs:
+            self._diverge("/".join(diffs), pending, recorded, entry=entry)
+        else:
+            self.verdict.steps_compared += 1
+            self.verdict.steps_matched += 1
+
+    def _diverge(self, what: str, pending: Optional[_Pending], recorded: Optional[Act], *,
+                 entry: Optional[Entry] = None, detail: str = "") -> None:
+        """Count a compared step that differs; keep the first one's details."""
+        self.verdict.steps_compared += 1
+        self.verdict.steps_diverged += 1
+        if self.verdict.first_divergence is not None:
+            return
+        replayed = pending.act if pending else None
+        ref = recorded or replayed
+        diff = None
+        if recorded is not None and replayed is not None:
+            diff = max(max_abs_diff(recorded.values, replayed.values), max_abs_diff(recorded.chunk, replayed.chunk))
+        self.verdict.first_divergence = Divergence(
+            what=what, step=ref.step if ref else -1, episode=ref.episode if ref else -1,
+            bag_index=entry.index if entry else -1, time_ns=entry.time if entry else -1,
+            port=pending.port if pending else (self.inputs[-1] if self.inputs else ""),
+            inputs=pending.inputs if pending else list(dict.fromkeys(self.inputs)), max_abs_diff=diff,
+            recorded=recorded.brief() if recorded else "", replayed=replayed.brief() if replayed else "",
+            detail=detail)
+
+    # -- capsule events ------------------------------------------------------------------------------
+    def _apply(self, event: RecordedEvent) -> None:
+        handler = {EventKind.COMMIT: self._commit, EventKind.INTERRUPT: self._interrupt,
+                   EventKind.REENTER: self._reenter, EventKind.RESET: self._reset, EventKind.FORK: self._fork,
+                   EventKind.DROP: self._drop, EventKind.LOAD: self._load}.get(event.kind)
+        applied = False
+        try:
+            applied = handler(event) if handler is not None else False
+        except CapsuleRosError as exc:
+            if event.kind in (EventKind.REENTER, EventKind.RESET):
+                self._lose_anchor(f"{event.kind.name} {event.capsule_id} failed in the replay")
+            self.capsules.pop(event.capsule_id, None)
+            self._event_divergence(event, f"{event.kind.name} {event.capsule_id or ''} was refused by the "
+                                          f"replay: {exc}")
+        counts = self.verdict.events_replayed if applied else self.verdict.events_skipped
+        counts[event.kind.name] = counts.get(event.kind.name, 0) + 1
+
+    def _event_divergence(self, event: RecordedEvent, detail: str) -> None:
+        if self.verdict.first_divergence is None:
+            self.verdict.first_divergence = Divergence(
+                what="event", step=event.step, episode=event.episode, bag_index=event.index, time_ns=event.time,
+                port=self.inputs[-1] if self.inputs else "", inputs=list(dict.fromkeys(self.inputs)), detail=detail)
+
+    def _commit(self, event: RecordedEvent) -> bool:
+        if not self.anchored:
+            self.capsules.pop(event.capsule_id, None)
+            if event.capsule_id == self.options.from_capsule:
+                return self._anchor_from_capsule(event)
+            return False
+        self.capsules[event.capsule_id] = self.target.commit(event.detail)
+        return True
+
+    def _interrupt(self, event: RecordedEvent) -> bool:
+        try:
+            mode = HoldMode[event.detail]
+        except KeyError:
+            mode = HoldMode.HOLD_LAST
+        self.recorded_hold = mode
+        if not self.anchored:
+            self.capsules.pop(event.capsule_id, None)
+            return False
+        capsule_id, acts = self.target.interrupt(mode, bool(event.capsule_id))
+        if event.capsule_id:
+            self.capsules[event.capsule_id] = capsule_id
+        self._queue(acts, "(interrupt)")
+        return True
+
+    def _enters(self, event: RecordedEvent) -> Optional[str]:
+        """The replay's id of the capsule a REENTER / RESET enters, or None if it has none.
+        Before the anchor of ``--from-capsule`` only that capsule anchors."""
+        option = self.options.from_capsule
+        if option and not self.anchored and event.capsule_id != option:
+            return None
+        return self._resolve(event.capsule_id)
+
+    def _reenter(self, event: RecordedEvent) -> bool:
+        self.recorded_hold = None
+        if not event.capsule_id:                    # resume after an interrupt without a capsule
+            if self.anchored:
+                self.target.reenter("")
+            return self.anchored
+        target_id = self._enters(event)
+        if target_id is None:
+            self._lose_anchor(f"REENTER {event.capsule_id}: the replay has no such capsule (not committed while "
+                              "verifying, no capsule file)")
+            return False
+        self._settle()
+        episode = self.target.reenter(target_id)
+        if episode is not None:
+            self.episodes[event.episode] = episode
+        self._anchor(f"capsule {event.capsule_id} (REENTER)")
+        return True
+
+    def _reset(self, event: RecordedEvent) -> bool:
+        self.recorded_hold = None
+        if self.options.from_capsule and not self.anchored and event.capsule_id != self.options.from_capsule:
+            return False
+        target_id = self._enters(event) if event.capsule_id else ""
+        if target_id is None:
+            self._lose_anchor(f"RESET to {event.capsule_id}: the replay has no such capsule")
+            return False
+        self._settle()
+        self.episodes[event.episode] = self.target.reset(target_id)
+        self._anchor(f"a reset to {event.capsule_id or 'the initial state'}")
+        return True
+
+    def _fork(self, event: RecordedEvent) -> bool:
+        if not self.anchored:
+            self.capsules.pop(event.capsule_id, None)
+            return False
+        parent = self.capsules.get(event.parent_id)
+        made = capsule_id_position(event.capsule_id)
+        of_capsule = parent is not None and (made is None or made == capsule_id_position(event.parent_id))
+        self.capsules[event.capsule_id] = self.target.fork(parent if of_capsule else "", event.detail)
+        return True
+
+    def _drop(self, event: RecordedEvent) -> bool:
+        """A drop from memory only keeps the replay's copy: the recording may load the
+        capsule's file again, and the replay writes no files."""
+        if event.capsule_id not in self.capsules or event.detail == "memory":
+            return event.capsule_id in self.capsules
+        replay_id = self.capsules.pop(event.capsule_id)
+        with contextlib.suppress(CapsuleRosError):   # e.g. evicted here: nothing to drop
+            self.target.drop(replay_id)
+        return True
+
+    def _load(self, event: RecordedEvent) -> bool:
+        try:
+            return self._resolve(event.capsule_id) is not None
+        except CapsuleRosError:
+            return False
+
+    def _resolve(self, capsule_id: str) -> Optional[str]:
+        """Map a recorded capsule id: committed by the replay, or read from its file."""
+        if capsule_id in self.capsules:
+            return self.capsules[capsule_id]
+        if self.target.has(capsule_id):
+            self.capsules[capsule_id] = capsule_id
+            return capsule_id
+        if self.target.files.path(capsule_id) is None:
+            return None
+        self.target.adopt(capsule_id)
+        self.capsules[capsule_id] = capsule_id
+        return capsule_id
+
+    def _anchor_from_capsule(self, event: RecordedEvent) -> bool:
+        """``--from-capsule``: the saved capsule, re-entered where the bag committed it."""
+        self._settle()
+        capsule_id = event.capsule_id
+        try:
+            self.target.adopt(capsule_id)
+        except CapsuleRosError as exc:
+            raise ReplaySetupError(f"--from-capsule {capsule_id}: {exc}") from None
+        episode = self.target.reenter(capsule_id)
+        if episode is not None:
+            self.episodes[event.episode] = episode
+        self.capsules[capsule_id] = capsule_id
+        if self.recorded_hold is not None:           # the recording was interrupted at that point
+            self.target.interrupt(self.recorded_hold, False)
+            self.target.settle()
+        self._anchor(f"capsule {capsule_id} (--from-capsule, step {event.boundary_step})")
+        return True
+
+    def _settle(self) -> None:
+        """Before a new anchor: what a node still publishes from unverified steps is dropped."""
+        if not self.anchored:
+            self.target.settle()
+            self.fifo.clear()
+
+    def _version_notes(self) -> None:
+        from capsule_ros.bag.metadata import runtime_versions
+        v = self.verdict
+        if v.fingerprint_recorded and v.fingerprint_recorded != v.fingerprint_replay:
+            v.notes.append("the replay's graph fingerprint differs from the recording's (weights, shapes, dtype or "
+                           "device kind): bit-identity is not expected")
+        here = runtime_versions()
+        changed = [f"{k} {v.versions_recorded[k]} -> {here.get(k)}" for k in ("torch", "cpu_capability")
+                   if k in v.versions_recorded and v.versions_recorded[k] != here.get(k)]
+        if changed:
+            v.notes.append("recorded on another build (" + ", ".join(changed) + "): bit-identity is promised on "
+                           "the same device, build and config")
+
+
+# -- library entry point ------------------------------------------------------------------------------
+
+def replay_bag(bag, options: ReplayOptions = ReplayOptions()) -> Verdict:
+    """Replay ``bag`` and return the verdict (raises BagError subclasses)."""
+    from capsule_ros.serving.config import ServingConfig
+    from capsule_ros.serving.factory import capsule_directory_path
+    config = None
+    if options.params_file is not None:
+        try:
+            config = ServingConfig.from_file(Path(options.params_file))
+        except CapsuleRosError as exc:
+            raise ReplaySetupError(f"--params-file: {exc}") from None
+    ablation = ()
+    if options.ablation:
+        if options.ablation not in ABLATIONS:
+            raise ReplaySetupError(f"--ablation {options.ablation!r}: one of {sorted(ABLATIONS)}")
+        if options.node:
+            raise ReplaySetupError("--ablation runs in-process (it changes what a re-entry restores)")
+        ablation = ABLATIONS[options.ablation]
+    with Recording(bag, config) as recording:
+        cfg = recording.config
+        if options.node and cfg.control.mode != "trigger":
+            raise ReplaySetupError("this bag was recorded in timer mode: its steps followed the wall clock; "
+                                   "replay it in-process (the default), which steps where the node acted")
+        directory = options.capsule_dir or (capsule_directory_path(cfg.capsules.directory, recording.meta.node)
+                                            if cfg.capsules.directory else None)
+        files = CapsuleFiles(directory, cfg.capsules.key_file, int(cfg.capsules.max_file_mb * 2**20))
+        recording.scan()                            # a bad bag fails before anything starts
+        with contextlib.ExitStack() as stack:
+            if options.node:
+                workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="capsule_replay_")))
+                target = stack.enter_context(NodeTarget(cfg, files, workdir, options.timeout_s))
+            else:
+                target = stack.enter_context(InProcessTarget(cfg, files, ablation))
+            verdict = Replayer(recording, target, options).run()
+            if options.ablation:
+                verdict.target += f" (ablation: re-entry restores only {options.ablation})"
+            return verdict
+
+
+# -- command line -----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="capsule-ros replay",
+        description="Drive the recorded policy step by step from a bag's sensor messages and compare every "
+                    "action with the recorded one, bit for bit (docs/rosbag-replay.md).",
+        epilog="exit status: 0 bit-identical; 1 a divergence (with --verify); 2 a bad bag, a replay that cannot "
+               "start, or nothing verified")
+    parser.add_argument("bag", help="rosbag2 directory recorded by capsule_ros (MCAP or sqlite3)")
+    parser.add_argument("--verify", action="store_true", help="exit 1 unless every action is bit-identical")
+    parser.add_argument("--from-capsule", default="", metavar="ID",
+                        help="start from this saved capsule, where the bag committed it")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--node", action="store_true", help="replay through a policy_node process started here")
+    where.add_argument("--in-process", action="store_true", help="replay over a PolicySession here (default)")
+    parser.add_argument("--params-file", type=Path, help="serving parameters instead of the recorded ones")
+    parser.add_argument("--capsule-dir", type=Path, help="capsule files (default: the recorded capsules.directory)")
+    parser.add_argument("--ablation", choices=sorted(ABLATIONS), default="",
+                        help="re-entries restore only these buffers (expected to diverge)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="--node: seconds to wait for the node")
+    parser.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    options = ReplayOptions(from_capsule=args.from_capsule, node=args.node, params_file=args.params_file,
+                            capsule_dir=args.capsule_dir, ablation=args.ablation, timeout_s=args.timeout)
+    try:
+        verdict = replay_bag(args.bag, options)
+    except BagError as exc:
+        print(f"capsule-ros replay: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("capsule-ros replay: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(verdict.to_json())
+    else:
+        from rich.console import Console
+        verdict.render(Console())
+    if verdict.steps_compared == 0:
+        print("capsule-ros replay: nothing verified: the bag has no step after an anchor (initial state, reset, "
+              "re-entry of a known capsule, --from-capsule)", file=sys.stderr)
+        return 2
+    return verdict.exit_code() if args.verify else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,460 @@
+"""Rosbag record and replay: a rollback recorded through the real node replays bit for bit.
+
+The bags that must be bit-identical are recorded here, through an installed
+``policy_node`` and its ``~/record`` service (module fixture ``live``), because
+bit-identity holds for one machine, build and config; the committed fixture bags
+(test/fixtures/, made by make_bags.py with the same scenarios) serve the checks that do
+not depend on the build: damaged bags, the independent MCAP reader, metadata fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from capsule_ros.bag.edit import rewrite_bag
+from capsule_ros.bag.reader import BAG_INFO_FIELDS, ActionInfo, RecordedEvent, Recording, Timeline
+from capsule_ros.bag.replay import ReplayOptions, main as replay_main, replay_bag
+from capsule_ros.bag.timeline import AT, BEFORE, Scheduler
+from capsule_ros.serving.session import EventKind
+from fixtures.make_bags import K, N, NODE_PARAMS, Driver, observations, record_events, record_rollback
+from harness import REPO, ClientNode, start_policy_node, wait_for
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+NS = "/tbag"
+CLI = [sys.executable, "-m", "capsule_ros.cli.main"]
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, rclpy_context):
+    """One policy_node; the rollback (MCAP) and events (sqlite3) scenarios recorded through ~/record."""
+    tmp = tmp_path_factory.mktemp("bag")
+    proc = start_policy_node(tmp, NODE_PARAMS, namespace=NS, tag="bagnode")
+    client = ClientNode(rclpy_context, "bag_test_client", node_path=f"{NS}/capsule_policy")
+    try:
+        driver = Driver(client, NS)
+        rollback = record_rollback(driver, tmp / "rollback", "mcap")
+        events = record_events(driver, tmp / "events", "sqlite3")
+        yield SimpleNamespace(tmp=tmp, proc=proc, client=client, driver=driver, rollback=rollback, events=events)
+    finally:
+        client.close()
+        assert proc.stop() == 0, proc.log()
+
+
+def run_cli(*args, timeout=180):
+    """``capsule-ros replay`` / ``record`` in a fresh process."""
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def changed_copy(src: Path, dst: Path, step: int, delta: float = 0.25) -> int:
+    """A consistent copy of a bag in which the joint state that triggered recorded step
+    ``step`` (its first occurrence) has position[0] changed; returns that message's index."""
+    with Recording(src) as recording:
+        timeline = recording.scan()
+    action = next(a for a in timeline.actions if a.step == step)
+    trigger = max(t for t in timeline.trigger_times if t < action.time)
+    changed = []
+
+    def change(entry, recording):
+        if entry.time != trigger:
+            return entry.data
+        msg = recording.decode(entry)
+        position = msg.position.copy()
+        position[0] += delta
+        changed.append(entry.index)
+        return recording.typestore.serialize_cdr(dataclasses.replace(msg, position=position), entry.msgtype)
+
+    rewrite_bag(src, dst, change)
+    return changed[0]
+
+
+# -- the contract: record a rollback through the node, replay it bit for bit ------------------------
+
+@pytest.mark.ros
+def test_rollback_recorded_through_the_node_replays_bit_identically(live):
+    info = live.rollback
+    assert info["identical_live"], "the node itself did not repeat the actions after the rollback"
+    verdict = replay_bag(info["bag"])
+    assert verdict.first_divergence is None, verdict.first_divergence
+    assert verdict.identical and verdict.exit_code() == 0
+    assert verdict.steps_compared == verdict.steps_matched == N + (N - K)
+    assert verdict.steps_unverified == 0 and verdict.start == "the initial state"
+    assert verdict.events_replayed == {"COMMIT": 1, "REENTER": 1}
+    assert verdict.fingerprint_recorded and verdict.fingerprint_replay == verdict.fingerprint_recorded
+
+
+@pytest.mark.ros
+def test_every_capsule_event_kind_replays(live):
+    verdict = replay_bag(live.events["bag"])
+    assert verdict.identical, (verdict.first_divergence, verdict.notes)
+    assert set(verdict.events_replayed) == {"COMMIT", "INTERRUPT", "REENTER", "RESET", "FORK", "DROP", "LOAD"}
+    assert verdict.events_skipped == {"SAVE": 1}
+    assert verdict.steps_unverified == 0 and verdict.steps_compared >= 30
+
+
+@pytest.mark.ros
+def test_changed_sensor_value_diverges_exactly_at_its_step(live, tmp_path, capsys):
+    j = K + 7
+    changed = changed_copy(Path(live.rollback["bag"]), tmp_path / "changed", j)
+    assert replay_main([str(tmp_path / "changed"), "--verify", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    first = report["first_divergence"]
+    assert first["step"] == j and first["port"] == "joints" and "values" in first["what"]
+    assert first["max_abs_diff"] > 0 and first["bag_index"] > changed
+    # the rollback re-enters step K and replays unchanged messages: identical again
+    assert report["steps_diverged"] == N - j + 1
+    assert report["steps_matched"] == report["steps_compared"] - report["steps_diverged"]
+
+
+@pytest.mark.ros
+def test_kv_only_reentry_diverges(live, capsys):
+    bag = live.rollback["bag"]
+    assert replay_main([bag, "--verify", "--json", "--ablation", "kv-only"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["first_divergence"]["step"] == K + 1       # the first step after the re-entry
+    # KV and metadata restored, recurrent / conv / chunk state not: still diverges
+    verdict = replay_bag(bag, ReplayOptions(ablation="kv-meta"))
+    assert not verdict.identical and verdict.first_divergence.step == K + 1
+    assert "values" in verdict.first_divergence.what and "step" not in verdict.first_divergence.what
+
+
+@pytest.mark.ros
+def test_cross_process_replay_from_the_saved_capsule(live):
+    """Recorded by the node process (capsule saved with persist=true), replayed in a fresh
+    process that loads the capsule from the directory the bag's config names."""
+    info = live.rollback
+    result = run_cli("replay", info["bag"], "--verify", "--json", "--from-capsule", info["capsule_id"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["identical"] and info["capsule_id"] in report["start"]
+    assert report["steps_compared"] == 2 * (N - K) and report["steps_unverified"] == K
+
+
+@pytest.mark.ros
+def test_node_mode_verifies_a_bag(live):
+    verdict = replay_bag(live.rollback["bag"], ReplayOptions(node=True, timeout_s=90))
+    assert verdict.target == "policy_node"
+    assert verdict.identical, (verdict.first_divergence, verdict.notes)
+    assert verdict.steps_compared == N + (N - K)
+
+
+@pytest.mark.ros
+def test_record_cli_asks_the_node_to_record(live, tmp_path):
+    """`capsule-ros record` until Ctrl-C, while a reset episode runs: a verifiable sqlite3 bag."""
+    out = tmp_path / "cli_bag"
+    proc = subprocess.Popen([*CLI, "record", "--node", f"{NS}/capsule_policy", "--out", str(out),
+                             "--storage", "sqlite3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    try:
+        started = proc.stderr.readline()
+        assert started.startswith("recording"), started + proc.stderr.read()
+        live.driver.capsules.reset()
+        live.driver.send_goal(0.1, 0.2)
+        live.driver.run(observations(5, 40))
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert stdout.strip() == str(out)
+    verdict = replay_bag(out)
+    assert verdict.identical and verdict.steps_compared == 5 and verdict.storage == "sqlite3"
+
+
+@pytest.mark.ros
+def test_bag_started_mid_run_is_verified_from_a_reentered_capsule_file(live, tmp_path, capsys):
+    """Without the bag's start, the replay anchors where it re-enters a capsule whose file
+    the node saved; without that file nothing can be verified (exit 2)."""
+    bag = Path(live.rollback["bag"])
+    with Recording(bag) as recording:
+        commit = next(e for e in recording.scan().events if e.kind == EventKind.COMMIT)
+    late = tmp_path / "late"
+    rewrite_bag(bag, late, lambda e, r: e.data if e.index >= commit.index or e.port == "goal" else None)
+    verdict = replay_bag(late)
+    assert verdict.identical and verdict.start == f"capsule {commit.capsule_id} (REENTER)"
+    assert verdict.steps_compared == N - K and verdict.steps_unverified == N - K
+    assert replay_main([str(late), "--verify", "--capsule-dir", str(tmp_path)]) == 2
+    assert "nothing verified" in capsys.readouterr().err
+    no_goal = tmp_path / "no_goal"                   # the goal was sent before the recording began
+    rewrite_bag(late, no_goal, lambda e, r: None if e.port == "goal" else e.data)
+    verdict = replay_bag(no_goal)
+    assert verdict.first_divergence.what == "missing" and "['goal']" in verdict.first_divergence.detail
+
+
+def set_parameters(client, **values) -> None:
+    """Set parameters of the live node (e.g. control.mode) and check they were taken."""
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+    service = client.node.create_client(SetParameters, f"{NS}/capsule_policy/set_parameters")
+    assert service.wait_for_service(timeout_sec=10)
+    params = []
+    for name, value in values.items():
+        v = ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=value) if isinstance(value, float) \
+            else ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
+        params.append(Parameter(name=name.replace("__", "."), value=v))
+    future = service.call_async(SetParameters.Request(parameters=params))
+    wait_for(future.done, timeout=10, what="set_parameters")
+    assert all(r.successful for r in future.result().results), future.result().results
+    client.node.destroy_client(service)
+
+
+@pytest.mark.ros
+def test_timer_mode_bag_steps_where_the_node_acted(live, tmp_path):
+    """In timer mode steps follow the wall clock; in process, the replay steps at each
+    recorded action with the inputs the bag delivered before it."""
+    import time
+    driver = live.driver
+    set_parameters(live.client, control__mode="timer", control__rate_hz=50.0)
+    try:
+        driver.capsules.record(True, str(tmp_path / "timer"), "mcap")
+        driver.send_goal(0.2, -0.3)                       # inputs first: the replay only has the bag's
+        driver.joints.publish(driver.joint_state(observations(1, 50)[0]))
+        time.sleep(0.2)
+        driver.capsules.reset()
+        for values in observations(8, 51):
+            driver.joints.publish(driver.joint_state(values))
+            time.sleep(0.04)
+        time.sleep(0.2)
+        driver.capsules.record(False)
+    finally:
+        set_parameters(live.client, control__mode="trigger")
+    verdict = replay_bag(tmp_path / "timer")
+    assert verdict.mode == "timer" and verdict.start == "a reset to the initial state"
+    assert verdict.identical, (verdict.first_divergence, verdict.notes)
+    assert verdict.steps_compared >= 10
+    with pytest.raises(Exception, match="timer mode"):
+        replay_bag(tmp_path / "timer", ReplayOptions(node=True))
+
+
+@pytest.mark.ros
+def test_params_file_overrides_or_supplies_the_config(live, tmp_path):
+    from capsule_ros.bag.metadata import params_yaml
+    bag = Path(live.rollback["bag"])
+    with Recording(bag) as recording:
+        params = recording.meta.params
+    same = tmp_path / "same.yaml"
+    same.write_text(params_yaml(params))
+    other = tmp_path / "other.yaml"
+    other.write_text(params_yaml({**params, "policy": {**params["policy"], "init_seed": 1}}))
+    verdict = replay_bag(bag, ReplayOptions(params_file=other))     # other random weights
+    assert verdict.first_divergence.step == 1 and any("fingerprint" in note for note in verdict.notes)
+    # a bag without capsule_ros metadata (as `ros2 bag record` writes it) replays with --params-file
+    foreign = tmp_path / "foreign"
+    shutil.copytree(bag, foreign)
+    meta = yaml.safe_load((foreign / "metadata.yaml").read_text())
+    meta["rosbag2_bagfile_information"]["custom_data"] = None
+    (foreign / "metadata.yaml").write_text(yaml.safe_dump(meta))
+    assert replay_main([str(foreign), "--verify"]) == 2
+    verdict = replay_bag(foreign, ReplayOptions(params_file=same))
+    assert verdict.identical and verdict.steps_compared == N + (N - K)
+
+
+# -- bad bags --------------------------------------------------------------------------------------
+
+def _damaged(tmp_path: Path):
+    """name -> a damaged copy of the MCAP fixture bag (or of the sqlite3 one)."""
+    def copy(name, source="rollback_mcap"):
+        dst = tmp_path / name
+        shutil.copytree(FIXTURES / source, dst)
+        return dst
+
+    out = {}
+    bag = copy("truncated")
+    data = (bag / "rollback_mcap.mcap").read_bytes()
+    (bag / "rollback_mcap.mcap").write_bytes(data[:len(data) // 2])
+    out["truncated"] = bag
+    bag = copy("garbled")
+    data = bytearray((bag / "rollback_mcap.mcap").read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 64):
+        data[i] ^= 0x5A
+    (bag / "rollback_mcap.mcap").write_bytes(bytes(data))
+    out["garbled"] = bag
+    bag = copy("garbled_value")                       # one float's bytes, framing intact
+    data = bytearray((bag / "rollback_mcap.mcap").read_bytes())
+    at = data.find(b"shoulder") + 40
+    data[at:at + 4] = b"\x12\x34\x56\x78"
+    (bag / "rollback_mcap.mcap").write_bytes(bytes(data))
+    out["garbled_value"] = bag
+    bag = copy("no_metadata")
+    (bag / "metadata.yaml").unlink()
+    out["no_metadata"] = bag
+    bag = copy("no_config")
+    meta = yaml.safe_load((bag / "metadata.yaml").read_text())
+    meta["rosbag2_bagfile_information"]["custom_data"] = None
+    (bag / "metadata.yaml").write_text(yaml.safe_dump(meta))
+    out["no_config"] = bag
+    bag = copy("garbled_sqlite", "events_sqlite3")
+    db = bag / "events_sqlite3.db3"
+    data = bytearray(db.read_bytes())
+    data[4096:8192] = os.urandom(4096)
+    db.write_bytes(bytes(data))
+    out["garbled_sqlite"] = bag
+    out["not_a_bag"] = tmp_path
+    return out
+
+
+def test_bad_bags_exit_2_with_a_one_line_reason(tmp_path, capsys):
+    for name, bag in _damaged(tmp_path).items():
+        code = replay_main([str(bag), "--verify"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2, (name, err)
+        assert err.startswith("capsule-ros replay: ") and "\n" not in err and "Traceback" not in err, (name, err)
+    moved = tmp_path / "port_topic_not_in_bag"       # the recorded config names a topic the bag lacks
+    shutil.copytree(FIXTURES / "rollback_mcap", moved)
+    text = (moved / "metadata.yaml").read_text()
+    (moved / "metadata.yaml").write_text(text.replace('"/fixture/arm/joint_states"', '"/fixture/arm/elsewhere"'))
+    assert replay_main([str(moved)]) == 2
+    assert "lacks topic(s) ['/fixture/arm/elsewhere']" in capsys.readouterr().err
+
+
+def test_truncated_bag_in_a_fresh_process_has_no_traceback(tmp_path):
+    bag = _damaged(tmp_path)["truncated"]
+    result = run_cli("replay", bag, "--verify")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+# -- the bag format ------------------------------------------------------------------------------------
+
+def _rihs01(msgtype: str) -> str:
+    """The type hash rosidl generated for one of our messages (install/.../msg/<Name>.json)."""
+    name = msgtype.rsplit("/", 1)[-1]
+    path = REPO / "install" / "capsule_ros" / "share" / "capsule_ros" / "msg" / f"{name}.json"
+    hashes = json.loads(path.read_text())["type_hashes"]
+    return next(h["hash_string"] for h in hashes if h["type_name"] == msgtype)
+
+
+@pytest.mark.parametrize("bag", ["rollback_mcap", "events_sqlite3"])
+def test_metadata_has_what_ros2_bag_info_reads(bag):
+    info = yaml.safe_load((FIXTURES / bag / "metadata.yaml").read_text())["rosbag2_bagfile_information"]
+    assert set(BAG_INFO_FIELDS) <= set(info)
+    assert info["version"] == 9 and info["storage_identifier"] == bag.split("_")[-1]
+    assert info["message_count"] == sum(t["message_count"] for t in info["topics_with_message_count"])
+    assert [f["path"] for f in info["files"]] == info["relative_file_paths"]
+    topics = {t["topic_metadata"]["name"]: t["topic_metadata"] for t in info["topics_with_message_count"]}
+    for meta in topics.values():
+        assert {"name", "type", "serialization_format", "offered_qos_profiles", "type_description_hash"} <= set(meta)
+        assert meta["serialization_format"] == "cdr" and meta["type_description_hash"].startswith("RIHS01_")
+    for msgtype in ("capsule_ros/msg/Action", "capsule_ros/msg/CapsuleEvent"):
+        assert [m["type_description_hash"] for m in topics.values() if m["type"] == msgtype] == [_rihs01(msgtype)]
+    custom = info["custom_data"]
+    assert custom["capsule_ros.trigger_port"] == "joints" and len(custom["capsule_ros.fingerprint"]) == 64
+    assert "ros__parameters" in custom["capsule_ros.params"]
+
+
+def test_independent_mcap_reader_decodes_every_message():
+    from mcap.reader import make_reader
+    from mcap_ros2.decoder import DecoderFactory
+    info = yaml.safe_load((FIXTURES / "rollback_mcap" / "metadata.yaml").read_text())["rosbag2_bagfile_information"]
+    expected = {t["topic_metadata"]["name"]: t["message_count"] for t in info["topics_with_message_count"]}
+    counts, steps, kinds = {}, [], []
+    with open(FIXTURES / "rollback_mcap" / "rollback_mcap.mcap", "rb") as f:
+        reader = make_reader(f, decoder_factories=[DecoderFactory()])
+        for schema, channel, _, msg in reader.iter_decoded_messages():
+            counts[channel.topic] = counts.get(channel.topic, 0) + 1
+            if schema.name == "capsule_ros/msg/Action":
+                assert len(msg.values) == msg.action_dim == 2
+                steps.append(msg.step)
+            elif schema.name == "capsule_ros/msg/CapsuleEvent":
+                kinds.append(msg.kind)
+    assert counts == expected
+    assert steps == list(range(1, N + 1)) + list(range(K + 1, N + 1))
+    assert kinds == [EventKind.COMMIT, EventKind.REENTER]
+
+
+def test_fixture_bags_replay_on_the_build_that_recorded_them():
+    from capsule_ros.bag.metadata import runtime_versions
+    manifest = json.loads((FIXTURES / "manifest.json").read_text())
+    with Recording(FIXTURES / "rollback_mcap") as recording:
+        recorded = recording.meta.versions
+    here = runtime_versions()
+    if any(recorded.get(k) != here.get(k) for k in ("torch", "cpu_capability", "machine")):
+        pytest.skip(f"fixtures recorded on {recorded}, this is {here}: bit-identity is per build")
+    verdict = replay_bag(FIXTURES / "rollback_mcap", ReplayOptions(
+        from_capsule=manifest["rollback_mcap"]["capsule_id"], capsule_dir=FIXTURES / "capsules"))
+    assert verdict.identical and verdict.steps_compared == 2 * (N - K)
+    assert replay_bag(FIXTURES / "events_sqlite3").identical
+
+
+# -- recorder and scheduling, without ROS ----------------------------------------------------------------
+
+def test_recorder_keeps_write_order_from_many_threads(tmp_path):
+    from capsule_ros.bag.recorder import NodeRecorder
+    from capsule_ros.serving.config import ServingConfig
+    config = ServingConfig.from_file(REPO / "config" / "policy.yaml")
+    recorder = NodeRecorder.start(str(tmp_path / "threads"), "", "mcap", config, "/capsule_policy/action",
+                                  "/capsule_policy/capsule_events", fingerprint="f" * 64)
+    with Recording(FIXTURES / "rollback_mcap") as fixture:
+        raw = next(e.data for e in fixture.entries() if e.port == "goal")
+
+    def writer(n):
+        for _ in range(200):
+            recorder.write_raw("arm/goal", "geometry_msgs/msg/PointStamped", raw, stamp_ns=1000)   # same stamp
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert recorder.close() == 800 and recorder.close() == 800          # idempotent
+    recorder.write_raw("arm/goal", "geometry_msgs/msg/PointStamped", raw, 5)   # after close: ignored
+    with Recording(tmp_path / "threads") as recording:
+        times = [e.time for e in recording.entries()]
+        assert recording.meta.ports["goal"].topic == "/arm/goal"        # resolved in the node's namespace
+    assert len(times) == 800 and times == sorted(set(times)) and times[0] == 1000
+    from capsule_ros.bag.errors import RecordArgumentError, RecordError
+    from capsule_ros.errors import ErrorCode
+    with pytest.raises(RecordError) as exists:          # the node answers IO_ERROR
+        NodeRecorder.start(str(tmp_path / "threads"), "", "mcap", config, "/a/action", "/a/capsule_events")
+    assert exists.value.code == ErrorCode.IO_ERROR and "exists" in str(exists.value)
+    with pytest.raises(RecordArgumentError) as storage:
+        NodeRecorder.start("", str(tmp_path), "rosbag1", config, "/a/action", "/a/capsule_events")
+    assert storage.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+def _event(kind, time, index, capsule_id="", step=0, episode=1, detail=""):
+    return RecordedEvent(time, index, kind, capsule_id, "", episode, step, False, False, detail)
+
+
+def test_commit_published_after_later_steps_applies_at_its_boundary():
+    """commit snapshots at step 5, saves, and its event comes after steps 6 and 7."""
+    timeline = Timeline(actions=[ActionInfo(20 + 10 * s, 0, 1, s, "", 0) for s in range(1, 8)],
+                        events=[_event(EventKind.COMMIT, 95, 0, "e1.s5.abcdef", step=7)])
+    timeline.trigger_times.extend(15 + 10 * s for s in range(1, 8))        # trigger 5 ms before each action
+    (slot, _), = Scheduler(timeline, "trigger").schedule()
+    assert (slot.time, slot.side) == (75, BEFORE)                           # before the trigger of step 6
+
+
+def test_interrupt_recorded_after_a_trigger_it_preceded_applies_before_that_step():
+    actions = [ActionInfo(20, 0, 1, 1, "", 0), ActionInfo(40, 0, 1, 1, "", 1)]   # step 1, then a safe action
+    timeline = Timeline(actions=actions, events=[_event(EventKind.INTERRUPT, 35, 0, step=1, detail="HOLD_LAST")])
+    timeline.trigger_times.extend([15, 30])
+    (slot, _), = Scheduler(timeline, "trigger").schedule()
+    assert (slot.time, slot.side) == (30, BEFORE)
+    actions[1] = ActionInfo(40, 0, 1, 2, "", 0)                              # the step came first
+    (slot, _), = Scheduler(timeline, "trigger").schedule()
+    assert (slot.time, slot.side) == (35, AT)
+
+
+def test_reentry_after_a_silent_trigger_stays_after_it():
+    """A trigger that made no action (interrupted, silent), then a re-entry, then a step:
+    the re-entry must not move before the silent trigger."""
+    actions = [ActionInfo(60, 0, 1, 6, "e1.s5.abcdef", 0)]
+    timeline = Timeline(actions=actions, events=[_event(EventKind.REENTER, 45, 0, "e1.s5.abcdef", step=5)])
+    timeline.trigger_times.extend([40, 55])
+    (slot, _), = Scheduler(timeline, "trigger").schedule()
+    assert (slot.time, slot.side) == (45, AT)
+    timeline.trigger_times[:] = type(timeline.trigger_times)("q", [40])     # the action is the trigger's at 40
+    (slot, _), = Scheduler(timeline, "trigger").schedule()
+    assert (slot.time, slot.side) == (40, BEFORE)
