@@ -137,7 +137,7 @@ def test_writer_refuses_bad_headers_and_payloads():
         "id": (make_header(capsule_id="../x"), bytes(6144)),
     }
     refused = 0
-    for name, (header, data) in bad.items():
+    for header, data in bad.values():
         with pytest.raises(InvalidArgument):
             write_capsule(io.BytesIO(), header, data, None)
         refused += 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import signal
 import subprocess
 import time
 import xml.etree.ElementTree as ET

@@ -3,7 +3,6 @@ lockstep runs drive the arm from the policy's actions; realtime mode holds the a
 when actions stop."""
 from __future__ import annotations
 
-import queue
 import time
 
 import numpy as np

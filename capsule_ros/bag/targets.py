@@ -291,7 +291,7 @@ class NodeTarget:
 
     def _log_tail(self) -> str:
         try:
-            lines = [l for l in self.log_path.read_text(errors="replace").splitlines() if l.strip()]
+            lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
         except OSError:
             return "(no log)"
         return lines[-1][:300] if lines else "(empty log)"

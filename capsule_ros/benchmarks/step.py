@@ -25,7 +25,7 @@ def measure(config: ServingConfig, device: torch.device, graphs: bool, reps: int
     runtime = PolicyRuntime(build_policy(dataclasses.replace(config, runtime=runtime_cfg), device=device),
                             runtime_cfg)
     rng = np.random.default_rng(0)
-    for name, view in runtime.staging.items():
+    for view in runtime.staging.values():
         view[...] = rng.normal(size=view.shape).astype(view.dtype)
     runtime.load_inputs()
     gpu = time_calls(runtime.step, reps, device, warmup=5, stream=runtime.stream)
