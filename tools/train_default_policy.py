@@ -43,7 +43,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -243,8 +243,9 @@ def policy_action(runtime: PolicyRuntime, obs: Observation) -> np.ndarray:
 
 
 def run_policy_episodes(runtime: PolicyRuntime, seeds: Sequence[int], steps: int, *, stop_at_success: bool,
-                        goal_switch_fraction: float = 0.0, rng: np.random.Generator = None) -> dict:
-    """Closed-loop episodes; returns success flags, the visited observations and the expert's labels."""
+                        goal_switch_fraction: float = 0.0, rng: Optional[np.random.Generator] = None) -> dict:
+    """Closed-loop episodes; returns success flags (of the last goal, where goals switch), the
+    visited observations and the expert's labels of them."""
     observations = np.zeros((len(seeds), steps, 6), np.float32)
     labels = np.zeros((len(seeds), steps, 2), np.float32)
     success, final_at_goal, steps_to_success = [], [], []
@@ -313,7 +314,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     started, cpu_started = time.monotonic(), time.process_time()
@@ -359,9 +360,11 @@ def main(argv: Sequence[str] = None) -> int:
         for _ in range(args.dagger_epochs):
             replay = data.subset(rng.choice(len(data), size=min(len(dagger_data), len(data)), replace=False))
             loss = trainer.epoch(dagger_data.extend(replay))
-        history.append({"phase": f"dagger{round_index + 1}", "rollout_success": float(rollout["success"].mean()),
+        history.append({"phase": f"dagger{round_index + 1}",
+                        "rollout_reached_last_goal": float(rollout["success"].mean()),
                         "dagger_episodes": len(dagger_data), "loss": loss})
-        print(f"DAgger round {round_index + 1}: policy reached {rollout['success'].mean():.2f} of its episodes; "
+        print(f"DAgger round {round_index + 1}: policy reached the last goal of {rollout['success'].mean():.2f} "
+              f"of its episodes; "
               f"{len(dagger_data)} DAgger episodes; loss {loss:.5f} ({time.monotonic() - started:.0f} s)")
 
     policy.eval()

@@ -199,14 +199,37 @@ class CapsuleStore:
         return sum(1 for c in self._capsules.values() if c.tier == tier)
 
     # -- verbs ----------------------------------------------------------------------------------
+    def room_for(self, count: int, protect: Sequence[Optional[Payload]] = ()) -> bool:
+        """Whether ``count`` new capsules fit without touching ``protect``: free slabs plus
+        slabs that demotion or eviction can free (unpinned, unheld). Changes nothing."""
+        protected = {id(p) for p in protect if p is not None}
+        free = sum(pool.free for pool in self.pools.values())
+        movable = sum(1 for tier in (Tier.DEVICE, Tier.HOST) for key, (p, cs) in self._payloads(tier).items()
+                      if key not in protected and not any(c.pinned or c.held for c in cs))
+        return free + movable >= count
+
+    def reserve(self, protect: Sequence[Optional[Payload]] = ()) -> Payload:
+        """Room for one capsule, taken now (demoting or evicting as a snapshot would, but
+        never ``protect``): a caller that must not fail half-way reserves first, changes
+        the state, then snapshots into the reservation. ``release`` it if unused."""
+        return self._new_payload(protect=tuple(p for p in protect if p is not None))
+
+    def release(self, payload: Payload) -> None:
+        """Return an unused reservation to its pool."""
+        if payload.refs == 0:
+            self._wait(payload)
+            self.pools[payload.tier].release(payload.slab)
+
     def snapshot(self, runtime, *, label: str = "", parent_id: str = "", episode_id: int, step: int,
-                 pinned: bool = False, held: bool = False, capsule_id: Optional[str] = None) -> Capsule:
-        """Copy the runtime's whole arena into a new capsule (asynchronous on CUDA)."""
+                 pinned: bool = False, held: bool = False, capsule_id: Optional[str] = None,
+                 reserved: Optional[Payload] = None) -> Capsule:
+        """Copy the runtime's whole arena into a new capsule (asynchronous on CUDA), into
+        ``reserved`` room when given."""
         self._check_target(runtime, self.fingerprint, self.nbytes)
         capsule_id = check_capsule_id(capsule_id) if capsule_id else new_capsule_id(episode_id, step)
         if capsule_id in self._capsules:
             raise InvalidArgument(f"capsule id {capsule_id!r} already exists")
-        payload = self._new_payload(protect=())
+        payload = reserved if reserved is not None else self._new_payload(protect=())
         self._copy(dst=payload.slab, src=runtime.arena.storage, runtime=runtime, payload=payload,
                    timing=self.snapshot_latency)
         capsule = Capsule(capsule_id, label, parent_id, episode_id, step, self.nbytes, self.fingerprint,
@@ -240,6 +263,20 @@ class CapsuleStore:
         self.counters.hits[count_as if count_as is not None else payload.tier] += 1
         seconds = time.perf_counter() - start
         return RestoreReport(capsule, payload.tier, seconds)
+
+    def restore_bytes(self, capsule: Capsule, data: torch.Tensor, runtime) -> RestoreReport:
+        """Restore a capsule's verified bytes (read from its file) without caching them in a
+        pool: for a one-off restore that must not need room (a reset from a disk capsule)."""
+        start = time.perf_counter()
+        self._check_target(runtime, capsule.fingerprint, capsule.nbytes)
+        if data.numel() != self.nbytes:
+            raise InvalidArgument(f"capsule {capsule.id!r}: {data.numel()} bytes, expected {self.nbytes}")
+        scratch = Payload(slab=data, tier=Tier.DISK)
+        self._copy(dst=runtime.arena.storage, src=data, runtime=runtime, payload=scratch, timing=self.restore_latency)
+        self._wait(scratch)                          # ``data`` is the caller's: done with it on return
+        self.counters.restores += 1
+        self.counters.hits[Tier.DISK] += 1
+        return RestoreReport(capsule, Tier.DISK, time.perf_counter() - start)
 
     def fork(self, capsule_id: str, *, label: str = "", new_id: Optional[str] = None,
              pinned: bool = False) -> Capsule:

@@ -27,15 +27,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from capsule_ros.capsules.ids import check_capsule_id
+from capsule_ros.capsules.ids import check_capsule_id, new_capsule_id
 from capsule_ros.capsules.store import Capsule, CapsuleStore, Tier
 from capsule_ros.errors import (Busy, CapsuleIOError, CapsuleRosError, CorruptCapsule, FingerprintMismatch,
-                                InvalidArgument, NotFound, PermissionDenied, WrongState)
+                                InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, WrongState)
 from capsule_ros.metrics import LatencyWindow
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.config import ControlConfig
@@ -145,6 +145,7 @@ class _Rebuild:
     root_id: str
     root_bytes: "torch.Tensor"
     rows: np.ndarray
+    room: Optional[Any]                  # a store reservation for the rebuilt capsule
 
 
 @dataclass
@@ -216,6 +217,11 @@ class PolicySession:
         return len(self._inputs_seen) == len(self._input_names)
 
     @property
+    def timeline_root_id(self) -> str:
+        """The capsule the current timeline's input log starts from (held while it is)."""
+        return self._timeline.root_id
+
+    @property
     def inputs_seen(self) -> frozenset:
         """Names of the inputs that received at least one value."""
         return frozenset(self._inputs_seen)
@@ -277,37 +283,57 @@ class PolicySession:
     # the arena are touched under it.
 
     def commit(self, label: str = "", persist: bool = False, pin: bool = False) -> Capsule:
-        """Snapshot the whole state at this boundary into a new capsule (and save it)."""
+        """Snapshot the whole state at this boundary into a new capsule (and save it).
+
+        With ``persist`` the boundary's bytes are copied to the host and saved first; the
+        capsule enters the store only once its file is written, so a failed save leaves
+        the store exactly as it was."""
         _check_label(label)
+        if not persist:
+            with self.at_boundary():
+                self._require(EpisodeState.RUNNING, EpisodeState.INTERRUPTED, verb="commit")
+                capsule = self._snapshot(label, pinned=pin)
+                self.lineage = capsule.id
+                self._emit(EventKind.COMMIT, capsule, detail=label)
+                return capsule
+        self._require_directory()
         with self.at_boundary():
             self._require(EpisodeState.RUNNING, EpisodeState.INTERRUPTED, verb="commit")
-            if persist:
-                self._require_directory()
-            capsule = self._snapshot(label, pinned=pin)
-            parent, self.lineage = self.lineage, capsule.id
-            data = self.store.host_copy(capsule.id) if persist else None
-        if persist:
-            try:
-                path = self.directory.save(capsule, data, self.runtime.layout.schema())
-            except CapsuleRosError:
-                with self.at_boundary():
-                    self.store.drop(capsule.id)
-                    if self.lineage == capsule.id:
-                        self.lineage = parent
-                raise
-            capsule.path = str(path)
+            if not self.store.room_for(1):
+                self.store.reserve()                 # raises ResourceExhausted: nothing written yet
+            self.runtime.synchronize()
+            data = self.runtime.arena.storage.to("cpu", copy=True)
+            capsule = Capsule(new_capsule_id(self.episode_id, self.step), label, self.lineage, self.episode_id,
+                              self.step, self.store.nbytes, self.store.fingerprint, time.time_ns(), pinned=pin)
+            entry = _LedgerEntry(self.episode_id, self.step, self.input_log.generation)
+            boundary = (self.episode_id, self.lineage)
+        capsule.path = str(self.directory.save(capsule, data, self.runtime.layout.schema()))
         with self.at_boundary():
+            try:
+                capsule = self.store.adopt(capsule, data)
+            except CapsuleRosError:                  # the store filled up meanwhile: undo the file
+                self.directory.remove(capsule.id)
+                raise
+            self._ledger[capsule.id] = entry
+            if (self.episode_id, self.lineage) == boundary:   # nothing re-based the state meanwhile
+                self.lineage = capsule.id
             self._emit(EventKind.COMMIT, capsule, detail=label)
-        return capsule
+            return capsule
 
     def reset(self, capsule_id: str = "") -> Tuple[int, Optional[Capsule]]:
         """Start a new episode from the initial state or from a capsule's state."""
         fetched = self._prefetch(check_capsule_id(capsule_id)) if capsule_id else None
         with self.at_boundary():
-            source = None
-            if capsule_id:
-                source, from_disk = self._materialize(capsule_id, fetched)
-                self.store.restore(source.id, self.runtime, count_as=Tier.DISK if from_disk else None)
+            known = self.store.find(capsule_id) if capsule_id else None
+            in_memory = known is not None and known.payload is not None
+            if capsule_id and not in_memory and isinstance(fetched, Exception):
+                self._materialize(capsule_id, fetched)       # raises the typed error, nothing changed
+            if capsule_id and not in_memory and fetched is None:   # evicted since the prefetch: read it now
+                fetched = self._prefetch(capsule_id, force=True)
+                if isinstance(fetched, Exception):
+                    self._materialize(capsule_id, fetched)
+            source = known if in_memory else (fetched[0] if capsule_id else None)
+            room = self._room_for_root(source, None if in_memory else (fetched[1] if capsule_id else None))
             episode = self._next_episode
             self._next_episode += 1
             if source is None:
@@ -321,11 +347,8 @@ class PolicySession:
             self._last_applied = self.runtime.read_outputs().action
             self.episode_id, self.step, self.lineage = episode, step, lineage
             self._release_interrupt_capsule()
-            root_id = f"e{episode}.root"
-            if root_id in self.store:
-                self.store.drop(root_id)
             root = self.store.snapshot(self.runtime, label=f"episode {episode} start", parent_id=lineage,
-                                       episode_id=episode, step=step, held=True, capsule_id=root_id)
+                                       episode_id=episode, step=step, held=True, reserved=room)
             self._start_timeline(root)
             self.state = EpisodeState.RUNNING
             self._emit(EventKind.RESET, source, detail=f"episode {episode}")
@@ -377,7 +400,13 @@ class PolicySession:
                 cause = exc
                 plan = self._plan_rebuild(capsule_id, exc)
         start = time.perf_counter()
-        self._rebuild(plan)
+        try:
+            self._rebuild(plan)
+        except BaseException:
+            if plan.room is not None:
+                with self.at_boundary():
+                    self.store.release(plan.room)
+            raise
         recompute_s = time.perf_counter() - start
         with self.at_boundary():
             capsule = self._adopt_rebuilt(capsule_id, plan, cause, recompute_s)
@@ -389,12 +418,12 @@ class PolicySession:
         """After the live state became ``capsule``'s (under the lock): timeline, state, event."""
         entry = self._ledger.get(capsule.id)
         rollback = capsule.episode_id == self.episode_id and capsule.step < self.step
+        self._release_interrupt_capsule()      # a later reenter("") needs a new interrupt
         if entry is not None and self.input_log.covers(entry.episode_id, entry.step, entry.generation) is None:
             self.input_log.truncate(capsule.step)
         else:
             self.store.set_held(capsule.id, True)
             self._start_timeline(capsule)
-        self._release_interrupt_capsule()      # a later reenter("") needs a new interrupt
         self._last_applied = self.runtime.read_outputs().action    # HOLD_LAST holds the capsule's action
         self.episode_id, self.step, self.lineage = capsule.episode_id, capsule.step, capsule.id
         self._next_episode = max(self._next_episode, capsule.episode_id + 1)
@@ -443,6 +472,8 @@ class PolicySession:
             capsule = self.store.drop(capsule_id) if capsule_id in self.store else None
             if on_disk:
                 self.directory.remove(capsule_id)
+            if self.directory is None or not self.directory.exists(capsule_id):
+                self._ledger.pop(capsule_id, None)    # gone for good: no recompute brings it back
             if capsule_id == self.interrupt_capsule_id:
                 self.interrupt_capsule_id = ""
             self._emit(EventKind.DROP, capsule, capsule_id=capsule_id, detail="memory and disk" if on_disk else "memory")
@@ -466,6 +497,11 @@ class PolicySession:
         """Read and verify a capsule file into memory (the live state is not touched)."""
         self._require_directory()
         fetched = self._prefetch(check_capsule_id(capsule_id), force=True)
+        if isinstance(fetched, Exception):          # the file itself is bad: say so, even if in memory
+            if isinstance(fetched, FingerprintMismatch):
+                with self.at_boundary():
+                    self.store.counters.invalidations += 1
+            raise fetched
         with self.at_boundary():
             capsule, _ = self._materialize(capsule_id, fetched)
             self._emit(EventKind.LOAD, capsule, detail=capsule.path or "")
@@ -495,7 +531,8 @@ class PolicySession:
 
     def _release_interrupt_capsule(self) -> None:
         if self.interrupt_capsule_id:
-            self.store.set_held(self.interrupt_capsule_id, False)
+            if self.interrupt_capsule_id != self._timeline.root_id:   # a root stays held
+                self.store.set_held(self.interrupt_capsule_id, False)
             self.interrupt_capsule_id = ""
 
     def _known(self, capsule_id: str) -> Capsule:
@@ -505,6 +542,32 @@ class PolicySession:
         if self.directory is not None and self.directory.exists(capsule_id):
             return self.directory.describe(capsule_id)
         raise NotFound(f"no capsule {capsule_id!r} in memory" + (" or on disk" if self.directory else ""))
+
+    def _room_for_root(self, source: Optional[Capsule], data: Optional[torch.Tensor]):
+        """Under the lock, for a reset: reserve room for the new episode's root and restore
+        ``source`` (in memory, or ``data`` read from its file). ResourceExhausted when
+        there is no room, before anything changed."""
+        no_room = ResourceExhausted("no room for the new episode's root capsule: drop or unpin capsules, "
+                                    "or raise capsules.device_budget_mb / host_budget_mb")
+        if source is None or data is not None:
+            if not self.store.room_for(1):
+                raise no_room
+            room = self.store.reserve()
+            if source is not None:
+                try:
+                    self.store.restore_bytes(source, data, self.runtime)   # straight from the verified file
+                except BaseException:
+                    self.store.release(room)
+                    raise
+            return room
+        if self.store.room_for(1, protect=[source.payload]):
+            room = self.store.reserve(protect=[source.payload])
+            self.store.restore(source.id, self.runtime)
+            return room
+        if not self.store.room_for(1):
+            raise no_room
+        self.store.restore(source.id, self.runtime)    # the source's own slab is the only one to free
+        return self.store.reserve()
 
     def _require_directory(self) -> None:
         if self.directory is None:
@@ -562,7 +625,9 @@ class PolicySession:
             reason = f"the timeline root {root_id!r} is no longer in memory"
         if reason is not None:
             raise type(cause)(f"{cause}; no recompute fallback: {reason}") from cause
-        return _Rebuild(entry, root_id, self.store.host_copy(root_id), self.input_log.rows(entry.step).copy())
+        room = self.store.reserve() if capsule_id not in self.store or self.store.get(capsule_id).payload is None \
+            else None                              # taken now: adopting the result cannot fail for room
+        return _Rebuild(entry, root_id, self.store.host_copy(root_id), self.input_log.rows(entry.step).copy(), room)
 
     def _rebuild(self, plan: "_Rebuild") -> None:
         """Outside the lock: replay the logged inputs from the root on the scratch runtime."""
@@ -582,14 +647,18 @@ class PolicySession:
                        seconds: float) -> Capsule:
         """Under the lock: the rebuilt state as an in-memory capsule of the same id."""
         known = self.store.find(capsule_id)
-        if known is not None and known.payload is None:
-            self.store.drop(capsule_id)            # its file is bad: forget the disk-only entry
-        with self._scratch_lock:
-            capsule = self.store.snapshot(self._scratch_runtime(), label="rebuilt by recompute",
-                                          parent_id=plan.root_id, episode_id=plan.entry.episode_id,
-                                          step=plan.entry.step, capsule_id=capsule_id) \
-                if capsule_id not in self.store else self.store.get(capsule_id)
-            self._scratch_runtime().synchronize()
+        if known is not None and known.payload is not None:        # reappeared in memory meanwhile
+            if plan.room is not None:
+                self.store.release(plan.room)
+            capsule = known
+        else:
+            if known is not None:
+                self.store.drop(capsule_id)        # its file is bad: forget the disk-only entry
+            with self._scratch_lock:
+                capsule = self.store.snapshot(self._scratch_runtime(), label="rebuilt by recompute",
+                                              parent_id=plan.root_id, episode_id=plan.entry.episode_id,
+                                              step=plan.entry.step, capsule_id=capsule_id, reserved=plan.room)
+                self._scratch_runtime().synchronize()
         self._ledger[capsule.id] = plan.entry
         self.counters.fallback_recomputes += 1
         LOG.warning("capsule %s rebuilt by recomputing %d steps in %.1f ms (%s)", capsule_id, len(plan.rows),
