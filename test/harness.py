@@ -3,7 +3,6 @@ talks to them over real topics and services."""
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -34,14 +33,11 @@ class ClientNode:
     messages and call the policy node's services."""
 
     def __init__(self, rclpy_module, name: str = "capsule_test_client", node_path: str = "/capsule_policy"):
-        from rclpy.executors import MultiThreadedExecutor
+        from capsule_ros.ros.spinning import SpinThread
         from capsule_ros.ros.client import CapsuleClient
         self.rclpy = rclpy_module
         self.node = rclpy_module.create_node(name)
-        self.executor = MultiThreadedExecutor(num_threads=2)
-        self.executor.add_node(self.node)
-        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self._thread.start()
+        self._spin = SpinThread(self.node)
         self.capsules = CapsuleClient(self.node, node_path, server_wait_s=30.0, call_timeout_s=5.0)
         self._queues: Dict[str, "queue.Queue"] = {}
 
@@ -71,7 +67,7 @@ class ClientNode:
                 return items
 
     def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
+        self._spin.shutdown()
         self.node.destroy_node()
 
 

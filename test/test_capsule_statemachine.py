@@ -50,7 +50,6 @@ import dataclasses
 import errno
 import functools
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path

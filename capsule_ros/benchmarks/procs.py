@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -23,15 +22,12 @@ class SpunNode:
     """An rclpy node spun by a background executor (rclpy initialised by the caller)."""
 
     def __init__(self, rclpy_module, name: str):
-        from rclpy.executors import MultiThreadedExecutor
+        from capsule_ros.ros.spinning import SpinThread
         self.node = rclpy_module.create_node(name)
-        self.executor = MultiThreadedExecutor(num_threads=2)
-        self.executor.add_node(self.node)
-        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self._thread.start()
+        self._spin = SpinThread(self.node)
 
     def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
+        self._spin.shutdown()
         self.node.destroy_node()
 
 

@@ -40,7 +40,6 @@ Set-up: pass the rclpy node to the constructor (``node=``) or to ``setup`` /
 from __future__ import annotations
 
 import enum
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional
@@ -52,6 +51,7 @@ from capsule_ros import srv
 from capsule_ros.capsules.ids import check_capsule_id
 from capsule_ros.errors import ErrorCode
 from capsule_ros.ros.client import SERVICES
+from capsule_ros.ros.spinning import SpinThread
 
 DEFAULT_NODE = "/capsule_policy"
 LAST_GOOD_KEY = "/capsule/last_good"          # Commit writes, Reenter / Fork / Reset read
@@ -117,27 +117,9 @@ class ServiceOutcome:
 
 
 # -- spinning -----------------------------------------------------------------------------------
-class BackgroundSpinner:
-    """A MultiThreadedExecutor spinning ``node`` in a daemon thread (see :func:`spin_in_background`)."""
-
-    def __init__(self, node, num_threads: int = 2):
-        from rclpy.executors import MultiThreadedExecutor
-        self.executor = MultiThreadedExecutor(num_threads=num_threads)
-        self.executor.add_node(node)
-        self.thread = threading.Thread(target=self.executor.spin, name="capsule-bt-spin", daemon=True)
-        self.thread.start()
-
-    def shutdown(self, timeout_s: float = 2.0) -> None:
-        """Stop spinning and join the thread: do this before destroying the node and
-        ``rclpy.shutdown()`` (a thread still inside rclpy at interpreter exit aborts it)."""
-        self.executor.shutdown(timeout_sec=timeout_s)
-        self.thread.join(timeout_s)
-
-
-def spin_in_background(node, num_threads: int = 2) -> BackgroundSpinner:
-    """Spin ``node`` on a MultiThreadedExecutor in a daemon thread; call ``shutdown()`` on
-    the returned spinner when done."""
-    return BackgroundSpinner(node, num_threads)
+def spin_in_background(node) -> SpinThread:
+    """Spin ``node`` in a daemon thread; call ``shutdown()`` on the result when done."""
+    return SpinThread(node, name="capsule-bt-spin")
 
 
 # -- the generic leaf -------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import datetime
 import json
 import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,23 +64,34 @@ class ArmDriver:
         self.goals = node.create_publisher(PointStamped, f"{namespace}/arm/goal", reliable)
         self.actions: "queue.Queue" = queue.Queue()
         node.create_subscription(Action, f"{namespace}/capsule_policy/action", self.actions.put, reliable)
+        from capsule_ros.msg import RuntimeStatus
+        self._goal_taken = threading.Condition()
+        self._goals_received = 0          # the node's count of accepted goal messages (~/status)
+        self._goals_sent = 0
+        node.create_subscription(RuntimeStatus, f"{namespace}/capsule_policy/status", self._on_status, 10)
         self.sim = ArmSim(seed=0)
         self.obs: Observation = self.sim.observation()
         self._stamp = 0
         self._sent_goal: Optional[bytes] = None
 
+    def _on_status(self, status) -> None:
+        with self._goal_taken:
+            self._goals_received = max((p.received for p in status.ports if p.name == "goal"), default=0)
+            self._goal_taken.notify_all()
+
     def publish(self) -> float:
-        """The goal (when it changed: acknowledged by the node before going on), then the
-        joint state that triggers the step, so every step sees its own goal."""
+        """The goal (when it changed: the node must report it accepted before going on),
+        then the joint state that triggers the step, so every step sees its own goal."""
         from builtin_interfaces.msg import Time
-        from rclpy.duration import Duration
         self._stamp += 1                       # strictly increasing: the node drops older stamps
         stamp = Time(sec=self._stamp // 1000, nanosec=(self._stamp % 1000) * 1_000_000)
         goal = self.obs.goal.tobytes()
         if goal != self._sent_goal:
             self.goals.publish(self._goal_message(self.obs, stamp, "arm_base"))
-            if not self.goals.wait_for_all_acked(Duration(seconds=5)):
-                raise RuntimeError("policy_node did not acknowledge the goal within 5 s")
+            self._goals_sent += 1
+            with self._goal_taken:
+                if not self._goal_taken.wait_for(lambda: self._goals_received >= self._goals_sent, timeout=10):
+                    raise RuntimeError("policy_node did not take the new goal within 10 s")
             self._sent_goal = goal
         msg = self._joint_message(self.obs, stamp, "arm_base")
         sent = time.perf_counter()
@@ -181,7 +193,8 @@ def run(args) -> int:
     weights = {"": None, "random": ""}.get(args.weights, args.weights)
     params = {"runtime": {"device": args.device}, **({"policy": {"weights": weights}} if weights is not None else {}),
               "capsules": {"directory": str(out / "capsules")},
-              "ports": {"joints": {"qos": "reliable", "depth": 10}}}
+              "ports": {"joints": {"qos": "reliable", "depth": 10}},
+              "control": {"status_rate_hz": 50.0}}       # fast status: the arm waits for each new goal
     node_proc = policy_node(out, ns, params, config_path("policy.yaml"))
     rclpy.init()
     spun = SpunNode(rclpy, "capsule_demo")

@@ -17,9 +17,9 @@ def write_report(path: Path, segments: Dict[str, object], plan: dict, summary: d
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(17, 5.4))
-    grid = fig.add_gridspec(1, 4, width_ratios=[1.1, 0.45, 1.2, 1.1])
-    ax_ws, ax_tl, ax_lat = fig.add_subplot(grid[0]), fig.add_subplot(grid[2]), fig.add_subplot(grid[3])
+    fig = plt.figure(figsize=(16, 6.2), constrained_layout=True)
+    grid = fig.add_gridspec(1, 3, width_ratios=[1.0, 1.25, 1.1])
+    ax_ws, ax_tl, ax_lat = fig.add_subplot(grid[0]), fig.add_subplot(grid[1]), fig.add_subplot(grid[2])
 
     # 1. workspace: end-effector paths overlaid
     circle = np.linspace(0, 2 * np.pi, 200)
@@ -44,7 +44,7 @@ def write_report(path: Path, segments: Dict[str, object], plan: dict, summary: d
     ax_ws.set_title("episode 1: end-effector paths")
     ax_ws.set_xlabel("x [m]")
     ax_ws.set_ylabel("y [m]")
-    ax_ws.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax_ws.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
 
     # 2. timeline: distance to the goal per step, with the capsule events
     for name in ("original", "rolled_back", "branch"):
@@ -75,7 +75,7 @@ def write_report(path: Path, segments: Dict[str, object], plan: dict, summary: d
         if len(shown) < len(round_trips_ms):
             ax_lat.text(0.98, 0.55, f"{len(round_trips_ms) - len(shown)} step(s) > {hi:.1f} ms not shown",
                         transform=ax_lat.transAxes, ha="right", fontsize=7)
-    ax_lat.set_xlabel("joint state -> action round trip through ROS 2 [ms]")
+    ax_lat.set_xlabel("joint state -> action through ROS 2 [ms]")
     ax_lat.set_ylabel("steps")
     text = [f"episodes: {summary.get('episodes')}   success rate: {summary.get('success_rate', 0):.2f}"]
     if summary.get("step_p50_ms") is not None:
@@ -88,6 +88,5 @@ def write_report(path: Path, segments: Dict[str, object], plan: dict, summary: d
                 bbox=dict(boxstyle="round", fc="white", ec="0.7"))
     ax_lat.set_title("latency")
     fig.suptitle("capsule_ros demo: commit, interrupt, re-enter, roll back, fork on the simulated arm")
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
