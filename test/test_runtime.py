@@ -212,3 +212,42 @@ def test_cuda_graph_replay_matches_the_eager_plan():
     eager = make_runtime(device="cuda", cuda_graphs=False, compile="off")
     obs = observations(50, 18)
     assert first_divergence(run(graph, obs), run(eager, obs)) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_session_rollback_and_recompute_fallback_are_bit_identical(device, tmp_path):
+    """The node's logic without ROS, on the device: commit, roll back, and rebuild a lost
+    capsule from the input log (on the scratch runtime) give the original actions."""
+    import dataclasses
+    from capsule_ros.serving.config import ServingConfig
+    from capsule_ros.serving.factory import build_session
+    from harness import DEFAULT_PARAMS
+    config = ServingConfig.from_file(DEFAULT_PARAMS)
+    config = dataclasses.replace(
+        config, runtime=dataclasses.replace(config.runtime, device=device),
+        control=dataclasses.replace(config.control, deadline_ms=0.0),
+        capsules=dataclasses.replace(config.capsules, directory=str(tmp_path / "capsules")))
+    session = build_session(config)
+    obs = observations(60, 21)
+
+    def feed(rows):
+        out = []
+        for row in rows:
+            session.write_input("joints", row[:4])
+            session.write_input("goal", row[4:])
+            out.append(session.tick().values)
+        return np.stack(out)
+
+    feed(obs[:20])
+    capsule = session.commit("k", persist=True)
+    original = feed(obs[20:])
+    assert session.reenter(capsule.id).rollback
+    assert first_divergence(feed(obs[20:]), original) is None
+    session.store.release_memory(capsule.id)          # only its file is left ...
+    path = tmp_path / "capsules" / f"{capsule.id}.capsule"
+    blob = bytearray(path.read_bytes())
+    blob[-100] ^= 0x10                                  # ... and it is damaged
+    path.write_bytes(bytes(blob))
+    result = session.reenter(capsule.id)
+    assert result.fallback and result.recompute_seconds > 0 and "checksum" in result.fallback_reason
+    assert first_divergence(feed(obs[20:]), original) is None
