@@ -40,8 +40,6 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, BinaryIO, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from capsule_ros.capsules.ids import check_capsule_id
 from capsule_ros.errors import (CapsuleIOError, CapsuleRosError, CorruptCapsule, FingerprintMismatch,
@@ -308,6 +306,17 @@ def parse_header(obj: Any, *, encrypted: bool, max_bytes: int,
 
 
 # -- keys and tags ---------------------------------------------------------------------------------
+def _aead():
+    """(AESGCM, InvalidTag) from `cryptography`, imported on first use: plain capsules work
+    where it is not installed (e.g. a GPU machine with only the core dependencies)."""
+    try:
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError as exc:
+        raise InvalidArgument(f"encrypted capsules need the `cryptography` package ({exc})") from None
+    return AESGCM, InvalidTag
+
+
 def _check_key(key: Any, what: str = "key-encryption key") -> bytes:
     if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
         size = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
@@ -372,6 +381,7 @@ def write_capsule(fileobj: BinaryIO, header: CapsuleHeader, payload: Any, kek: O
     aead = None
     if kek is not None:
         data_key, key_nonce = os.urandom(KEY_BYTES), os.urandom(NONCE_BYTES)
+        AESGCM, _ = _aead()
         wrapped = AESGCM(_check_key(kek)).encrypt(key_nonce, data_key, _wrap_aad(header))
         header = replace(header, wrapped_key=wrapped, key_nonce=key_nonce)
         aead = AESGCM(data_key)
@@ -488,7 +498,7 @@ def _opened(path: PathLike, max_bytes: int) -> Iterator[Tuple[BinaryIO, CapsuleH
         yield f, header, digest
 
 
-def _data_cipher(header: CapsuleHeader, kek: Optional[bytes], path: PathLike) -> Optional[AESGCM]:
+def _data_cipher(header: CapsuleHeader, kek: Optional[bytes], path: PathLike) -> Optional[Any]:
     """The chunk cipher of an encrypted capsule (None for a plain one)."""
     where = f"capsule file {str(path)!r}"
     if not header.encrypted:
@@ -498,6 +508,7 @@ def _data_cipher(header: CapsuleHeader, kek: Optional[bytes], path: PathLike) ->
         return None
     if kek is None:
         raise PermissionDenied(f"{where} is encrypted: a key file is needed to read it")
+    AESGCM, InvalidTag = _aead()
     try:
         data_key = AESGCM(_check_key(kek)).decrypt(header.key_nonce, header.wrapped_key, _wrap_aad(header))
     except InvalidTag:
@@ -509,6 +520,7 @@ def _verified_chunks(f: BinaryIO, header: CapsuleHeader, digest: bytes, kek: Opt
                      path: PathLike) -> Iterator[Tuple[int, memoryview]]:
     """Yield (payload offset, verified plaintext) per chunk, streaming with one record buffer."""
     cipher = _data_cipher(header, kek, path)
+    invalid_tag = _aead()[1] if cipher is not None else Exception
     tag_bytes, count = header.tag_bytes, header.chunk_count
     record = memoryview(bytearray(min(header.chunk_bytes, header.nbytes) + tag_bytes))
     for index in range(count):
@@ -520,7 +532,7 @@ def _verified_chunks(f: BinaryIO, header: CapsuleHeader, digest: bytes, kek: Opt
         if cipher is not None:
             try:
                 plain = memoryview(cipher.decrypt(_chunk_nonce(index), view, aad))
-            except InvalidTag:
+            except invalid_tag:
                 raise CorruptCapsule(f"capsule file {str(path)!r}: chunk {index} of {count}: "
                                      "wrong key or corrupted (AES-GCM tag mismatch)") from None
         else:

@@ -151,13 +151,24 @@ class PolicyRuntime:
         """name -> numpy view of the host staging buffer of each input (write these)."""
         return self._staging_views
 
-    def load_inputs(self) -> None:
-        """Copy the whole staging area into the arena's input region (one copy)."""
+    def load_inputs(self, row: Optional[torch.Tensor] = None) -> None:
+        """Copy the whole staging area (or ``row``, the same bytes from elsewhere, e.g. an
+        input log already on the device) into the arena's input region: one copy, ordered
+        on the runtime's stream. On CUDA the copy is asynchronous: the staging area must not
+        change until the step's outputs are read (``PolicySession.tick`` ensures it)."""
+        source = self.input_staging if row is None else row
         if self.stream is None:
-            self._input_region.copy_(self.input_staging)
+            self._input_region.copy_(source)
             return
         with torch.cuda.stream(self.stream):
-            self._input_region.copy_(self.input_staging, non_blocking=True)
+            self._input_region.copy_(source, non_blocking=True)
+
+    def load_state(self, data: torch.Tensor) -> None:
+        """Overwrite the whole arena with ``data`` (uint8, the arena's size), ordered on the
+        runtime's stream and complete on return."""
+        with self._stream_ctx():
+            self.arena.storage.copy_(data.to(self.device))
+        self.synchronize()
 
     def step(self) -> None:
         """Run one step over the arena (asynchronous on CUDA)."""

@@ -240,11 +240,11 @@ class PolicySession:
                 self.counters.ticks_waiting_for_inputs += 1
                 return None
             start = time.perf_counter()
-            with self.staging_lock:
+            with self.staging_lock:        # held until the outputs are read: the input copy may be async
                 self.runtime.load_inputs()
                 self.input_log.append(self.step, self.runtime.input_staging.numpy())
-            self.runtime.step()
-            out = self.runtime.read_outputs()
+                self.runtime.step()
+                out = self.runtime.read_outputs()
             seconds = time.perf_counter() - start
             self.step_latency.record(seconds)
             self.counters.steps += 1
@@ -633,11 +633,10 @@ class PolicySession:
         """Outside the lock: replay the logged inputs from the root on the scratch runtime."""
         with self._scratch_lock:
             scratch = self._scratch_runtime()
-            scratch.arena.storage.copy_(plan.root_bytes)
-            staging = scratch.input_staging.numpy()
-            for row in plan.rows:
-                staging[:] = row
-                scratch.load_inputs()
+            scratch.load_state(plan.root_bytes)
+            rows = torch.from_numpy(plan.rows).to(scratch.device)   # every logged input, uploaded once
+            for row in rows:
+                scratch.load_inputs(row)
                 scratch.step()
             rebuilt_step = scratch.read_outputs().step
         if rebuilt_step != plan.entry.step:
