@@ -123,8 +123,15 @@ class ConfigSection:
             f = known[name]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kwargs[name] = _coerce(section, name, value, default)
-        obj = cls(**kwargs)
-        return obj
+        try:
+            return cls(**cls.normalize(kwargs))
+        except ConfigError as exc:   # name the section as the caller knows it (e.g. ports.joints)
+            raise ConfigError(str(exc).replace(f"{cls.SECTION}.", f"{section}.", 1)) from None
+
+    @classmethod
+    def normalize(cls, values: dict) -> dict:
+        """Rewrite accepted spellings to the canonical one before validation (override)."""
+        return values
 
     def to_mapping(self) -> dict:
         out = {}

@@ -55,10 +55,15 @@ class PortConfig(ConfigSection):
                        read_only=True)
     depth: int = setting(5, "QoS history depth", low=1, high=10000, read_only=True)
 
+    @classmethod
+    def normalize(cls, values: dict) -> dict:
+        if isinstance(values.get("type"), str):
+            values = {**values, "type": normalize_type(values["type"])}
+        return values
+
     def check(self) -> None:
         if not self.topic:
             raise ConfigError(f"{self.SECTION}.topic: must be set")
-        object.__setattr__(self, "type", normalize_type(self.type))
 
     @property
     def size(self) -> int:
