@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from capsule_ros.ros.spinning import drain
 from capsule_ros.sim.arm import ArmSim, Observation
 
 EPISODE_SEED0 = 1000       # episode i uses seed EPISODE_SEED0 + i (the training script's evaluation seeds)
@@ -253,7 +254,7 @@ def run(args) -> int:
         "restore_p99_us": status.restore_p99_ms * 1e3 if status else None,
         "identical_after_rollback": identical,
         "compared_steps": min(len(segments["rolled_back"].actions), INTERRUPT_AT) if "rolled_back" in segments else 0,
-        "capsule_events": [_event_dict(e) for e in _drain(events)],
+        "capsule_events": [_event_dict(e) for e in drain(events)],
         "capsule_files": sorted(p.name for p in (out / "capsules").glob("*.capsule")),
         "wall_s": time.monotonic() - started, "failures": failures,
     })
@@ -308,21 +309,12 @@ def scripted_plan(client, driver: ArmDriver, segments: Dict[str, Segment], plan:
 
 
 def _latest(q: "queue.Queue", timeout: float):
-    items = _drain(q)
+    items = drain(q)
     if items:
         return items[-1]
     with contextlib.suppress(queue.Empty):
         return q.get(timeout=timeout)
     return None
-
-
-def _drain(q: "queue.Queue") -> list:
-    items = []
-    while True:
-        try:
-            items.append(q.get_nowait())
-        except queue.Empty:
-            return items
 
 
 def _event_dict(event) -> dict:

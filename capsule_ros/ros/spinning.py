@@ -7,6 +7,7 @@ turned a 3 ms sensor-to-action round trip into 30-60 ms on a 2-core machine.
 """
 from __future__ import annotations
 
+import queue
 import threading
 
 from rclpy.executors import SingleThreadedExecutor
@@ -28,3 +29,13 @@ class SpinThread:
         ``rclpy.shutdown()`` (a thread still inside rclpy at interpreter exit aborts it)."""
         self.executor.shutdown(timeout_sec=timeout_s)
         self.thread.join(timeout_s)
+
+
+def drain(q: "queue.Queue") -> list:
+    """Everything a subscription callback queued so far (without waiting)."""
+    items = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
