@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from pathlib import Path
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
 from capsule_ros.capsules.store import CapsuleStore, CapsuleStoreConfig
+from capsule_ros.config import load_params_file
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.hybrid import HybridConfig, HybridPolicy
@@ -60,3 +62,33 @@ def with_overrides(cfg: HybridConfig = SMALL, **kw) -> HybridConfig:
 def first_divergence(a: np.ndarray, b: np.ndarray) -> Optional[int]:
     diff = np.nonzero((a.view(np.uint32) != b.view(np.uint32)).any(axis=1))[0]
     return int(diff[0]) if diff.size else None
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def default_config(tmp_path: Path, ports: Optional[Dict[str, Dict[str, Any]]] = None, **control):
+    """config/policy.yaml (the default policy's shape) with random weights, on the CPU, a
+    private capsule directory and no step deadline (a slow step must not turn an action
+    into the safe action); ``ports`` / ``control`` override the file's settings."""
+    from capsule_ros.serving.config import ServingConfig
+    params = load_params_file(REPO / "config" / "policy.yaml")
+    params["policy"]["weights"] = ""
+    params["runtime"]["device"] = "cpu"
+    params["capsules"]["directory"] = str(tmp_path / "capsules")
+    params["control"].update({"deadline_ms": 0.0, **control})
+    for name, values in (ports or {}).items():
+        params["ports"].setdefault(name, {}).update(values)
+        if name not in params["ports"]["names"]:
+            params["ports"]["names"].append(name)
+    return ServingConfig.from_params(params)
+
+
+def feed(session, obs: np.ndarray, **tick) -> list:
+    """One tick per row of the default policy's inputs (joints: 4, goal: 2); the records."""
+    out = []
+    for row in obs:
+        session.write_input("joints", row[:4])
+        session.write_input("goal", row[4:])
+        out.append(session.tick(**tick))
+    return out

@@ -23,10 +23,10 @@ import pytest
 import yaml
 
 from capsule_ros.bag.edit import rewrite_bag
-from capsule_ros.bag.reader import BAG_INFO_FIELDS, ActionInfo, RecordedEvent, Recording, Timeline
+from capsule_ros.bag.reader import ACTION, BAG_INFO_FIELDS, ActionInfo, RecordedEvent, Recording, Timeline
 from capsule_ros.bag.replay import ReplayOptions, main as replay_main, replay_bag
 from capsule_ros.bag.timeline import AT, BEFORE, Scheduler
-from capsule_ros.serving.session import EventKind
+from capsule_ros.serving.records import EventKind
 from fixtures.make_bags import K, N, NODE_PARAMS, Driver, observations, record_events, record_rollback
 from harness import REPO, ClientNode, start_policy_node, wait_for
 
@@ -88,7 +88,7 @@ def test_rollback_recorded_through_the_node_replays_bit_identically(live):
     assert verdict.first_divergence is None, verdict.first_divergence
     assert verdict.identical and verdict.exit_code() == 0
     assert verdict.steps_compared == verdict.steps_matched == N + (N - K)
-    assert verdict.steps_unverified == 0 and verdict.start == "the initial state"
+    assert verdict.steps_skipped == verdict.steps_before_anchor == 0 and verdict.start == "the initial state"
     assert verdict.events_replayed == {"COMMIT": 1, "REENTER": 1}
     assert verdict.fingerprint_recorded and verdict.fingerprint_replay == verdict.fingerprint_recorded
 
@@ -99,7 +99,7 @@ def test_every_capsule_event_kind_replays(live):
     assert verdict.identical, (verdict.first_divergence, verdict.notes)
     assert set(verdict.events_replayed) == {"COMMIT", "INTERRUPT", "REENTER", "RESET", "FORK", "DROP", "LOAD"}
     assert verdict.events_skipped == {"SAVE": 1}
-    assert verdict.steps_unverified == 0 and verdict.steps_compared >= 30
+    assert verdict.steps_skipped == verdict.steps_before_anchor == 0 and verdict.steps_compared >= 30
 
 
 @pytest.mark.ros
@@ -137,7 +137,7 @@ def test_cross_process_replay_from_the_saved_capsule(live):
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["identical"] and info["capsule_id"] in report["start"]
-    assert report["steps_compared"] == 2 * (N - K) and report["steps_unverified"] == K
+    assert report["steps_compared"] == 2 * (N - K) and report["steps_before_anchor"] == K
 
 
 @pytest.mark.ros
@@ -183,7 +183,7 @@ def test_bag_started_mid_run_is_verified_from_a_reentered_capsule_file(live, tmp
     rewrite_bag(bag, late, lambda e, r: e.data if e.index >= commit.index or e.port == "goal" else None)
     verdict = replay_bag(late)
     assert verdict.identical and verdict.start == f"capsule {commit.capsule_id} (REENTER)"
-    assert verdict.steps_compared == N - K and verdict.steps_unverified == N - K
+    assert verdict.steps_compared == N - K and verdict.steps_before_anchor == N - K
     assert replay_main([str(late), "--verify", "--capsule-dir", str(tmp_path)]) == 2
     assert "nothing verified" in capsys.readouterr().err
     no_goal = tmp_path / "no_goal"                   # the goal was sent before the recording began
@@ -258,6 +258,100 @@ def test_params_file_overrides_or_supplies_the_config(live, tmp_path):
     assert replay_main([str(foreign), "--verify"]) == 2
     verdict = replay_bag(foreign, ReplayOptions(params_file=same))
     assert verdict.identical and verdict.steps_compared == N + (N - K)
+
+
+@pytest.mark.ros
+def test_recordings_with_persisting_commits_at_random_moments_all_verify(live, tmp_path):
+    """20 recordings of a robot stepping at 100 Hz while a behaviour tree commits with
+    persist at random moments (the steps during each save carry the new lineage, as the
+    events say): every one verifies."""
+    import random
+    import time
+    driver, rng = live.driver, random.Random(20261130)
+    verdicts = []
+    for i in range(20):
+        driver.capsules.reset()
+        bag = driver.capsules.record(True, str(tmp_path / f"commits{i}"), "mcap").bag_path
+        stop, rows = threading.Event(), iter(observations(200, 300 + i))
+
+        def stream():
+            while not stop.is_set():
+                driver.joints.publish(driver.joint_state(next(rows)))
+                time.sleep(0.01)
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        for _ in range(rng.randint(1, 3)):
+            time.sleep(rng.uniform(0.0, 0.3))
+            driver.capsules.commit(label=f"bag {i}", persist=True)
+        time.sleep(rng.uniform(0.05, 0.2))
+        stop.set()
+        streamer.join()
+        driver.capsules.record(False)                 # maybe mid-step: the replay reports it as the end
+        verdicts.append(replay_bag(bag))
+    bad = [(i, v.first_divergence, v.notes) for i, v in enumerate(verdicts) if v.exit_code() != 0]
+    assert bad == [], f"{len(bad)} of 20 honest recordings did not verify: {bad[:2]}"
+    assert all(v.steps_compared >= 10 and v.events_replayed.get("COMMIT") for v in verdicts)
+
+
+@pytest.mark.ros
+def test_a_recording_stopped_mid_step_ends_at_its_last_action(live, tmp_path, capsys):
+    """The bag's last message is a trigger whose action was never recorded."""
+    bag = Path(live.rollback["bag"])
+    with Recording(bag) as recording:
+        timeline = recording.scan()
+    last_action = timeline.actions[-1].time
+    cut = tmp_path / "cut"
+    rewrite_bag(bag, cut, lambda e, r: None if e.kind == ACTION and e.time == last_action else e.data)
+    with Recording(cut) as recording:
+        assert len(recording.scan().actions) == len(timeline.actions) - 1
+    assert replay_main([str(cut), "--verify", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["steps_unrecorded"] == 1 and report["first_divergence"] is None
+    assert report["steps_compared"] == N + (N - K) - 1 and report["complete"]
+
+
+@pytest.mark.ros
+def test_a_replay_that_skips_actions_is_not_called_verified(live, tmp_path, capsys):
+    """Without the capsule file the rollback's re-entry cannot be reproduced: the actions
+    after it are skipped, and --verify says so with its own exit code."""
+    empty = tmp_path / "no_capsules"
+    empty.mkdir()
+    bag = live.rollback["bag"]
+    with Recording(Path(bag)) as recording:
+        commit = next(e for e in recording.scan().events if e.kind == EventKind.COMMIT)
+    no_commit = tmp_path / "no_commit"               # the re-entered capsule's COMMIT is not in the bag
+    rewrite_bag(Path(bag), no_commit, lambda e, r: None if e.index == commit.index else e.data)
+    assert replay_main([str(no_commit), "--verify", "--json", "--capsule-dir", str(empty)]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert report["steps_compared"] == N and report["steps_skipped"] == N - K and not report["complete"]
+    assert report["first_divergence"] is None
+    assert replay_main([str(no_commit), "--verify", "--partial", "--capsule-dir", str(empty)]) == 0
+    assert "PARTIALLY VERIFIED" in capsys.readouterr().out
+    assert replay_main([str(no_commit), "--capsule-dir", str(empty)]) == 0      # no --verify: report only
+
+
+@pytest.mark.ros
+def test_recorded_deadline_misses_are_reenacted_and_compared(live, tmp_path):
+    """Steps that missed their deadline published HOLD; in process the replay re-enacts the
+    misses and compares the held values; through a node it cannot, and says so (partial)."""
+    driver = live.driver
+    driver.capsules.reset()
+    bag = driver.capsules.record(True, str(tmp_path / "late"), "mcap").bag_path
+    driver.run(observations(4, 60))
+    set_parameters(live.client, control__deadline_ms=0.001)
+    try:
+        held = driver.run(observations(4, 61))
+    finally:
+        set_parameters(live.client, control__deadline_ms=5000.0)
+    driver.run(observations(4, 62))
+    driver.capsules.record(False)
+    assert all(a.source == a.SOURCE_HOLD for a in held)
+    verdict = replay_bag(bag)
+    assert verdict.exit_code() == 0 and verdict.complete, (verdict.first_divergence, verdict.notes)
+    assert verdict.deadline_misses == 4 and verdict.steps_compared == 12
+    node = replay_bag(bag, ReplayOptions(node=True, timeout_s=90))
+    assert node.first_divergence is None and node.steps_skipped == 4 and node.exit_code() == 3
+    assert node.exit_code(allow_partial=True) == 0
 
 
 # -- bad bags --------------------------------------------------------------------------------------

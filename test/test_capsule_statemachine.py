@@ -72,7 +72,8 @@ from capsule_ros.runtime.arena import BufferKind
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.hybrid import HybridPolicy
 from capsule_ros.serving.config import ControlConfig
-from capsule_ros.serving.session import EpisodeState, HoldMode, PolicySession
+from capsule_ros.serving.records import EpisodeState, HoldMode
+from capsule_ros.serving.session import PolicySession, SaveFailed
 
 from runtime_fixtures import INPUTS, SMALL, observations, with_overrides
 
@@ -211,7 +212,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         self.process += 1
         self.session.reset()
         self.next_episode = 2
-        self.new_timeline(self.session.timeline_root_id)
+        self.new_timeline(self.session.log_root_id)
         REPORT["sessions started"] += 1
 
     # -- model helpers ---------------------------------------------------------------------------
@@ -268,7 +269,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         self.tl_root, self.tl_base, self.tl_len, self.tl_overflow = root_id, s.step, 0, False
         self.on_tl: Dict[str, int] = {}
         capsule = s.store.get(root_id)
-        assert s.timeline_root_id == root_id
+        assert s.log_root_id == root_id
         assert capsule.held, f"the timeline root {root_id} is not held"
         self.remember(capsule, self.live())
         self.on_tl[root_id] = capsule.step
@@ -497,7 +498,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         else:
             REPORT["reset: initial state"] += 1
         self.next_episode = episode + 1
-        self.new_timeline(s.timeline_root_id)
+        self.new_timeline(s.log_root_id)
 
     @rule(data=st.data())
     @counted
@@ -688,9 +689,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         directory_module.write_capsule = disk_full
         try:
             if persist_commit:
-                state = s.state
-                _, exc = self.attempt("commit (disk full)", lambda: s.commit("full", persist=True))
-                allowed = (CapsuleIOError, ResourceExhausted) if state != EpisodeState.IDLE else (WrongState,)
+                return self.commit_on_a_full_disk()
             else:
                 capsule_id = self.pick(index) if self.ids else self.tl_root
                 _, exc = self.attempt("save (disk full)", lambda: s.save(capsule_id))
@@ -698,6 +697,24 @@ class CapsuleMachine(RuleBasedStateMachine):
         finally:
             directory_module.write_capsule = saved
         self.expect_refusal(exc, *allowed)
+
+    def commit_on_a_full_disk(self) -> None:
+        """A persisting commit whose save fails: the capsule is committed at the boundary (in
+        memory, lineage changed) and the call answers SaveFailed naming it; no file, no .part."""
+        s = self.session
+        data, state = self.live(), s.state
+        if state == EpisodeState.IDLE or self.store_full():
+            _, exc = self.attempt("commit (disk full)", lambda: s.commit("full", persist=True))
+            return self.expect_refusal(exc, WrongState if state == EpisodeState.IDLE else ResourceExhausted)
+        files = sorted(os.listdir(self.root))
+        with pytest.raises(SaveFailed) as failed:
+            s.commit("full", persist=True)
+        capsule = failed.value.capsule
+        assert failed.value.code == CapsuleIOError.code and capsule.id in str(failed.value)
+        assert s.lineage == capsule.id and self.live() == data and capsule.path is None
+        assert sorted(os.listdir(self.root)) == files          # nothing written, no .part left
+        self.created(capsule, data)
+        REPORT["commits whose save failed (kept in memory)"] += 1
 
     @precondition(lambda self: self.since_boot >= RULES_PER_PROCESS)
     @rule(kind=st.sampled_from(["crash", "crash mid-save", "crash, stray .part", "change weights"]), index=IDX)
@@ -848,26 +865,38 @@ def machine():
 
 
 def test_regression_a_refused_persisting_commit_evicts_nothing(machine, monkeypatch):
+    """A persisting commit refused before it commits (no room: every slab pinned) loses
+    nothing; one whose save fails is committed in memory like any commit (the LRU fork
+    makes room, as it would for an in-memory commit) and answers SaveFailed naming it."""
     s = machine.session
-    forks = [s.fork("").id for _ in range(DEVICE_SLABS + HOST_SLABS - 1)]   # the root + these fill every slab
-    monkeypatch.setattr(directory_module, "write_capsule", disk_full)
-    with pytest.raises(CapsuleIOError):
-        s.commit("disk full", persist=True)
+    forks = [s.fork("", label="pinned").id for _ in range(DEVICE_SLABS + HOST_SLABS - 1)]
+    for capsule_id in forks:
+        s.store.get(capsule_id).pinned = True                 # the root + these fill every slab
+    with pytest.raises(ResourceExhausted):
+        s.commit("no room", persist=True)
     assert [f for f in forks if f not in s.store] == [], "a refused commit evicted (lost) a capsule"
+    for capsule_id in forks:
+        s.store.get(capsule_id).pinned = False
+    monkeypatch.setattr(directory_module, "write_capsule", disk_full)
+    with pytest.raises(SaveFailed) as failed:
+        s.commit("disk full", persist=True)
+    kept = failed.value.capsule
+    assert kept.id in s.store and s.lineage == kept.id and kept.path is None
+    assert sum(f not in s.store for f in forks) == 1          # the least recently used fork made room
 
 
 def test_regression_root_capsules_of_two_processes_never_share_an_id(machine):
     s = machine.session
     _feed(s, 3, 1)
     s.reset()
-    first_root = s.timeline_root_id
+    first_root = s.log_root_id
     s.save(first_root)
     machine.boot()                                 # crash-restart, same weights, same directory
     s = machine.session
     _feed(s, 3, 2)
     s.reset()                                      # the same episode number in the new process
-    assert s.timeline_root_id != first_root
-    mine = s.store.host_copy(s.timeline_root_id).numpy().tobytes()
+    assert s.log_root_id != first_root
+    mine = s.store.host_copy(s.log_root_id).numpy().tobytes()
     theirs = s.load(first_root)                    # the old process's root loads as its own capsule
     assert theirs.id == first_root and s.store.host_copy(first_root).numpy().tobytes() != mine
 
@@ -905,5 +934,5 @@ def test_regression_a_reentered_interrupt_capsule_stays_a_held_root(machine):
     _feed(s, LOG_STEPS + 1, 1)                     # the episode outgrows the input log
     interrupt = s.interrupt(commit=True)
     s.reenter("")                                  # not on the logged timeline: it becomes the root
-    assert s.timeline_root_id == interrupt.id
+    assert s.log_root_id == interrupt.id
     assert s.store.get(interrupt.id).held, "the new timeline's root is evictable"

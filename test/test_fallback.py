@@ -25,29 +25,16 @@ import numpy as np
 import pytest
 import torch
 
-from capsule_ros.config import load_params_file
 from capsule_ros.errors import CorruptCapsule, ErrorCode, NotFound, error_code_of
-from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_session
-from capsule_ros.serving.session import EpisodeState, PolicySession
+from capsule_ros.serving.records import EpisodeState
+from capsule_ros.serving.session import PolicySession
 
-from runtime_fixtures import observations
+from runtime_fixtures import default_config, observations
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
 KS = tuple(int(k) for k in os.environ.get("CAPSULE_FALLBACK_KS", "50,200,800").split(","))
 REPS = 3
-
-
-def default_config(tmp_path: Path, **control) -> ServingConfig:
-    """config/policy.yaml with random weights, on the CPU, a private capsule directory and
-    no step deadline (a slow step must not turn an action into the safe action here)."""
-    params = load_params_file(REPO / "config" / "policy.yaml")
-    params["policy"]["weights"] = ""
-    params["runtime"]["device"] = "cpu"
-    params["capsules"]["directory"] = str(tmp_path / "capsules")
-    params["control"].update({"deadline_ms": 0.0, **control})
-    return ServingConfig.from_params(params)
 
 
 def feed(session: PolicySession, obs: np.ndarray) -> np.ndarray:

@@ -76,7 +76,7 @@ def test_fork_branches_are_identical_on_same_inputs_diverge_on_others_and_are_in
     store = make_store(main)
     run(main, observations(10, 6))
     capsule = store.snapshot(main, episode_id=1, step=10)
-    branch = main.fork()
+    branch = main.replica()
     assert branch.fingerprint == main.fingerprint and branch.arena.storage.data_ptr() != main.arena.storage.data_ptr()
     store.restore(capsule.id, branch)
     obs = observations(40, 7)

@@ -12,7 +12,10 @@ MCAP's ``rosbag2`` metadata record); ``rosbags`` writes it. Keys (all ``capsule_
 - ``digest`` and ``messages``: SHA-256 over every recorded message (topic, log time,
   bytes) in write order, and their count, so a garbled bag is refused instead of being
   misreported as a divergence;
-- ``versions``: capsule_ros, torch, Python and the CPU capability, for the report.
+- ``versions``: capsule_ros, torch, Python and the CPU capability, for the report;
+- ``initial_inputs``: how many leading sensor messages are the inputs' state when the
+  recording started (written by the node at start-up of the recording: a replay stages
+  them but takes no step on them).
 """
 from __future__ import annotations
 
@@ -123,6 +126,7 @@ class RecordingMeta:
     digest: str = ""
     messages: int = -1
     versions: Dict[str, str] = field(default_factory=dict)
+    initial_inputs: int = 0
 
     @classmethod
     def for_node(cls, config: ServingConfig, action_topic: str, events_topic: str,
@@ -147,7 +151,7 @@ class RecordingMeta:
             "trigger_port": str(self.params["control"].get("trigger_port", "")),
             "mode": str(self.params["control"].get("mode", "")),
             "digest": self.digest, "messages": str(self.messages),
-            "versions": json.dumps(self.versions, sort_keys=True)}.items()}
+            "versions": json.dumps(self.versions, sort_keys=True), "initial_inputs": str(self.initial_inputs)}.items()}
 
     @classmethod
     def from_custom_data(cls, custom: Optional[Mapping[str, str]]) -> "RecordingMeta":
@@ -164,7 +168,8 @@ class RecordingMeta:
                        action_topic=custom[PREFIX + "action_topic"], events_topic=custom[PREFIX + "events_topic"],
                        fingerprint=custom.get(PREFIX + "fingerprint", ""), digest=custom.get(PREFIX + "digest", ""),
                        messages=int(custom.get(PREFIX + "messages", "-1")),
-                       versions=json.loads(custom.get(PREFIX + "versions", "{}")))
+                       versions=json.loads(custom.get(PREFIX + "versions", "{}")),
+                       initial_inputs=int(custom.get(PREFIX + "initial_inputs", "0")))
         except (yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
             raise BadBag(f"garbled capsule_ros metadata in metadata.yaml custom_data: {exc!r}") from None
 

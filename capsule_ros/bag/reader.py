@@ -25,7 +25,7 @@ from capsule_ros.bag.errors import BadBag
 from capsule_ros.bag.metadata import MessageDigest, RecordingMeta
 from capsule_ros.bag.typestore import ACTION_TYPE, EVENT_TYPE, build_typestore, deserialize
 from capsule_ros.serving.config import ServingConfig
-from capsule_ros.serving.session import EventKind
+from capsule_ros.serving.records import EventKind
 
 SENSOR, ACTION, EVENT = "sensor", "action", "event"
 # fields `ros2 bag info` (rosbag2_storage's YAML parser) reads from metadata.yaml
@@ -258,8 +258,8 @@ class Recording:
                 timeline.events.append(RecordedEvent.of(self.decode_own(entry), entry.time, entry.index))
             else:
                 timeline.sensor_times.append(entry.time)
-                if entry.port == trigger:
-                    timeline.trigger_times.append(entry.time)
+                if entry.port == trigger and len(timeline.sensor_times) > self.meta.initial_inputs:
+                    timeline.trigger_times.append(entry.time)     # the inputs' state at the start made no step
             timeline.start_ns = timeline.start_ns or entry.time
             timeline.end_ns = entry.time
         timeline.messages = digest.count

@@ -15,11 +15,22 @@ nothing a replay can check.
 Verification needs a known starting state, an *anchor*: the initial state (the bag's
 first action is step 1 of a fresh timeline), a RESET, a REENTER into a capsule the bag
 committed or whose file is in the capsule directory, or ``--from-capsule ID`` (the
-saved capsule, re-entered where the bag committed it). Actions before an anchor count
-as not verified.
+saved capsule, re-entered where the bag committed it). The verdict's *scope* runs from
+the first anchor to the end of the bag: recorded actions before it are reported as
+before the anchor; an in-scope action that could not be compared (the replay lost its
+anchor, e.g. a re-entry into a capsule it does not have) is *skipped*.
 
-Exit status: 0 every compared action is bit-identical; 1 a divergence (with ``--verify``;
-without it the table is printed and the status is 0); 2 the bag is bad (unreadable,
+Recorded safe actions of steps that missed their deadline (or failed) are re-enacted,
+not skipped: in process the replay tells the session the step was late and compares the
+safe action it then hands out (through ``--node`` that cannot be done: they are skipped).
+A recording stopped between a step's input and its action ends with an input whose
+action was never recorded: the replay's action for it is reported as the recording's
+end, not as a divergence.
+
+Exit status: 0 every recorded action in scope was compared and is bit-identical (with
+``--partial``: every compared one); 1 a divergence (with ``--verify``; without it the
+table is printed and the status is 0); 3 no divergence, but some in-scope actions were
+skipped (with ``--verify`` and without ``--partial``); 2 the bag is bad (unreadable,
 truncated, garbled, missing topics or config), the replay cannot start, or nothing
 could be verified; always with a one-line reason and no traceback.
 """
@@ -42,7 +53,7 @@ from capsule_ros.bag.targets import ABLATIONS, CapsuleFiles, InProcessTarget, No
 from capsule_ros.bag.timeline import Scheduler, stream_key
 from capsule_ros.bag.verdict import Act, Divergence, Verdict, differences, max_abs_diff
 from capsule_ros.errors import CapsuleRosError
-from capsule_ros.serving.session import ActionSource, EventKind, HoldMode
+from capsule_ros.serving.records import ActionSource, EventKind, HoldMode
 
 @dataclass(frozen=True)
 class ReplayOptions:
@@ -54,6 +65,7 @@ class ReplayOptions:
     capsule_dir: Optional[Path] = None
     ablation: str = ""
     timeout_s: float = 60.0
+    partial: bool = False               # a verdict that skipped actions is acceptable
 
 
 @dataclass
@@ -63,6 +75,7 @@ class _Pending:
     act: Act
     tick: int                       # the replay's tick count when it was made
     port: str
+    time: int = -1                  # log time of the message that made it
     inputs: List[str] = field(default_factory=list)
 
 
@@ -92,10 +105,14 @@ class Replayer:
                                fingerprint_recorded=recording.meta.fingerprint, fingerprint_replay=target.fingerprint,
                                versions_recorded=dict(recording.meta.versions))
         self.anchored = False
+        self.ever_anchored = False
+        self._anchor_after_initial_inputs = False
+        self.hold_unknown = False                   # a skipped deadline miss: the node's HOLD values are unknown
         self.capsules: Dict[str, str] = {}          # recorded capsule id -> the replay's
         self.episodes: Dict[int, int] = {}          # recorded episode id -> the replay's
         self.fifo: Deque[_Pending] = collections.deque()
         self.ticks = 0
+        self.sensors_seen = 0
         self.inputs: List[str] = []                 # ports with messages since the last step
         self.recorded_hold: Optional[HoldMode] = None
         self._action_times = [a.time for a in self.timeline.actions]
@@ -120,8 +137,15 @@ class Replayer:
         while pending is not None:
             self._apply(pending[1])
             pending = next(schedule, None)
+        last_recorded = self._action_times[-1] if self._action_times else -1
         for extra in list(self.fifo):
-            self._diverge("extra", extra, None, detail="the replay acted where the recording did not")
+            if extra.time > last_recorded:          # its input was recorded, the recording stopped before its action
+                self.verdict.steps_unrecorded += 1
+            else:
+                self._diverge("extra", extra, None, detail="the replay acted where the recording did not")
+        if self.verdict.steps_unrecorded:
+            self.verdict.notes.append(f"the recording ended before the action of its last {self.verdict.steps_unrecorded} "
+                                      "input(s): not compared")
         self.verdict.seconds = time.perf_counter() - start
         self._version_notes()
         return self.verdict
@@ -136,18 +160,30 @@ class Replayer:
                                        f"(capsules in the bag: {sorted(c for c in known if c) or 'none'})")
             return
         if starts_initial(self.timeline):
+            if self.recording.meta.initial_inputs and not self.target.stages_without_stepping:
+                self._anchor_after_initial_inputs = True     # see _sensor
+                return
             if not self.config.control.autostart:
                 self.target.reset("")
             self._anchor("the initial state")
 
+    def _anchor_at_initial_state(self) -> None:
+        """After the inputs' state at the start went to a target that steps on every trigger
+        message (a node): those steps are not the recording's, so start over from the initial
+        state with the inputs staged."""
+        self._anchor_after_initial_inputs = False
+        self.target.settle()
+        self.target.reset("")
+        self._anchor("the initial state")
+
     def _anchor(self, where: str) -> None:
         if not self.anchored and self.verdict.start == "bag start":
             self.verdict.start = where
-        self.anchored = True
+        self.anchored = self.ever_anchored = True
 
     def _lose_anchor(self, why: str) -> None:
         if self.anchored:
-            self.verdict.notes.append(f"verification paused: {why}")
+            self.verdict.notes.append(f"verification paused (the actions until the next anchor are skipped): {why}")
         self.anchored = False
         self.fifo.clear()
 
@@ -157,21 +193,40 @@ class Replayer:
         except Exception:  # noqa: BLE001 - the node drops undecodable messages the same way
             msg = None
         self.inputs.append(entry.port)
-        tick = self.mode == "trigger" and entry.port == self.trigger
-        if not self.anchored:
-            self.target.feed(entry.port, entry.data, msg, tick=False)   # a node may still act: not verified
+        self.sensors_seen += 1
+        initial = self.sensors_seen <= self.recording.meta.initial_inputs   # the inputs' state at the start
+        tick = self.mode == "trigger" and entry.port == self.trigger and not initial
+        if not self.anchored or initial:
+            self.target.feed(entry.port, entry.data, msg, tick=False, log_ns=entry.time)   # not verified
+            if self._anchor_after_initial_inputs and self.sensors_seen == self.recording.meta.initial_inputs:
+                self._anchor_at_initial_state()
             return
+        late = False
         if tick:
             self._flush_stale()
             self.ticks += 1
-        acts = self.target.feed(entry.port, entry.data, msg, tick=tick, expect=tick and self._expects(entry.time))
-        self._queue(acts, entry.port)
+            late = self._recorded_late(self._next_action(entry.time))
+        acts = self.target.feed(entry.port, entry.data, msg, tick=tick, expect=tick and self._expects(entry.time),
+                                log_ns=entry.time, late=late)
+        self._queue(acts, entry.port, entry.time)
 
-    def _queue(self, acts: List[Act], port: str) -> None:
+    def _queue(self, acts: List[Act], port: str, time_ns: int = -1) -> None:
         for act in acts:
-            self.fifo.append(_Pending(act, self.ticks, port, list(dict.fromkeys(self.inputs))))
+            self.fifo.append(_Pending(act, self.ticks, port, time_ns, list(dict.fromkeys(self.inputs))))
         if acts:
             self.inputs = []
+
+    def _next_action(self, t: int):
+        """The first recorded action after log time ``t`` (None at the end)."""
+        i = bisect.bisect_right(self._action_times, t)
+        return self.timeline.actions[i] if i < len(self.timeline.actions) else None
+
+    def _recorded_late(self, action) -> bool:
+        """Whether the recording published a safe action for this step although it was not
+        interrupted: the step missed its deadline (or failed) there. The in-process target
+        re-enacts that, so the safe action it hands out can be compared."""
+        return (action is not None and action.source != ActionSource.POLICY and self.recorded_hold is None
+                and self.target.reenacts_deadline_misses)
 
     def _expects(self, t: int) -> bool:
         """Whether the recording has an action after the trigger at ``t`` and before the next one."""
@@ -191,11 +246,16 @@ class Replayer:
     def _action(self, entry: Entry) -> None:
         recorded = Act.of_msg(self.recording.decode_own(entry))
         if not self.anchored:
-            self.verdict.steps_unverified += 1
+            if self.ever_anchored:
+                self.verdict.steps_skipped += 1
+            else:
+                self.verdict.steps_before_anchor += 1
             return
         if not self.fifo and self.mode == "timer":
             self.ticks += 1
-            self._queue(self.target.step(), self.inputs[-1] if self.inputs else "")
+            late = (recorded.source != ActionSource.POLICY and self.recorded_hold is None
+                    and self.target.reenacts_deadline_misses)
+            self._queue(self.target.step(late=late), self.inputs[-1] if self.inputs else "", entry.time)
         if not self.fifo:
             missing = self.target.missing_inputs()
             self._diverge("missing", None, recorded, entry=entry,
@@ -205,10 +265,17 @@ class Replayer:
             return
         pending = self.fifo.popleft()
         replayed = pending.act
-        if (recorded.source != ActionSource.POLICY and replayed.source == ActionSource.POLICY
-                and self.recorded_hold is None and recorded.step in (replayed.step - 1, replayed.step)):
-            self.verdict.deadline_misses += 1       # the node published its safe action: nothing to compare
+        if recorded.source != ActionSource.POLICY and self.recorded_hold is None:
+            self.verdict.deadline_misses += 1
+            if replayed.source == ActionSource.POLICY and recorded.step in (replayed.step - 1, replayed.step):
+                self.verdict.steps_skipped += 1     # a target that cannot re-enact the miss (a node)
+                self.hold_unknown = True
+                return
+        if self.hold_unknown and recorded.source == ActionSource.HOLD:
+            self.verdict.steps_skipped += 1         # holds an action the node replaced with the late one
             return
+        if recorded.source == ActionSource.POLICY:
+            self.hold_unknown = False
         episode = self.episodes.setdefault(recorded.episode, replayed.episode)
         lineage = self.capsules.get(recorded.lineage) if recorded.lineage else ""
         diffs = differences(recorded, replayed, episode, lineage)
@@ -448,10 +515,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="capsule-ros replay",
         description="Drive the recorded policy step by step from a bag's sensor messages and compare every "
                     "action with the recorded one, bit for bit (docs/rosbag-replay.md).",
-        epilog="exit status: 0 bit-identical; 1 a divergence (with --verify); 2 a bad bag, a replay that cannot "
-               "start, or nothing verified")
+        epilog="exit status: 0 every recorded action in scope bit-identical; 1 a divergence (with --verify); "
+               "3 no divergence but some actions skipped (with --verify, unless --partial); 2 a bad bag, a replay "
+               "that cannot start, or nothing verified")
     parser.add_argument("bag", help="rosbag2 directory recorded by capsule_ros (MCAP or sqlite3)")
-    parser.add_argument("--verify", action="store_true", help="exit 1 unless every action is bit-identical")
+    parser.add_argument("--verify", action="store_true",
+                        help="exit 1 on a divergence, 3 when some recorded actions could not be compared")
+    parser.add_argument("--partial", action="store_true",
+                        help="with --verify: accept a verdict that skipped actions (exit 0 if the compared ones match)")
     parser.add_argument("--from-capsule", default="", metavar="ID",
                         help="start from this saved capsule, where the bag committed it")
     where = parser.add_mutually_exclusive_group()
@@ -469,7 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     options = ReplayOptions(from_capsule=args.from_capsule, node=args.node, params_file=args.params_file,
-                            capsule_dir=args.capsule_dir, ablation=args.ablation, timeout_s=args.timeout)
+                            capsule_dir=args.capsule_dir, ablation=args.ablation, timeout_s=args.timeout,
+                            partial=args.partial)
     try:
         verdict = replay_bag(args.bag, options)
     except BagError as exc:
@@ -487,7 +559,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("capsule-ros replay: nothing verified: the bag has no step after an anchor (initial state, reset, "
               "re-entry of a known capsule, --from-capsule)", file=sys.stderr)
         return 2
-    return verdict.exit_code() if args.verify else 0
+    return verdict.exit_code(allow_partial=args.partial) if args.verify else 0
 
 
 if __name__ == "__main__":

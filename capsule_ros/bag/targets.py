@@ -29,8 +29,8 @@ from capsule_ros.capsules.store import Capsule
 from capsule_ros.errors import CapsuleRosError, NotFound
 from capsule_ros.runtime.arena import KIND_ORDER, BufferKind
 from capsule_ros.serving.config import ServingConfig
-from capsule_ros.serving.ports import PortDrop, port_adapters, stamp_ns
-from capsule_ros.serving.session import HoldMode
+from capsule_ros.serving.ports import PortDrop, stamp_ns
+from capsule_ros.serving.records import HoldMode
 
 ABLATIONS = {"kv-only": (BufferKind.KV,), "kv-meta": (BufferKind.KV, BufferKind.META)}
 
@@ -78,6 +78,8 @@ class InProcessTarget:
     """A PolicySession built from the recorded config, in this process."""
 
     kind = "in-process"
+    reenacts_deadline_misses = True       # tick(late=True): the session hands out its safe action
+    stages_without_stepping = True        # feed(tick=False) stages a trigger message without a step
 
     def __init__(self, config: ServingConfig, files: CapsuleFiles, ablation: Sequence[BufferKind] = ()):
         from capsule_ros.serving.factory import build_session
@@ -85,7 +87,6 @@ class InProcessTarget:
         config = dataclasses.replace(config, capsules=dataclasses.replace(config.capsules, directory=""))
         self.session = build_session(config)
         self.session.enforce_deadline = False      # verify the function, not this machine's timing
-        self.adapters = port_adapters(config.ports)
         self.files = files
         self.ablation = tuple(ablation)
 
@@ -99,21 +100,22 @@ class InProcessTarget:
     def fingerprint(self) -> str:
         return self.session.runtime.fingerprint
 
-    def feed(self, port: str, raw: bytes, msg: Any, tick: bool, expect: bool = False) -> List[Act]:
-        """A sensor message through the port adapter; a step if ``tick`` and it was accepted."""
-        adapter = self.adapters[port]
+    def feed(self, port: str, raw: bytes, msg: Any, tick: bool, expect: bool = False,
+             log_ns: Optional[int] = None, late: bool = False) -> List[Act]:
+        """A sensor message through the session's port, checked against the clock of the
+        recording (its log time: when the node received it); a step if ``tick`` and it
+        was accepted (``late``: the recording says that step missed its deadline)."""
         if msg is None:                            # undecodable: the node counts it and drops it
-            adapter.counters.dropped["type"] += 1
+            self.session.ports[port].counters.dropped["type"] += 1
             return []
         try:
-            values = adapter.accept(msg)
+            self.session.receive(port, msg, log_ns)
         except PortDrop:
             return []
-        self.session.write_input(port, values)
-        return self.step(stamp_ns(msg)) if tick else []
+        return self.step(stamp_ns(msg), late=late) if tick else []
 
-    def step(self, stamp: Optional[int] = None) -> List[Act]:
-        record = self.session.tick(stamp or 0)
+    def step(self, stamp: Optional[int] = None, late: bool = False) -> List[Act]:
+        record = self.session.tick(stamp or 0, late=late)
         return [Act.of_record(record)] if record is not None else []
 
     def settle(self) -> List[Act]:
@@ -121,7 +123,7 @@ class InProcessTarget:
 
     def missing_inputs(self) -> List[str]:
         """Ports that have not received a value yet (a step waits for all of them)."""
-        return [name for name in self.adapters if name not in self.session.inputs_seen]
+        return [name for name in self.session.ports if name not in self.session.inputs_seen]
 
     # -- capsule verbs: each returns what the replay maps to the recording ------------------------
     def commit(self, label: str) -> str:
@@ -191,6 +193,8 @@ class NodeTarget:
     """
 
     kind = "policy_node"
+    reenacts_deadline_misses = False      # a live node decides lateness by its own clock
+    stages_without_stepping = False       # in trigger mode it steps on every trigger message
 
     def __init__(self, config: ServingConfig, files: CapsuleFiles, workdir: Path, timeout_s: float = 60.0):
         try:
@@ -316,9 +320,10 @@ class NodeTarget:
     def fingerprint(self) -> str:
         return self._fingerprint
 
-    def feed(self, port: str, raw: bytes, msg: Any, tick: bool, expect: bool = False) -> List[Act]:
+    def feed(self, port: str, raw: bytes, msg: Any, tick: bool, expect: bool = False,
+             log_ns: Optional[int] = None, late: bool = False) -> List[Act]:
         """Publish the recorded bytes; wait for the action the recording says follows, or
-        until the node counted the message."""
+        until the node counted the message. (The node checks stamps against its own clock.)"""
         self._publishers[port].publish(raw)
         self._sent[port] += 1
         if expect:
@@ -333,7 +338,7 @@ class NodeTarget:
         with self._status:
             return [name for name in self._sent if self._processed.get(name, 0) == 0]
 
-    def step(self, stamp: Optional[int] = None) -> List[Act]:
+    def step(self, stamp: Optional[int] = None, late: bool = False) -> List[Act]:
         raise ReplaySetupError("a policy_node steps on its own in timer mode: replay timer-mode bags in-process")
 
     def settle(self) -> List[Act]:

@@ -22,7 +22,7 @@ import bisect
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from capsule_ros.bag.reader import ActionInfo, RecordedEvent, Timeline, capsule_id_position
-from capsule_ros.serving.session import ActionSource, EventKind
+from capsule_ros.serving.records import ActionSource, EventKind
 
 BEFORE, AT, AFTER = -1, 0, 1
 SEGMENT_KINDS = (EventKind.REENTER, EventKind.RESET)     # events that replace the state

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from capsule_ros.serving.session import ActionSource
+from capsule_ros.serving.records import ActionSource
 
 
 @dataclass(frozen=True)
@@ -97,12 +97,14 @@ class Verdict:
     storage: str
     target: str
     mode: str
-    start: str = "bag start"    # where verification began (initial state, capsule, reset)
+    start: str = "bag start"    # where verification began (initial state, capsule, reset): the scope's start
     steps_compared: int = 0
     steps_matched: int = 0
     steps_diverged: int = 0
-    steps_unverified: int = 0   # before an anchor, or after the replay lost it
-    deadline_misses: int = 0    # recorded safe actions published because a step was late
+    steps_before_anchor: int = 0  # recorded actions before the first anchor (out of scope)
+    steps_skipped: int = 0      # in scope but not compared (anchor lost; a deadline miss through a node)
+    steps_unrecorded: int = 0   # replayed steps whose action the recording stopped before
+    deadline_misses: int = 0    # recorded safe actions of late or failed steps
     events_replayed: Dict[str, int] = field(default_factory=dict)
     events_skipped: Dict[str, int] = field(default_factory=dict)
     messages: int = 0
@@ -115,22 +117,40 @@ class Verdict:
 
     @property
     def identical(self) -> bool:
+        """Every compared action matched (and there was one); see ``complete`` for scope."""
         return self.first_divergence is None and self.steps_compared > 0
 
-    def exit_code(self) -> int:
-        return 0 if self.identical else 1
+    @property
+    def complete(self) -> bool:
+        """Every recorded action in scope was compared."""
+        return self.steps_skipped == 0
+
+    def exit_code(self, allow_partial: bool = False) -> int:
+        """0 identical (and complete, unless ``allow_partial``), 1 a divergence, 3 partial, 2 nothing compared."""
+        if self.first_divergence is not None:
+            return 1
+        if self.steps_compared == 0:
+            return 2
+        return 0 if self.complete or allow_partial else 3
 
     def to_json(self) -> str:
         out = asdict(self)
         out["identical"] = self.identical
+        out["complete"] = self.complete
         return json.dumps(out, indent=2, sort_keys=True)
 
     def render(self, console) -> None:
         """A rich table on ``console``."""
         from rich.table import Table
-        ok = self.identical
-        title = ("[bold green]BIT-IDENTICAL[/]" if ok else "[bold red]DIVERGED[/]" if self.first_divergence
-                 else "[bold yellow]NOTHING VERIFIED[/]")
+        if self.first_divergence is not None:
+            title = "[bold red]DIVERGED[/]"
+        elif self.steps_compared == 0:
+            title = "[bold yellow]NOTHING VERIFIED[/]"
+        elif not self.complete:
+            title = (f"[bold yellow]PARTIALLY VERIFIED[/] ({self.steps_compared} compared, bit-identical; "
+                     f"{self.steps_skipped} skipped)")
+        else:
+            title = "[bold green]BIT-IDENTICAL[/]"
         table = Table(title=f"capsule-ros replay: {title}", show_header=False, title_justify="left")
         table.add_column("what", style="bold")
         table.add_column("value")
@@ -139,13 +159,16 @@ class Verdict:
             ("replayed", f"{self.target}, {self.mode} mode, from {self.start}"),
             ("steps compared", f"{self.steps_compared} ({self.steps_matched} bit-identical, "
                                f"{self.steps_diverged} diverged)"),
-            ("steps not verified", str(self.steps_unverified)),
+            ("steps skipped", f"{self.steps_skipped} (in scope, not compared)"),
+            ("before the anchor", f"{self.steps_before_anchor} (out of scope)"),
             ("capsule events replayed", _counts(self.events_replayed)),
         ]
         if self.events_skipped:
             rows.append(("capsule events skipped", _counts(self.events_skipped)))
         if self.deadline_misses:
-            rows.append(("recorded deadline misses", f"{self.deadline_misses} (safe actions, not compared)"))
+            rows.append(("recorded deadline misses", f"{self.deadline_misses} (safe actions of late or failed steps)"))
+        if self.steps_unrecorded:
+            rows.append(("recording ended", f"before the action of {self.steps_unrecorded} input(s)"))
         same = self.fingerprint_recorded == self.fingerprint_replay
         rows.append(("graph fingerprint", f"{self.fingerprint_replay[:12]} "
                      + ("(as recorded)" if same else f"[yellow](recorded {self.fingerprint_recorded[:12] or '?'})[/]")))

@@ -12,15 +12,19 @@ Guarantees (docs/capsule-format.md explains them and their limits):
   capsule is encrypted and authenticated (AES-GCM), and unencrypted files are refused.
 
 One process writes a directory at a time: recovery at construction treats every
-``.part`` file as a crash leftover.
+``.part`` file as a crash leftover. Within the process, publishing a file (the rename)
+and removing one are serialised by a lock, and a save can be told, right before its
+rename, that its capsule was dropped meanwhile (``keep``): a drop that answered success
+is never undone by a save that was still writing.
 """
 from __future__ import annotations
 
 import logging
 import operator
 import os
+import threading
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -28,7 +32,7 @@ from capsule_ros.capsules.fileformat import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTE
                                              os_errors, load_kek, read_capsule, read_header, write_capsule)
 from capsule_ros.capsules.ids import check_capsule_id
 from capsule_ros.capsules.store import Capsule, CapsuleStoreConfig
-from capsule_ros.errors import Busy, CorruptCapsule, InvalidArgument
+from capsule_ros.errors import Busy, CorruptCapsule, InvalidArgument, NotFound
 
 LOG = logging.getLogger(__name__)
 
@@ -67,6 +71,7 @@ class CapsuleDirectory:
         self.chunk_bytes = chunk_bytes
         self.max_file_bytes = max_file_bytes
         self._kek: Optional[bytes] = load_kek(Path(key_file).expanduser()) if key_file else None
+        self._names = threading.Lock()        # publishing (rename) vs removing a capsule file
         with os_errors(root, "capsule directory"):
             self.root = _private_dir(Path(root).expanduser())
             self.recovered: List[Path] = self._quarantine_leftovers()
@@ -109,12 +114,15 @@ class CapsuleDirectory:
         return sorted(out)
 
     # -- verbs --------------------------------------------------------------------------------
-    def save(self, capsule: Capsule, data: Any, schema: Sequence[dict]) -> Path:
+    def save(self, capsule: Capsule, data: Any, schema: Sequence[dict],
+             keep: Callable[[], bool] = lambda: True) -> Path:
         """Write a capsule atomically (see the module docstring); returns its path.
 
         ``data``: host uint8 tensor or bytes of ``capsule.nbytes``; ``schema``: the arena's
         ``ArenaLayout.schema()``. Saving an existing id replaces its file atomically.
-        Raises InvalidArgument, Busy (a ``.part`` of that id exists), CapsuleIOError.
+        ``keep`` is asked under the directory's lock right before the file is published:
+        False discards the written data (NotFound: the capsule was dropped meanwhile).
+        Raises InvalidArgument, Busy (a ``.part`` of that id exists), NotFound, CapsuleIOError.
         """
         path = self.path_of(capsule.id)
         try:   # int-likes (numpy / torch scalars) become ints; the writer then validates strictly
@@ -141,11 +149,15 @@ class CapsuleDirectory:
                     write_capsule(f, header, data, self._kek)
                     f.flush()
                     os.fsync(f.fileno())
-                os.rename(part, path)
+                with self._names:
+                    if not keep():
+                        raise NotFound(f"capsule {capsule.id!r} was dropped while it was being saved: "
+                                       "nothing was written")
+                    os.rename(part, path)
+                    _fsync_dir(self.root)
             except BaseException:
                 part.unlink(missing_ok=True)
                 raise
-            _fsync_dir(self.root)
         LOG.debug("saved capsule %s (%d bytes) to %s", capsule.id, capsule.nbytes, path)
         return path
 
@@ -180,7 +192,7 @@ class CapsuleDirectory:
     def remove(self, capsule_id: str) -> None:
         """Delete a capsule file (NotFound if there is none)."""
         path = self.path_of(capsule_id)
-        with os_errors(path):
+        with os_errors(path), self._names:
             path.unlink()
             _fsync_dir(self.root)
 

@@ -426,14 +426,13 @@ def _open_regular(path: PathLike, what: str, error: ErrorType) -> Tuple[BinaryIO
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):     # checked on the descriptor: no race with a rename
+                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+                raise error(f"{what} {str(path)!r} is {kind}")
+            return os.fdopen(fd, "rb", buffering=0), st
         except BaseException:
             os.close(fd)
             raise
-    f = os.fdopen(fd, "rb", buffering=0)
-    if not stat.S_ISREG(st.st_mode):
-        f.close()
-        raise error(f"{what} {str(path)!r} is not a regular file")
-    return f, st
 
 
 def _read_into(f: BinaryIO, view: memoryview, path: PathLike, what: str) -> None:

@@ -24,6 +24,7 @@ means (that is ``capsule_ros.serving``). It is not thread-safe; callers serialis
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
@@ -34,7 +35,7 @@ import torch
 
 from capsule_ros.capsules.ids import check_capsule_id, new_capsule_id
 from capsule_ros.config import ConfigSection, setting
-from capsule_ros.errors import FingerprintMismatch, InvalidArgument, NotFound, ResourceExhausted
+from capsule_ros.errors import Busy, FingerprintMismatch, InvalidArgument, NotFound, ResourceExhausted
 from capsule_ros.metrics import LatencyWindow
 from capsule_ros.runtime.arena import BufferKind
 
@@ -79,6 +80,34 @@ class Payload:
     ready: Optional["torch.cuda.Event"] = None   # completion of the copy that filled the slab
     refs: int = 0
     last_used: int = 0
+    loans: int = 0                               # readers outside the caller's lock (see CapsuleStore.lend)
+
+
+@dataclass(frozen=True)
+class Loan:
+    """A capsule's bytes lent to a reader that works outside the store's lock (a save to
+    disk): until ``CapsuleStore.end_loan`` the slab is neither moved, evicted nor reused,
+    even if the capsule is dropped meanwhile. ``ready`` is the copy that filled it."""
+
+    capsule: "Capsule"
+    payload: Payload
+    ready: Optional["torch.cuda.Event"]
+
+    def host_bytes(self, staging: Optional[torch.Tensor] = None,
+                   stream: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
+        """The bytes on the host: the slab itself when it is host memory, else a copy into
+        ``staging`` (pinned, the slab's size) on ``stream``, complete on return. Safe
+        without the store's lock: it touches only this loan's slab."""
+        slab = self.payload.slab
+        if self.ready is not None:
+            self.ready.synchronize()
+        if slab.device.type == "cpu":
+            return slab
+        out = staging if staging is not None else torch.empty(slab.numel(), dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            out.copy_(slab, non_blocking=True)
+        (stream or torch.cuda.current_stream(slab.device)).synchronize()
+        return out
 
 
 @dataclass
@@ -205,7 +234,7 @@ class CapsuleStore:
         protected = {id(p) for p in protect if p is not None}
         free = sum(pool.free for pool in self.pools.values())
         movable = sum(1 for tier in (Tier.DEVICE, Tier.HOST) for key, (p, cs) in self._payloads(tier).items()
-                      if key not in protected and not any(c.pinned or c.held for c in cs))
+                      if key not in protected and self._movable(p, cs))
         return free + movable >= count
 
     def reserve(self, protect: Sequence[Optional[Payload]] = ()) -> Payload:
@@ -302,6 +331,8 @@ class CapsuleStore:
             raise InvalidArgument("moving to DISK is saving: use the capsule directory")
         if capsule.payload is None:
             raise NotFound(f"capsule {capsule_id!r} is only on disk; load it first")
+        if capsule.payload.loans:
+            raise Busy(f"capsule {capsule_id!r} is being read (e.g. saved): move it afterwards")
         if capsule.payload.tier != tier:
             self._move_payload(capsule.payload, tier, protect=(capsule.payload,))
         return capsule
@@ -326,6 +357,22 @@ class CapsuleStore:
             raise InvalidArgument(f"capsule {capsule_id!r} is not persisted; releasing it would lose it")
         self._detach(capsule)
         return capsule
+
+    def lend(self, capsule_id: str) -> Loan:
+        """Lend a capsule's in-memory bytes to a reader outside the lock (see ``Loan``);
+        every loan must be ended with ``end_loan``."""
+        capsule = self.get(capsule_id)
+        if capsule.payload is None:
+            raise NotFound(f"capsule {capsule_id!r} is only on disk ({capsule.path})")
+        capsule.payload.loans += 1
+        return Loan(capsule, capsule.payload, capsule.payload.ready)
+
+    def end_loan(self, loan: Loan) -> None:
+        """The reader is done: a slab whose capsules were all dropped meanwhile is freed now."""
+        payload = loan.payload
+        payload.loans -= 1
+        if payload.loans == 0 and payload.refs == 0:
+            self.pools[payload.tier].release(payload.slab)
 
     # -- disk tier hooks (used by capsule_ros.capsules.directory) ------------------------------
     def host_copy(self, capsule_id: str) -> torch.Tensor:
@@ -399,7 +446,7 @@ class CapsuleStore:
         payload, capsule.payload = capsule.payload, None
         if payload is not None:
             payload.refs -= 1
-            if payload.refs == 0:
+            if payload.refs == 0 and payload.loans == 0:    # a lent slab is freed by end_loan
                 self._wait(payload)
                 self.pools[payload.tier].release(payload.slab)
 
@@ -410,10 +457,15 @@ class CapsuleStore:
                 out.setdefault(id(capsule.payload), (capsule.payload, []))[1].append(capsule)
         return out
 
+    @staticmethod
+    def _movable(payload: Payload, capsules: List[Capsule]) -> bool:
+        """Whether demotion or eviction may take this payload's slab."""
+        return payload.loans == 0 and not any(c.pinned or c.held for c in capsules)
+
     def _lru_victim(self, tier: Tier, protect: Iterable[Payload]) -> Optional[Tuple[Payload, List[Capsule]]]:
         protected = {id(p) for p in protect}
         candidates = [(p, cs) for key, (p, cs) in self._payloads(tier).items()
-                      if key not in protected and not any(c.pinned or c.held for c in cs)]
+                      if key not in protected and self._movable(p, cs)]
         return min(candidates, key=lambda pc: pc[0].last_used) if candidates else None
 
     def _free_slab(self, tier: Tier, protect: Sequence[Payload]) -> Optional[torch.Tensor]:

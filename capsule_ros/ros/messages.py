@@ -7,8 +7,7 @@ from builtin_interfaces.msg import Time
 from capsule_ros.msg import Action, CapsuleEvent, CapsuleInfo
 
 from capsule_ros.capsules.store import Capsule
-from capsule_ros.serving.session import ActionRecord
-from capsule_ros.serving.session import CapsuleEvent as CoreEvent
+from capsule_ros.serving.records import ActionRecord, EventRecord
 
 
 def ros_time(stamp_ns: int) -> Time:
@@ -45,7 +44,7 @@ def action_message(record: ActionRecord, frame_id: str, action_dim: int) -> Acti
     return msg
 
 
-def event_message(event: CoreEvent, stamp_ns: int) -> CapsuleEvent:
+def event_message(event: EventRecord, stamp_ns: int) -> CapsuleEvent:
     msg = CapsuleEvent(kind=int(event.kind), capsule_id=event.capsule_id, parent_id=event.parent_id,
                        episode_id=int(event.episode_id), step=int(event.step), rollback=event.rollback,
                        fallback=event.fallback, detail=event.detail)

@@ -41,9 +41,9 @@ from capsule_ros.ros.params import declare_parameters
 from capsule_ros.ros.status import DiagnosticsBuilder, runtime_status
 from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
 from capsule_ros.serving.factory import build_session
-from capsule_ros.serving.ports import PortDrop, port_adapters, stamp_ns
-from capsule_ros.serving.session import ActionRecord, ActionSource, CapsuleEvent as CoreEvent, HoldMode
-from capsule_ros.serving.watchdog import DeadlineWatchdog
+from capsule_ros.serving.ports import PortDrop, stamp_ns
+from capsule_ros.serving.records import ActionRecord, ActionSource, EventRecord, HoldMode
+from capsule_ros.serving.session import SaveFailed
 
 LOG = logging.getLogger(__name__)
 WARN_PERIOD_S = 5.0
@@ -89,9 +89,7 @@ class PolicyNode(Node):
             self.get_logger().warning(f"moved {len(self.session.directory.recovered)} unfinished capsule save(s) "
                                       f"aside: {[str(p) for p in self.session.directory.recovered]}")
         self.session.clock_ns = lambda: self.get_clock().now().nanoseconds
-        self.session.enforce_deadline = False          # the watchdog below enforces it
-        self.adapters = port_adapters(self.config.ports)
-        self.watchdog = DeadlineWatchdog(self._on_deadline_miss)
+        self.session.start_watchdog(self._publish_action)   # a step over its deadline: the safe action at once
         self._last_warn: Dict[str, float] = {}
         self._diagnostics = DiagnosticsBuilder(self.get_fully_qualified_name())
         # The trigger port subscribes last: when a goal and a joint state wait at once, the
@@ -134,19 +132,17 @@ class PolicyNode(Node):
                                         callback_group=self._control_group)
 
     def _on_port_message(self, name: str, msg) -> None:
-        adapter = self.adapters[name]
         if self.recorder is not None:
             self._record_port_message(name, msg)
         try:
-            values = adapter.accept(msg)
+            self.session.receive(name, msg, self.get_clock().now().nanoseconds)
         except PortDrop as drop:
             self._warn_throttled(f"drop.{name}", f"port {name}: dropped a message ({drop.reason}): {drop}")
             return
         except Exception as exc:  # noqa: BLE001 - undecodable message: count it, never crash
-            adapter.counters.dropped["type"] += 1
+            self.session.ports[name].counters.dropped["type"] += 1
             self._warn_throttled(f"drop.{name}", f"port {name}: undecodable message: {exc}")
             return
-        self.session.write_input(name, values)
         self._last_port_messages[name] = msg
         control = self.config.control
         if control.mode == "trigger" and name == control.trigger_port:
@@ -155,47 +151,30 @@ class PolicyNode(Node):
     def _record_port_message(self, name: str, msg) -> None:
         """Into the bag under the topic's resolved name (remaps applied); CDR serialisation is
         deterministic, so these are the bytes as received."""
-        self.recorder.write_raw(self._port_subscriptions[name].topic_name, self.adapters[name].config.type,
+        self.recorder.write_raw(self._port_subscriptions[name].topic_name, self.session.ports[name].config.type,
                                 serialize_message(msg), self.get_clock().now().nanoseconds)
 
     def _control_tick(self, stamp: Optional[int]) -> None:
-        deadline = self.config.control.effective_deadline_s()
-        if deadline is not None:
-            self.watchdog.arm(deadline)
-        try:
-            record = self.session.tick(stamp)
-        except Exception as exc:  # noqa: BLE001 - a failed step must not kill the loop
-            self.watchdog.disarm()
-            self._warn_throttled("tick", f"step failed: {exc!r}")
+        """One tick of the session; publishes what it hands out (the session decides
+        whether that is the policy's action or the safe one)."""
+        record = self.session.tick(stamp)
+        if record is None:
+            if not self.session.inputs_ready:
+                missing = [n for n in self.config.ports if n not in self.session.inputs_seen]
+                self._warn_throttled("inputs", f"waiting for first message on port(s) {missing}")
             return
-        fired = self.watchdog.disarm() if deadline is not None else False
-        late = record is not None and record.source == ActionSource.POLICY and deadline is not None \
-            and record.step_seconds > deadline
-        if fired or late:
-            # The watchdog thread may not get the GIL before a short step ends: the measured
-            # duration decides too, so a late policy action is never published.
-            self.session.counters.deadline_misses += 1
-            if not fired:
-                self._on_deadline_miss()
-            return
-        if record is not None:
+        if not record.published:
             self._publish_action(record)
-            if record.source == ActionSource.POLICY:
-                self._count_stale_ports()
-        elif not self.session.inputs_ready:
-            missing = [n for n in self.config.ports if n not in self.session.inputs_seen]
-            self._warn_throttled("inputs", f"waiting for first message on port(s) {missing}")
-
-    def _on_deadline_miss(self) -> None:
-        mode = HoldMode.HOLD_ZERO if self.config.control.deadline_action == "zero" else HoldMode.HOLD_LAST
-        record = self.session.safe_record(mode)
-        if record is not None:
-            self._publish_action(record)
-        self._warn_throttled("deadline", f"step missed its {self.config.control.effective_deadline_s() * 1e3:.1f} ms "
-                             f"deadline: published the safe action ({mode.name})")
+        if record.source == ActionSource.POLICY:
+            self._count_stale_ports()
+        elif record.fault:
+            detail = (f"missed its {self.config.control.effective_deadline_s() * 1e3:.1f} ms deadline"
+                      if record.late else self.session.counters.last_fault)
+            self._warn_throttled(f"fault.{record.fault.value}", f"step {record.step + 1} {detail}: published the "
+                                 f"safe action ({self.config.control.deadline_action})")
 
     def _count_stale_ports(self) -> None:
-        for adapter in self.adapters.values():
+        for adapter in self.session.ports.values():
             if adapter.is_stale():
                 adapter.counters.stale_steps += 1
                 self._warn_throttled(f"stale.{adapter.name}", f"port {adapter.name} is stale "
@@ -207,7 +186,7 @@ class PolicyNode(Node):
         if self.recorder is not None:
             self.recorder.write_message(self.action_pub.topic_name, msg, self.get_clock().now().nanoseconds)
 
-    def _on_event(self, event: CoreEvent) -> None:
+    def _on_event(self, event: EventRecord) -> None:
         msg = event_message(event, self.get_clock().now().nanoseconds)
         self.event_pub.publish(msg)
         if self.recorder is not None:
@@ -222,7 +201,7 @@ class PolicyNode(Node):
     # -- status ------------------------------------------------------------------------------------
     def _publish_status(self) -> None:
         stamp = self.get_clock().now().to_msg()
-        status = runtime_status(self.session, self.adapters, stamp)
+        status = runtime_status(self.session, stamp)
         self.status_pub.publish(status)
         self.diag_pub.publish(self._diagnostics.build(status, stamp))
 
@@ -259,7 +238,11 @@ class PolicyNode(Node):
         done.set_result(response)
 
     def _srv_commit(self, req, resp) -> str:
-        capsule = self.session.commit(req.label, req.persist, req.pin)
+        try:
+            capsule = self.session.commit(req.label, req.persist, req.pin)
+        except SaveFailed as exc:                  # committed in memory: say which capsule
+            resp.capsule = capsule_info(exc.capsule)
+            raise
         resp.capsule = capsule_info(capsule)
         return f"committed {capsule.id} at step {capsule.step}" + (f", saved to {capsule.path}" if req.persist else "")
 
@@ -334,7 +317,8 @@ class PolicyNode(Node):
             self._stop_recording()
         self.recorder = NodeRecorder.start(path, self.config.record.directory, storage, self.config,
                                            self.action_pub.topic_name, self.event_pub.topic_name,
-                                           fingerprint=self.session.runtime.fingerprint)
+                                           fingerprint=self.session.runtime.fingerprint,
+                                           initial_inputs=len(self._last_port_messages))
         for name, msg in self._last_port_messages.items():   # the inputs the next step will use
             self._record_port_message(name, msg)
         self.get_logger().info(f"recording to {self.recorder.path}")
@@ -369,7 +353,7 @@ class PolicyNode(Node):
                                     runtime=self.config.runtime, capsules=self.config.capsules,
                                     record=self.config.record, source=self.config.source)
         self.session.control = control
-        for name, adapter in self.adapters.items():
+        for name, adapter in self.session.ports.items():
             adapter.config = ports[name]
         if rate_changed:
             self._configure_loop(control)
@@ -377,7 +361,7 @@ class PolicyNode(Node):
 
     def close(self) -> None:
         """Stop the watchdog, the service threads and any recording (before destroy_node)."""
-        self.watchdog.close()
+        self.session.close()
         self._service_threads.shutdown(wait=False, cancel_futures=True)
         if self.recorder is not None:
             self._stop_recording()

@@ -2,11 +2,17 @@
 
 This is the unit a capsule is bound to (its fingerprint), and the only object that
 touches the arena. It provides mechanism only: write inputs, step, read outputs, reset,
-prefill, fork. When to do what is decided above it (``capsule_ros.serving``); the
+prefill, replica. When to do what is decided above it (``capsule_ros.serving``); the
 runtime owns no loop and no thread, and is not thread-safe: callers serialise.
 
 Host <-> device traffic per step is two copies: the whole input region from a staging
 buffer (pinned on CUDA) into the arena, and the meta + output region back.
+
+Step guard (``runtime.guard_steps``, on by default): before each step the runtime keeps
+a copy of everything a step writes (the arena minus its inputs) in an undo buffer on the
+device, so a caller that finds the step failed or produced non-finite outputs can put
+the state back exactly as it was (``undo_step``). Cost: one on-device copy of the state
+per step (the same copy a snapshot makes; docs/benchmarks.md has the figures).
 """
 from __future__ import annotations
 
@@ -19,10 +25,10 @@ from typing import Dict, Mapping, Optional
 import numpy as np
 import torch
 
-from capsule_ros.capsules.fingerprint import compute_fingerprint, device_kind, weights_digest
 from capsule_ros.config import ConfigSection, setting
 from capsule_ros.errors import InvalidArgument
-from capsule_ros.runtime.arena import ArenaLayout, BufferKind, StateArena
+from capsule_ros.runtime.arena import STATE_KINDS, ArenaLayout, BufferKind, StateArena
+from capsule_ros.runtime.fingerprint import compute_fingerprint, device_kind, weights_digest
 from capsule_ros.runtime.plan import GraphPlan
 from capsule_ros.runtime.policy import ACTION, CHUNK, EPISODE, POSITION, STEP, StatefulPolicy
 
@@ -45,6 +51,8 @@ class RuntimeConfig(ConfigSection):
     cpu_threads: int = setting(1, "torch intra-op threads on CPU (0 = torch's default)", low=0, high=1024,
                                read_only=True)
     seed: int = setting(0, "seed of the policy's counter-based RNG at reset", low=0, high=2**31 - 1)
+    guard_steps: bool = setting(True, "keep the state before each step (one on-device copy) so a step that "
+                                "fails or outputs non-finite values is undone", read_only=True)
 
     def compile_enabled(self, device: torch.device) -> bool:
         if self.compile == "auto":
@@ -81,7 +89,7 @@ def configure_torch(config: RuntimeConfig, device: torch.device) -> None:
 
 
 class StepOutputs:
-    """Host copies of one step's outputs (valid until the next ``read_outputs``)."""
+    """Host copies of one step's outputs (the caller owns them)."""
 
     __slots__ = ("action", "chunk", "step", "position", "episode")
 
@@ -94,7 +102,10 @@ class PolicyRuntime:
     """A policy, its arena and its graph plan (see module docstring)."""
 
     def __init__(self, policy: StatefulPolicy, config: RuntimeConfig = RuntimeConfig(), *,
-                 _fingerprint: Optional[str] = None):
+                 inputs: Optional[Mapping[str, object]] = None, _fingerprint: Optional[str] = None):
+        """``inputs``: input buffer name -> what fills it (part of the fingerprint; the
+        node passes each port's binding). Raises PolicyStepError (a ConfigError) when the
+        policy's step cannot run on its declared inputs."""
         self.config = config
         self.device = config.resolve_device()
         configure_torch(config, self.device)
@@ -108,8 +119,9 @@ class PolicyRuntime:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.plan = GraphPlan(policy, self.arena, use_graphs=config.cuda_graphs, stream=self.stream,
                               debug_checks=config.debug_checks)
+        self.inputs = dict(inputs or {})
         self.fingerprint = _fingerprint or compute_fingerprint(
-            policy.architecture(), self.layout, weights_digest(policy), device_kind(self.device))
+            policy.architecture(), self.layout, weights_digest(policy), device_kind(self.device), self.inputs)
         pin = self.device.type == "cuda"
         in_start, in_end = self.layout.byte_range(BufferKind.INPUT)
         self.input_staging = torch.zeros(in_end - in_start, dtype=torch.uint8, pin_memory=pin)
@@ -127,8 +139,11 @@ class PolicyRuntime:
             if slot.spec.kind in (BufferKind.META, BufferKind.OUTPUT):
                 raw = self._out_host[slot.offset - out_start:slot.end - out_start]
                 self._out_views[slot.spec.name] = raw.view(slot.spec.dtype).view(slot.spec.shape).numpy()
+        state_start, state_end = self.layout.byte_range(*STATE_KINDS, BufferKind.OUTPUT)
+        self._state_region = self.arena.storage[state_start:state_end]
+        self._undo = torch.empty_like(self._state_region) if config.guard_steps else None
         self.reset(episode=0)
-        self.plan.capture_step()
+        self.plan.prepare()
         LOG.info("runtime on %s: arena %d bytes in %d buffers, graphs=%s, fingerprint %s",
                  self.device, self.layout.nbytes, len(self.layout), self.plan.captured, self.fingerprint[:12])
 
@@ -171,8 +186,25 @@ class PolicyRuntime:
         self.synchronize()
 
     def step(self) -> None:
-        """Run one step over the arena (asynchronous on CUDA)."""
+        """Run one step over the arena (asynchronous on CUDA). With the step guard, the
+        state before it is kept first (see ``undo_step``)."""
+        if self._undo is not None:
+            with self._stream_ctx():
+                self._undo.copy_(self._state_region, non_blocking=True)
         self.plan.step()
+
+    @property
+    def guarded(self) -> bool:
+        return self._undo is not None
+
+    def undo_step(self) -> None:
+        """Put the state back as it was before the last ``step`` (guard on; complete on
+        return). For a step that raised or whose outputs the caller refused."""
+        if self._undo is None:
+            raise InvalidArgument("runtime.guard_steps is off: there is no copy to undo the step with")
+        with self._stream_ctx():
+            self._state_region.copy_(self._undo, non_blocking=True)
+        self.synchronize()
 
     def prefill(self, tokens) -> None:
         """Consume a token prefix (from the initial state) through the parallel path."""
@@ -199,12 +231,12 @@ class PolicyRuntime:
     def _stream_ctx(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    # -- fork ---------------------------------------------------------------------------------
-    def fork(self) -> "PolicyRuntime":
+    # -- replica -------------------------------------------------------------------------------
+    def replica(self) -> "PolicyRuntime":
         """A second live runtime over the same weights with its own arena and graphs.
 
         Both share the fingerprint, so capsules move freely between them; they never share
         state, so the two branches cannot affect each other.
         """
-        return PolicyRuntime(self.policy, self.config, _fingerprint=self.fingerprint)
+        return PolicyRuntime(self.policy, self.config, inputs=self.inputs, _fingerprint=self.fingerprint)
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from capsule_ros.config import ConfigSection, dims, setting
+from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
 from capsule_ros.runtime.policy import (ACTION, CHUNK, EPISODE, POSITION, RNG, STEP, State,
                                         StatefulPolicy, standard_specs)
@@ -455,6 +456,9 @@ def hybrid_state_spec(cfg: HybridConfig, inputs: Sequence[BufferSpec]) -> List[B
     return specs + standard_specs(cfg.action_dim, cfg.chunk_horizon)
 
 
+MIN_IMAGE_SIDE = 10   # two 4x4 convolutions of stride 2: (10 - 4) // 2 + 1 = 4 >= 4
+
+
 class ObservationEncoder(nn.Module):
     """Vector inputs (flattened, normalised) and an optional image -> one token."""
 
@@ -470,7 +474,11 @@ class ObservationEncoder(nn.Module):
         self.register_buffer("obs_std", torch.ones(obs_dim))
         self.proj = nn.Linear(obs_dim, d_model) if obs_dim else None
         if images:
-            channels = images[0].shape[2]
+            height, width, channels = images[0].shape
+            if min(height, width) < MIN_IMAGE_SIDE:
+                raise ConfigError(f"input {images[0].name!r} is {height}x{width} pixels: the hybrid policy's image "
+                                  f"encoder needs at least {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE} (two 4x4 stride-2 "
+                                  "convolutions); change the port's shape")
             self.image = nn.Sequential(
                 nn.Conv2d(channels, 16, 4, stride=2), nn.ReLU(),
                 nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(),

@@ -1,15 +1,21 @@
 """The graph plan: one policy step (and each prefill length) as a fixed plan over one arena.
 
-On CUDA the step is warmed up, then captured as a CUDA graph on the runtime's own
-stream with a private memory pool, and every later step replays it over the same
-buffers. On CPU the very same Python calls run eagerly. Either way the plan never
-allocates state: temporaries live in the graph pool (CUDA) or are freed by the step.
+``prepare`` runs the step a few times before the first control step, on every device:
+the first run of a step pays one-off costs (lazy initialisation, the allocator's first
+blocks, kernel selection) that would otherwise make the first control step a cold one
+(tens of ms on a CPU, over a typical deadline). It also proves the policy can take the
+configured inputs at all: a step that raises there fails start-up with a message that
+names the inputs, instead of failing every control step. On CUDA the step is then
+captured as a CUDA graph on the runtime's own stream with a private memory pool, and
+every later step replays it over the same buffers. On CPU the very same Python calls
+run eagerly. Either way the plan never allocates state: temporaries live in the graph
+pool (CUDA) or are freed by the step.
 
 Steps run under ``torch.inference_mode`` (cheaper per operation than ``no_grad``: no
 version counters or view tracking; in-place writes to the arena are allowed there).
 
 Warm-up and capture execute the step for real, so the arena's bytes are saved before and
-put back after: capturing leaves the live state exactly as it was.
+put back after: preparing leaves the live state exactly as it was.
 
 Debug check (``debug_checks=True``): before each replay the arena's view addresses are
 compared with those recorded at capture; a graph replayed over moved buffers would read
@@ -23,7 +29,8 @@ from typing import Dict, Optional
 
 import torch
 
-from capsule_ros.runtime.arena import StateArena
+from capsule_ros.errors import ConfigError
+from capsule_ros.runtime.arena import BufferKind, StateArena
 from capsule_ros.runtime.policy import StatefulPolicy
 
 LOG = logging.getLogger(__name__)
@@ -31,6 +38,10 @@ LOG = logging.getLogger(__name__)
 
 class GraphAddressError(RuntimeError):
     """A buffer moved after capture (debug check)."""
+
+
+class PolicyStepError(ConfigError):
+    """The policy's step fails on the configured inputs (found while preparing the plan)."""
 
 
 class GraphPlan:
@@ -54,13 +65,19 @@ class GraphPlan:
     def _stream_ctx(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
+    def _warm_up(self, fn) -> None:
+        """Run ``fn`` ``warmup_steps`` times (the caller restores the arena)."""
+        with torch.inference_mode(), self._stream_ctx():
+            for _ in range(self.warmup_steps):
+                fn()
+        if self.stream is not None:
+            self.stream.synchronize()
+
     def _capture(self, fn) -> "torch.cuda.CUDAGraph":
         """Warm up ``fn`` then capture it; the arena is restored to its bytes before."""
         saved = self.arena.storage.clone()
         with torch.inference_mode(), self._stream_ctx():
-            for _ in range(self.warmup_steps):
-                fn()
-            self.stream.synchronize()
+            self._warm_up(fn)
             free_before = torch.cuda.mem_get_info(self.arena.device)[0]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=self.stream):
@@ -73,9 +90,26 @@ class GraphPlan:
         self._addresses = self.arena.addresses()
         return graph
 
-    def capture_step(self) -> None:
+    def prepare(self) -> None:
+        """Warm the step up (and check it runs at all), then capture it on CUDA; the arena
+        keeps its bytes. Raises PolicyStepError when the step fails on these inputs."""
+        step = lambda: self.policy.step(self.arena.views)  # noqa: E731
+        saved = self.arena.storage.clone()
+        try:
+            self._warm_up(step)
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's step: say which inputs
+            inputs = ", ".join(f"{slot.spec.name} {str(slot.spec.dtype).replace('torch.', '')}"
+                               f"{list(slot.spec.shape)}" for slot in self.arena.layout
+                               if slot.spec.kind == BufferKind.INPUT)
+            raise PolicyStepError(f"the policy's step fails on the configured inputs ({inputs}): "
+                                  f"{type(exc).__name__}: {exc}; check the ports' shapes and dtypes") from exc
+        finally:
+            with self._stream_ctx():
+                self.arena.storage.copy_(saved)
+            if self.stream is not None:
+                self.stream.synchronize()
         if self.use_graphs and self._step_graph is None:
-            self._step_graph = self._capture(lambda: self.policy.step(self.arena.views))
+            self._step_graph = self._capture(step)
 
     @property
     def captured(self) -> bool:

@@ -69,6 +69,14 @@ class PortConfig(ConfigSection):
     def size(self) -> int:
         return dims(self.shape)
 
+    def binding(self) -> dict:
+        """What fills the port's buffer (part of the capsule fingerprint): message type,
+        fields, joint names, encodings, shape and dtype; not the topic, QoS or staleness,
+        which do not change what the values mean."""
+        return {"type": self.type, "fields": list(self.fields), "names": list(self.names),
+                "encodings": list(self.encodings) if self.type.endswith("/Image") else [],
+                "shape": list(self.shape), "dtype": self.dtype}
+
 
 @dataclass(frozen=True)
 class ControlConfig(ConfigSection):
@@ -83,7 +91,10 @@ class ControlConfig(ConfigSection):
     deadline_ms: float = setting(0.0, "a step slower than this publishes the safe action instead "
                                  "(0 = one control period in timer mode, no deadline in trigger mode)",
                                  low=0.0, high=1e6)
-    deadline_action: str = setting("hold", "safe action on a deadline miss", choices=("hold", "zero"))
+    deadline_action: str = setting("hold", "safe action published instead of a late, failed or non-finite step's "
+                                   "output: hold the last on-time policy action, or zeros", choices=("hold", "zero"))
+    future_tolerance_ms: float = setting(1000.0, "a sensor message stamped further ahead of the node's clock is "
+                                         "dropped (reason 'future'); 0 = no check", low=0.0, high=1e9)
     frame_id: str = setting("", "header.frame_id of published actions")
     status_rate_hz: float = setting(2.0, "rate of ~/status and /diagnostics", low=0.1, high=100.0)
     autostart: bool = setting(True, "start episode 1 (RUNNING) at launch; else IDLE until ~/reset")

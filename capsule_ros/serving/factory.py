@@ -55,7 +55,9 @@ def build_policy(config: ServingConfig, weights: Optional[str] = None,
 
 
 def build_runtime(config: ServingConfig, weights: Optional[str] = None) -> PolicyRuntime:
-    return PolicyRuntime(build_policy(config, weights), config.runtime)
+    """The configured policy's runtime; its fingerprint covers what fills each input."""
+    return PolicyRuntime(build_policy(config, weights), config.runtime,
+                         inputs={name: port.binding() for name, port in config.ports.items()})
 
 
 def capsule_directory_path(template: str, node_name: str) -> Path:
@@ -77,8 +79,8 @@ def build_session(config: ServingConfig, *, weights: Optional[str] = None, on_ev
                                      key_file=config.capsules.key_file,
                                      chunk_bytes=int(config.capsules.chunk_mb * 2**20),
                                      max_file_bytes=int(config.capsules.max_file_mb * 2**20))
-    session = PolicySession(runtime, store, config.control, directory=directory, prefix=config.policy.prefix,
-                            on_event=on_event)
+    session = PolicySession(runtime, store, config.control, directory=directory, ports=config.ports,
+                            prefix=config.policy.prefix, on_event=on_event)
     if config.control.autostart:
         session.reset()
     return session

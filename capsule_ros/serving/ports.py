@@ -5,8 +5,12 @@ serves rclpy messages in the node and ``rosbags`` messages in an in-process repl
 
 Every message is either accepted (its values go to the staging buffer) or dropped and
 counted under one reason: ``shape`` (wrong length or image size), ``type`` (wrong
-encoding, missing joint, unreadable field), ``nonfinite`` (NaN / Inf), ``out_of_order``
-(header stamp older than the last accepted one). Dropping never touches the buffer.
+encoding, missing joint, unreadable field), ``nonfinite`` (NaN / Inf, or a value the
+buffer's dtype cannot hold: ``1e39`` would become ``inf`` in a float32 buffer),
+``out_of_order`` (header stamp older than the last accepted one), ``future`` (header
+stamp further ahead of the receiver's clock than the tolerance: a sensor with a bad
+clock must not move the ordering point, or every correctly stamped message after it
+would be dropped as out of order). Dropping never touches the buffer.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import numpy as np
 
 from capsule_ros.serving.config import PortConfig
 
-DROP_REASONS = ("shape", "type", "nonfinite", "out_of_order")
+DROP_REASONS = ("shape", "type", "nonfinite", "out_of_order", "future")
 
 
 class PortDrop(Exception):
@@ -86,6 +90,15 @@ def stamp_ns(msg: Any) -> Optional[int]:
     return int(stamp.sec) * 1_000_000_000 + int(getattr(stamp, "nanosec", 0))
 
 
+def _dtype_limits(dtype: np.dtype) -> Optional[tuple]:
+    """(low, high) a float64 value must lie within to be held by ``dtype``; None for floats
+    (their limit shows as inf after the cast)."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return float(info.min), float(info.max)
+    return None
+
+
 class PortAdapter:
     """Validates and converts messages of one port (see the module docstring)."""
 
@@ -94,12 +107,23 @@ class PortAdapter:
         self.config = config
         self.counters = PortCounters()
         self.dtype = np.dtype(config.dtype)
+        self._limits = _dtype_limits(self.dtype)
         self._last_stamp: Optional[int] = None
         self._short_type = config.type.rsplit("/", 1)[-1]
 
-    def convert(self, msg: Any) -> np.ndarray:
-        """The buffer values of ``msg`` (shape config.shape), or raise PortDrop."""
+    def reset_ordering(self) -> None:
+        """Forget the last accepted stamp (a new episode: a sensor clock may have restarted)."""
+        self._last_stamp = None
+
+    def convert(self, msg: Any, now_ns: Optional[int] = None, future_tolerance_ns: Optional[int] = None) -> np.ndarray:
+        """The buffer values of ``msg`` (shape config.shape, the buffer's dtype), or raise
+        PortDrop. ``now_ns`` / ``future_tolerance_ns``: the receiver's clock and how far
+        ahead of it a stamp may be (None: no check)."""
         stamp = stamp_ns(msg)
+        if stamp is not None and now_ns is not None and future_tolerance_ns is not None \
+                and stamp > now_ns + future_tolerance_ns:
+            raise PortDrop("future", f"stamp {stamp} ns is {(stamp - now_ns) / 1e9:.3f} s ahead of the clock "
+                           f"(tolerance {future_tolerance_ns / 1e9:.3f} s)")
         if stamp is not None and self._last_stamp is not None and stamp < self._last_stamp:
             raise PortDrop("out_of_order", f"stamp {stamp} ns is older than the last accepted {self._last_stamp} ns")
         if self._short_type == "Image":
@@ -112,14 +136,33 @@ class PortAdapter:
         if values.size != self.config.size:
             raise PortDrop("shape", f"{values.size} values, expected {self.config.size} for shape "
                            f"{list(self.config.shape)}")
+        return self._fit(values).reshape(self.config.shape)
+
+    def _fit(self, values: np.ndarray) -> np.ndarray:
+        """``values`` cast to the buffer's dtype, refusing what it cannot hold."""
+        if values.dtype == self.dtype:
+            return values
         if values.dtype.kind == "f" and not np.isfinite(values).all():
             raise PortDrop("nonfinite", "NaN or Inf in the message")
-        return values.reshape(self.config.shape)
+        if self._limits is not None:
+            low, high = self._limits
+            bad = (values < low) | (values > high)
+            if bad.any():
+                raise PortDrop("nonfinite", f"value {values[bad][0]!r} does not fit the port's {self.dtype.name} "
+                               f"buffer [{low:.0f}, {high:.0f}]")
+            return values.astype(self.dtype)
+        with np.errstate(over="ignore"):
+            cast = values.astype(self.dtype)
+        if not np.isfinite(cast).all():
+            raise PortDrop("nonfinite", f"value {values[~np.isfinite(cast)][0]!r} overflows the port's "
+                           f"{self.dtype.name} buffer (it would be inf)")
+        return cast
 
-    def accept(self, msg: Any, now_ns: Optional[int] = None) -> np.ndarray:
-        """``convert`` plus bookkeeping: counts the message as received or dropped."""
+    def accept(self, msg: Any, now_ns: Optional[int] = None, future_tolerance_ns: Optional[int] = None) -> np.ndarray:
+        """``convert`` plus bookkeeping: counts the message as received or dropped.
+        ``now_ns`` is the receiver's clock (ROS time in the node, the log time in a replay)."""
         try:
-            values = self.convert(msg)
+            values = self.convert(msg, now_ns, future_tolerance_ns)
         except PortDrop as drop:
             self.counters.dropped[drop.reason] += 1
             raise
@@ -127,7 +170,7 @@ class PortAdapter:
         if stamp is not None:
             self._last_stamp = stamp
         self.counters.received += 1
-        self.counters.last_accept_ns = time.monotonic_ns() if now_ns is None else now_ns
+        self.counters.last_accept_ns = time.monotonic_ns()
         return values
 
     def age_ms(self, now_ns: Optional[int] = None) -> float:
@@ -182,7 +225,7 @@ class PortAdapter:
                 img = np.repeat(img, 3, axis=2)
             else:
                 raise PortDrop("shape", f"cannot convert {encoding} to {channels} channels")
-        return np.ascontiguousarray(img).astype(self.dtype, copy=False)
+        return np.ascontiguousarray(img)
 
 
 def port_adapters(ports: Dict[str, PortConfig]) -> Dict[str, PortAdapter]:

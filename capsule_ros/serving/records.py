@@ -1,0 +1,138 @@
+"""What the serving session hands out: actions, events, results, counters and status.
+
+Plain data, no behaviour: the node turns these into messages (``capsule_ros.ros.messages``),
+the replay compares them (``capsule_ros.bag``). The enum values are the constants of the
+matching ``capsule_ros`` messages and services (test_foundation checks they agree).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import numpy as np
+
+from capsule_ros.capsules.store import Capsule
+
+
+class EpisodeState(enum.IntEnum):
+    """Values match RuntimeStatus.IDLE / RUNNING / INTERRUPTED."""
+
+    IDLE = 0
+    RUNNING = 1
+    INTERRUPTED = 2
+
+
+class HoldMode(enum.IntEnum):
+    """Values match Interrupt.Request.HOLD_*."""
+
+    HOLD_LAST = 0
+    HOLD_ZERO = 1
+    HOLD_SILENT = 2
+
+
+class ActionSource(enum.IntEnum):
+    """Values match Action.SOURCE_*."""
+
+    POLICY = 0
+    HOLD = 1
+    ZERO = 2
+
+
+class EventKind(enum.IntEnum):
+    """Values match CapsuleEvent constants."""
+
+    COMMIT = 0
+    INTERRUPT = 1
+    REENTER = 2
+    RESET = 3
+    FORK = 4
+    DROP = 5
+    SAVE = 6
+    LOAD = 7
+    EVICT = 8
+
+
+class StepFault(str, enum.Enum):
+    """Why a tick published the safe action instead of the policy's output."""
+
+    NONE = ""
+    LATE = "late"              # the step ended after its deadline (its state is kept)
+    ERROR = "error"            # the step raised (the state is put back as before it)
+    NONFINITE = "nonfinite"    # the step's outputs held NaN or Inf (the state is put back)
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One tick's command."""
+
+    values: np.ndarray
+    chunk: Optional[np.ndarray]        # [H, A] for policy actions, None for safe actions
+    source: ActionSource
+    episode_id: int
+    step: int                          # the state's step counter after this tick
+    lineage: str
+    stamp_ns: int
+    step_seconds: float = 0.0
+    fault: StepFault = StepFault.NONE  # why a safe action replaced the policy's output
+    published: bool = False            # the deadline watchdog already published it: do not again
+
+    @property
+    def late(self) -> bool:
+        return self.fault == StepFault.LATE
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """A change to the episode or the capsule set (``capsule_ros/msg/CapsuleEvent``)."""
+
+    kind: EventKind
+    capsule_id: str
+    parent_id: str
+    episode_id: int
+    step: int
+    rollback: bool = False
+    fallback: bool = False
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ReenterResult:
+    capsule: Optional[Capsule]         # None when resuming an interrupt without a capsule
+    rollback: bool
+    fallback: bool
+    fallback_reason: str
+    restore_seconds: float
+    recompute_seconds: float
+
+
+@dataclass
+class SessionCounters:
+    steps: int = 0
+    deadline_misses: int = 0
+    step_errors: int = 0               # steps that raised (safe action published, state put back)
+    nonfinite_steps: int = 0           # steps with non-finite outputs (likewise)
+    fallback_recomputes: int = 0
+    ticks_waiting_for_inputs: int = 0
+    last_fault: str = ""               # the last step error or non-finite output, for logs and status
+
+
+@dataclass(frozen=True)
+class SessionStatus:
+    """A consistent picture of the session, taken at a step boundary (``PolicySession.status``)."""
+
+    state: EpisodeState
+    episode_id: int
+    step: int
+    lineage: str
+    counters: SessionCounters
+    step_ms: Dict[float, float]                  # percentile -> ms
+    restore_ms: Dict[float, float]
+    capsules: Dict[int, int]                     # Tier value -> capsules there
+    hits: Dict[int, int]                         # Tier value -> restores served from there
+    restores: int
+    misses: int
+    invalidations: int
+    evictions: int
+    demotions: int
+    stamp_ns: int = 0
