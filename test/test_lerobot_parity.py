@@ -188,6 +188,41 @@ def test_buffers_have_the_documented_kinds(cases):
     assert kinds["diffusion_ddim_env"]["diffusion.obs.env_state"] == BufferKind.CONV
 
 
+class _HostSyncDetector:
+    """Records the aten ops a step runs that need the host to see a tensor's value
+    (``.item()``, ``bool(t)``, data-dependent shapes): none may run in a capturable step."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item", "is_nonzero")
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        calls = self.calls = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__.split(".")[0]
+                if name in _HostSyncDetector.SYNCING:
+                    calls.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_never_needs_a_host_sync(name, cases):
+    """A CPU proxy for CUDA-graph capturability: across a refill and the steps after it,
+    the step runs no op that reads a tensor's value on the host."""
+    case = cases[name]
+    runtime = case.runtime()
+    runtime.reset(episode=0, seed=case.seed(0))
+    detector = _HostSyncDetector()
+    with detector.mode:
+        for t in range(3):
+            case.feed(runtime, 0, t)
+    assert detector.calls == []
+
+
 # --- validation ------------------------------------------------------------------------------
 
 

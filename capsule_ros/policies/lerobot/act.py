@@ -29,10 +29,8 @@ the update ``(0 * cumsum[0] + a * w[0]) / cumsum[0]`` is ``a`` exactly (w[0] = 1
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from typing import Dict, List, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn

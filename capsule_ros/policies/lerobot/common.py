@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from capsule_ros.errors import ConfigError
-from capsule_ros.policies.lerobot.checkpoint import Normalization
+from capsule_ros.policies.lerobot.checkpoint import STATS_OF_MODE, Normalization
 
 # --- normalisation ---------------------------------------------------------------------------
 
@@ -33,8 +33,7 @@ class FeatureNorm(nn.Module):
         if self.mode == "IDENTITY":
             low = spread = denom = torch.zeros(1)      # placeholders (not read)
         else:
-            low_name, high_name = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"),
-                                   "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}[self.mode]
+            low_name, high_name = STATS_OF_MODE[self.mode]
             low, spread = norm.stats[low_name], norm.stats[high_name]
             try:
                 torch.broadcast_shapes(low.shape, spread.shape, tuple(shape))
@@ -55,9 +54,7 @@ class FeatureNorm(nn.Module):
             return x
         if self.mode == "MEAN_STD":
             return (x - self.low) / self.denom
-        if self.mode == "MIN_MAX":
-            return 2 * (x - self.low) / self.denom - 1
-        return 2.0 * (x - self.low) / self.denom - 1.0
+        return 2 * (x - self.low) / self.denom - 1             # MIN_MAX and the quantile modes
 
     def unnormalize(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "IDENTITY":
@@ -66,7 +63,7 @@ class FeatureNorm(nn.Module):
             return x * self.spread + self.low
         if self.mode == "MIN_MAX":
             return (x + 1) / 2 * self.denom + self.low
-        return (x + 1.0) * self.denom / 2.0 + self.low
+        return (x + 1) * self.denom / 2 + self.low             # the quantile modes: LeRobot's order differs
 
 
 def camera_to_float(image: torch.Tensor) -> torch.Tensor:
