@@ -167,7 +167,10 @@ def queue_pop_(queue: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor) ->
     buffers; ``fresh`` [n, A] is what the model predicts this step. When the queue is empty
     it is refilled from ``fresh``; then the action at ``index`` is taken. Returns that
     action [A]; the caller's ``fresh`` is discarded on the other steps (its cost is paid
-    every step: the price of a branch-free, graph-capturable step).
+    every step: the price of a branch-free, graph-capturable step). A cheaper capturable
+    form on CUDA would put the model call in a conditional graph node
+    (``torch.cuda.CUDAGraph.begin_capture_to_if_node(refill)``, CUDA 12.4+); not
+    implemented: the plan captures plain graphs.
     """
     n = queue.shape[0]
     refill = index >= n                                                     # [1] bool

@@ -46,6 +46,7 @@ class LeRobotPolicy(StatefulPolicy):
         self.action_dim = checkpoint.action_dim
         self.chunk_horizon = chunk_horizon
         self.input_norms = nn.ModuleList(FeatureNorm(input_norms[b.key], b.shape) for b in self.inputs)
+        self._norm_of = {b.key: i for i, b in enumerate(self.inputs)}
         self.action_norm = FeatureNorm(action_norm, (self.action_dim,))
         self.cameras = [b for b in self.inputs if b.is_camera]
         self.state_input: Optional[BoundInput] = next((b for b in self.inputs if b.key == OBS_STATE), None)
@@ -57,7 +58,7 @@ class LeRobotPolicy(StatefulPolicy):
         them to the model: cameras float32 [..., 3, H, W], vectors float32 [..., n]."""
         if bound.is_camera:
             x = camera_to_float(x)
-        return self.input_norms[self.inputs.index(bound)].normalize(x)
+        return self.input_norms[self._norm_of[bound.key]].normalize(x)
 
     # -- protocol pieces ------------------------------------------------------------------
     def architecture(self) -> dict:
