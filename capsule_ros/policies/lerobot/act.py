@@ -1,7 +1,7 @@
 """ACT (Action Chunking Transformer) as LeRobot 0.4 runs it at inference, as a StatefulPolicy.
 
 The network (parameter names are LeRobot's, under ``model.``): a ResNet trunk with
-frozen batch norm per camera, a 1x1 projection to ``dim_model`` with a 2-D sinusoidal
+frozen batch norm applied to each camera, a 1x1 projection to ``dim_model`` with a 2-D sinusoidal
 position embedding; a transformer encoder over [latent, state, env, camera pixels]
 tokens (the latent is the VAE prior mean, zeros, at inference: the VAE encoder's weights
 are training-only and skipped); a DETR-style decoder over ``chunk_size`` learned queries;
@@ -9,7 +9,7 @@ a linear action head. Output: ``chunk_size`` normalised actions.
 
 Episode state in the arena (LeRobot's ``select_action`` bookkeeping):
 
-- action queue (``n_action_steps > 1``): ``act.queue`` float32 [n_action_steps, A]
+- action queue (no ensembling): ``act.queue`` float32 [n_action_steps, A]
   (normalised, as LeRobot's deque holds them) and ``act.queue_index`` int64[1]
   (actions taken; ``n_action_steps`` = empty, the state after ``reset()``), both CHUNK.
   ``chunk`` (output) is the unnormalised rest of the queue, current action first, padded
