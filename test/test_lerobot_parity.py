@@ -226,15 +226,19 @@ def test_step_never_needs_a_host_sync(name, cases):
 # --- validation ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def unreadable_weights(checkpoints, tmp_path) -> Dict[str, Path]:
-    """A copy of the camera checkpoints whose model.safetensors (and stats) are garbage:
-    an error that names a feature proves validation came before reading them."""
+@pytest.fixture(scope="module")
+def unreadable_weights(checkpoints, tmp_path_factory) -> Dict[str, Path]:
+    """The camera checkpoints' JSON files, with every .safetensors file (weights and
+    statistics) replaced by garbage: an error that names a feature proves validation came
+    before reading them."""
     out = {}
     for name in ("act_queue", "diffusion"):
-        directory = shutil.copytree(checkpoints[name], tmp_path / name)
-        for path in directory.glob("*.safetensors"):
-            path.write_bytes(b"not a safetensors file")
+        directory = tmp_path_factory.mktemp(name)
+        for path in checkpoints[name].iterdir():
+            if path.suffix == ".safetensors":
+                (directory / path.name).write_bytes(b"not a safetensors file")
+            else:
+                shutil.copy(path, directory / path.name)
         out[name] = directory
     return out
 
