@@ -1,0 +1,86 @@
+"""LeRobot checkpoints (ACT, Diffusion Policy) served by capsule_ros's own implementations.
+
+LeRobot is not imported: the networks, LeRobot's processors (normalisation, image
+conversion) and its ``select_action`` bookkeeping (action queue, temporal ensembling,
+observation history) are reimplemented as ``StatefulPolicy`` steps over arena buffers,
+and matched against LeRobot's own outputs (``test/test_lerobot_parity.py``).
+
+Entry points: ``build_act`` and ``build_diffusion`` (or ``build_policy``, which reads the
+checkpoint's ``type``) take a LeRobot ``pretrained_model/`` directory and a feature map
+(checkpoint input feature key -> the INPUT ``BufferSpec`` of the port feeding it, see
+``features.py``). Everything that can be checked from config.json is checked before any
+statistics or weights are read, and raises ``ConfigError`` naming the key.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Dict, Mapping, Tuple
+
+from torch import nn
+
+from capsule_ros.errors import ConfigError
+from capsule_ros.policies.lerobot import act, diffusion
+from capsule_ros.policies.lerobot.checkpoint import (Checkpoint, load_model_weights, read_checkpoint,
+                                                     read_normalization)
+from capsule_ros.policies.lerobot.features import bind_features
+from capsule_ros.policies.lerobot.policy import LeRobotPolicy, check_vector_keys
+from capsule_ros.runtime.arena import BufferSpec
+from capsule_ros.runtime.policy import ACTION, CHUNK, EPISODE, POSITION, RNG, STEP
+
+STANDARD_NAMES = (STEP, POSITION, EPISODE, RNG, ACTION, CHUNK)
+
+
+class _Kind:
+    """How one LeRobot policy type is checked, built and loaded."""
+
+    def __init__(self, check: Callable[[Checkpoint], None], build: Callable[..., LeRobotPolicy],
+                 buffers: Tuple[str, ...], weights: Callable[[LeRobotPolicy], Dict[str, nn.Module]],
+                 training_only: Callable[[Checkpoint], Tuple[str, ...]]):
+        self.check, self.build, self.buffers = check, build, buffers
+        self.weights, self.training_only = weights, training_only
+
+
+KINDS = {
+    "act": _Kind(act.check_config, act.ACTPolicy, act.BUFFER_NAMES, lambda p: {"model": p.model},
+                 lambda ck: act.TRAINING_ONLY if ck.field("use_vae", True) else ()),
+    "diffusion": _Kind(diffusion.check_config, diffusion.DiffusionPolicy, diffusion.BUFFER_NAMES,
+                       lambda p: {"diffusion": p.diffusion}, lambda ck: ()),
+}
+
+
+def build_policy(checkpoint_dir, feature_map: Mapping[str, BufferSpec], *, expected_type: str = "") -> LeRobotPolicy:
+    """A StatefulPolicy for the LeRobot checkpoint in ``checkpoint_dir`` (its ``type`` picks
+    ACT or Diffusion), its inputs fed by the ports of ``feature_map``.
+
+    Order: config.json is parsed and the feature map and options validated (no other file
+    is read), then the processor statistics, then the network is built and
+    ``model.safetensors`` loaded strictly by LeRobot's parameter names.
+    """
+    checkpoint = read_checkpoint(Path(checkpoint_dir))
+    kind_name = checkpoint.policy_type
+    if expected_type and kind_name != expected_type:
+        raise ConfigError(f"{checkpoint.directory}/config.json: type is {kind_name!r}, expected {expected_type!r}")
+    if kind_name not in KINDS:
+        raise ConfigError(f"{checkpoint.directory}/config.json: policy type {kind_name!r} is not supported; "
+                          f"supported: {sorted(KINDS)}")
+    kind = KINDS[kind_name]
+    check_vector_keys(checkpoint)
+    inputs = bind_features(checkpoint, feature_map, reserved=STANDARD_NAMES + kind.buffers)
+    kind.check(checkpoint)
+    input_norms, action_norm = read_normalization(checkpoint)
+    policy = kind.build(checkpoint, inputs, input_norms, action_norm)
+    load_model_weights(checkpoint, nn.ModuleDict(kind.weights(policy)), training_only=kind.training_only(checkpoint))
+    return policy.eval()
+
+
+def build_act(checkpoint_dir, feature_map: Mapping[str, BufferSpec]) -> act.ACTPolicy:
+    """ACT from a LeRobot checkpoint (see ``build_policy``)."""
+    return build_policy(checkpoint_dir, feature_map, expected_type="act")
+
+
+def build_diffusion(checkpoint_dir, feature_map: Mapping[str, BufferSpec]) -> diffusion.DiffusionPolicy:
+    """Diffusion Policy from a LeRobot checkpoint (see ``build_policy``)."""
+    return build_policy(checkpoint_dir, feature_map, expected_type="diffusion")
+
+
+__all__ = ["build_policy", "build_act", "build_diffusion", "read_checkpoint"]

@@ -1,0 +1,189 @@
+"""Pieces shared by the LeRobot policies: normalisation, image conversion, the ResNet
+backbone, and the capturable action queue.
+
+Every function mirrors LeRobot's arithmetic operation by operation (same operands, same
+order), so that results agree to the last bit where the kernels do.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from capsule_ros.errors import ConfigError
+from capsule_ros.policies.lerobot.checkpoint import STATS_OF_MODE, Normalization
+
+# --- normalisation ---------------------------------------------------------------------------
+
+
+class FeatureNorm(nn.Module):
+    """LeRobot's (un)normalisation of one feature (``_NormalizationMixin._apply_transform``).
+
+    Buffers (persistent, so they enter the capsule fingerprint): ``low`` (mean, min, q01 or
+    q10), ``spread`` (std for MEAN_STD, else the high statistic) and ``denom``: ``std + eps``
+    for MEAN_STD, ``high - low`` with 0 replaced by eps otherwise, as LeRobot computes them.
+    """
+
+    def __init__(self, norm: Normalization, shape: Sequence[int]):
+        super().__init__()
+        self.key, self.mode = norm.key, norm.mode
+        if self.mode == "IDENTITY":
+            low = spread = denom = torch.zeros(1)      # placeholders (not read)
+        else:
+            low_name, high_name = STATS_OF_MODE[self.mode]
+            low, spread = norm.stats[low_name], norm.stats[high_name]
+            try:
+                torch.broadcast_shapes(low.shape, spread.shape, tuple(shape))
+            except RuntimeError:
+                raise ConfigError(f"normalisation statistics of {norm.key!r} have shapes {list(low.shape)} and "
+                                  f"{list(spread.shape)}; they do not broadcast to the feature {list(shape)}") from None
+            if self.mode == "MEAN_STD":
+                denom = spread + norm.eps
+            else:
+                denom = spread - low
+                denom = torch.where(denom == 0, torch.tensor(norm.eps, dtype=denom.dtype), denom)
+        self.register_buffer("low", low.clone())
+        self.register_buffer("spread", spread.clone())
+        self.register_buffer("denom", denom.clone())
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "IDENTITY":
+            return x
+        if self.mode == "MEAN_STD":
+            return (x - self.low) / self.denom
+        return 2 * (x - self.low) / self.denom - 1             # MIN_MAX and the quantile modes
+
+    def unnormalize(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "IDENTITY":
+            return x
+        if self.mode == "MEAN_STD":
+            return x * self.spread + self.low
+        if self.mode == "MIN_MAX":
+            return (x + 1) / 2 * self.denom + self.low
+        return (x + 1) * self.denom / 2 + self.low             # the quantile modes: LeRobot's order differs
+
+
+def camera_to_float(image: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., H, W, 3] RGB -> float32 [..., 3, H, W] in [0, 1], as LeRobot's
+    ``prepare_observation_for_inference`` converts a camera frame. The result is made
+    contiguous as there: a channels-last layout would select other convolution kernels
+    (different last bits)."""
+    return torch.movedim(image.to(torch.float32) / 255, -1, -3).contiguous()
+
+
+# --- ResNet backbone ---------------------------------------------------------------------------
+
+RESNET_BLOCKS = {"resnet18": (2, 2, 2, 2), "resnet34": (3, 4, 6, 3)}
+
+
+class FrozenBatchNorm2d(nn.Module):
+    """Batch norm with fixed statistics and affine, computed as torchvision's FrozenBatchNorm2d."""
+
+    def __init__(self, channels: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(channels))
+        self.register_buffer("bias", torch.zeros(channels))
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.reshape(1, -1, 1, 1)
+        b = self.bias.reshape(1, -1, 1, 1)
+        rv = self.running_var.reshape(1, -1, 1, 1)
+        rm = self.running_mean.reshape(1, -1, 1, 1)
+        scale = w * (rv + self.eps).rsqrt()
+        bias = b - rm * scale
+        return x * scale + bias
+
+
+NormFactory = Callable[[int], nn.Module]
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block: two 3x3 convolutions and a (projected) shortcut."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int, norm: NormFactory):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = norm(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = norm(planes)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False), norm(planes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        identity = x if self.downsample is None else self.downsample(x)
+        return F.relu(out + identity)
+
+
+def resnet_trunk(name: str, norm: NormFactory) -> "OrderedDict[str, nn.Module]":
+    """The children of a torchvision ResNet up to layer4 (no pooling, no fc), by their names:
+    conv1, bn1, relu, maxpool, layer1..layer4. ACT keeps these names (IntermediateLayerGetter),
+    Diffusion numbers them 0..7 (``nn.Sequential(*children)``)."""
+    if name not in RESNET_BLOCKS:
+        raise ConfigError(f"vision_backbone {name!r} is not supported; supported: {sorted(RESNET_BLOCKS)}")
+    children: "OrderedDict[str, nn.Module]" = OrderedDict(
+        conv1=nn.Conv2d(3, 64, 7, 2, 3, bias=False), bn1=norm(64), relu=nn.ReLU(), maxpool=nn.MaxPool2d(3, 2, 1))
+    inplanes = 64
+    for i, (planes, blocks) in enumerate(zip((64, 128, 256, 512), RESNET_BLOCKS[name])):
+        stride = 1 if i == 0 else 2
+        layer = [BasicBlock(inplanes, planes, stride, norm)]
+        layer += [BasicBlock(planes, planes, 1, norm) for _ in range(blocks - 1)]
+        children[f"layer{i + 1}"] = nn.Sequential(*layer)
+        inplanes = planes
+    return children
+
+
+RESNET_CHANNELS = 512
+
+
+def resnet_feature_size(height: int, width: int) -> Tuple[int, int]:
+    """Spatial size of layer4's output for an input image (stride-2 stages, no dilation)."""
+    def conv(n: int, kernel: int, stride: int, pad: int) -> int:
+        return (n + 2 * pad - kernel) // stride + 1
+    sizes = []
+    for n in (height, width):
+        n = conv(conv(n, 7, 2, 3), 3, 2, 1)          # conv1, maxpool
+        for _ in range(3):                           # layer2..layer4 stride 2
+            n = conv(n, 3, 2, 1)
+        sizes.append(n)
+    return sizes[0], sizes[1]
+
+
+# --- action queue ----------------------------------------------------------------------------
+
+
+def queue_pop_(queue: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """One ``select_action`` of LeRobot's action deque, without a host branch.
+
+    ``queue`` [n, A] and ``index`` int64[1] (actions already taken; n means empty) are arena
+    buffers; ``fresh`` [n, A] is what the model predicts this step. When the queue is empty
+    it is refilled from ``fresh``; then the action at ``index`` is taken. Returns that
+    action [A]; the caller's ``fresh`` is discarded on the other steps (its cost is paid
+    every step: the price of a branch-free, graph-capturable step). A cheaper capturable
+    form on CUDA would put the model call in a conditional graph node
+    (``torch.cuda.CUDAGraph.begin_capture_to_if_node(refill)``, CUDA 12.4+); not
+    implemented: the plan captures plain graphs.
+    """
+    n = queue.shape[0]
+    refill = index >= n                                                     # [1] bool
+    queue.copy_(torch.where(refill, fresh, queue))
+    index.copy_(torch.where(refill, torch.zeros_like(index), index))
+    action = queue.index_select(0, index)[0]
+    index.add_(1)
+    return action
+
+
+def queue_remaining(queue: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The queue from the action just taken on ([n, A], after ``queue_pop_``): row k is
+    ``queue[index - 1 + k]``, rows past the end repeat the last action. ``rows`` = arange(n)."""
+    n = queue.shape[0]
+    return queue.index_select(0, torch.clamp(index - 1 + rows, max=n - 1))
+

@@ -1,0 +1,331 @@
+"""capsule_ros's own ACT and Diffusion Policy against LeRobot's recorded outputs.
+
+The fixtures (``test/fixtures/lerobot/<name>/``, made by
+``tools/lerobot_fixtures/make_fixtures.py`` with LeRobot 0.4.4) hold a LeRobot checkpoint
+directory (as a tar.xz), 3 episodes x 300 steps of inputs, and LeRobot's actions for
+them. Here every step goes through ``PolicyRuntime`` on CPU, the way the node drives it
+(write the staging buffers, load, step, read), with ``runtime.reset`` between episodes,
+and every action is compared. ROS-free: nothing here imports rclpy or LeRobot.
+"""
+from __future__ import annotations
+
+import shutil
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import pytest
+import torch
+
+from capsule_ros.errors import ConfigError
+from capsule_ros.policies.lerobot import build_act, build_diffusion, build_policy
+from capsule_ros.policies.lerobot.checkpoint import MODEL_FILE, read_checkpoint
+from capsule_ros.runtime.arena import BufferKind, BufferSpec
+from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
+from capsule_ros.runtime.rng import counter_normal
+
+FIXTURES = Path(__file__).parent / "fixtures" / "lerobot"
+NAMES = ["act_queue", "act_ensemble", "diffusion", "diffusion_ddim_env"]
+PORTS = {"observation.state": "joints", "observation.environment_state": "env_state",
+         "observation.images.front": "front_camera"}
+TOLERANCE = 1e-5
+SNAPSHOT_EPISODE, SNAPSHOT_STEP = 1, 253        # mid-queue for every fixture (253 % 5, % 4, % 8 != 0)
+
+
+def load_npz(path: Path) -> Dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
+
+
+def extract_checkpoint(archive: Path, target: Path) -> Path:
+    """Unpack ``pretrained_model/*`` regular files only (no links, no paths outside)."""
+    with tarfile.open(archive, "r:xz") as tar:
+        for member in tar.getmembers():
+            parts = Path(member.name).parts
+            if not member.isfile() or len(parts) != 2 or parts[0] != "pretrained_model" or parts[1] in ("..", "."):
+                raise ValueError(f"{archive}: unexpected member {member.name!r}")
+            out = target / "pretrained_model" / parts[1]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(tar.extractfile(member).read())
+    return target / "pretrained_model"
+
+
+def feature_map(inputs: Dict[str, np.ndarray]) -> Dict[str, BufferSpec]:
+    """One port per recorded input feature, shaped as the node's port would be."""
+    return {key: BufferSpec(PORTS[key], value.shape[2:], torch.uint8 if value.dtype == np.uint8 else torch.float32,
+                            BufferKind.INPUT)
+            for key, value in inputs.items() if key != "seeds"}
+
+
+@dataclass
+class Case:
+    name: str
+    checkpoint: Path
+    inputs: Dict[str, np.ndarray]
+    outputs: Dict[str, np.ndarray]
+    ports: Dict[str, BufferSpec] = field(init=False)
+
+    def __post_init__(self):
+        self.ports = feature_map(self.inputs)
+
+    def runtime(self, device: str = "cpu", **kw) -> PolicyRuntime:
+        return PolicyRuntime(build_policy(self.checkpoint, self.ports), RuntimeConfig(device=device, **kw))
+
+    def seed(self, episode: int) -> int:
+        return int(self.inputs["seeds"][episode])
+
+    def feed(self, runtime: PolicyRuntime, episode: int, step: int) -> np.ndarray:
+        """Stage one step's inputs, step, and return the action."""
+        for key, spec in self.ports.items():
+            runtime.staging[spec.name][...] = self.inputs[key][episode, step]
+        runtime.load_inputs()
+        runtime.step()
+        return runtime.read_outputs().action
+
+
+@dataclass
+class Rollout:
+    """Every action of the 3 episodes, plus a mid-episode snapshot of the arena."""
+
+    actions: np.ndarray                       # [episodes, steps, A]
+    chunks: List[np.ndarray]                  # the chunk output of each episode's first step
+    snapshot: torch.Tensor                    # arena bytes before step SNAPSHOT_STEP of SNAPSHOT_EPISODE
+    runtime: PolicyRuntime
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Dict[str, Path]:
+    root = tmp_path_factory.mktemp("lerobot")
+    return {name: extract_checkpoint(FIXTURES / name / "pretrained_model.tar.xz", root / name) for name in NAMES}
+
+
+@pytest.fixture(scope="module")
+def cases(checkpoints) -> Dict[str, Case]:
+    return {name: Case(name, checkpoints[name], load_npz(FIXTURES / name / "inputs.npz"),
+                       load_npz(FIXTURES / name / "outputs.npz")) for name in NAMES}
+
+
+@pytest.fixture(scope="module")
+def rollouts(cases) -> Dict[str, Rollout]:
+    """Run each fixture once through one runtime (shared by the tests below: ~1 min of CPU)."""
+    done = {}
+    for name, case in cases.items():
+        runtime = case.runtime()
+        episodes, steps = case.outputs["action"].shape[:2]
+        actions = np.zeros(case.outputs["action"].shape, np.float32)
+        chunks, snapshot = [], None
+        for e in range(episodes):
+            runtime.reset(episode=e, seed=case.seed(e))
+            for t in range(steps):
+                if (e, t) == (SNAPSHOT_EPISODE, SNAPSHOT_STEP):
+                    snapshot = runtime.arena.storage.clone()
+                actions[e, t] = case.feed(runtime, e, t)
+                if t == 0:
+                    chunks.append(runtime.read_outputs().chunk)
+        done[name] = Rollout(actions, chunks, snapshot, runtime)
+    return done
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_action_matches_lerobot(name, cases, rollouts, record_property):
+    expected, got = cases[name].outputs["action"], rollouts[name].actions
+    diff = float(np.abs(got - expected).max())
+    identical = bool(np.array_equal(got.view(np.uint32), expected.view(np.uint32)))
+    record_property("max_abs_diff", diff)
+    record_property("bit_identical", identical)
+    print(f"{name}: {got.shape[0]}x{got.shape[1]} actions, max abs diff {diff:.3g}, bit-identical {identical}")
+    assert diff <= TOLERANCE, f"{name}: max abs diff {diff} > {TOLERANCE}"
+    assert np.ptp(expected, axis=(0, 1)).min() > 0.1, "the fixture's actions should vary"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_first_action_after_reset_equals_a_fresh_policy(name, cases, rollouts):
+    case = cases[name]
+    for e in range(case.outputs["action"].shape[0]):
+        fresh = case.runtime()
+        fresh.reset(episode=e, seed=case.seed(e))
+        first = case.feed(fresh, e, 0)
+        assert first.tobytes() == rollouts[name].actions[e, 0].tobytes(), f"{name} episode {e}"
+        assert fresh.read_outputs().chunk.tobytes() == rollouts[name].chunks[e].tobytes()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_snapshot_restore_replays_the_rest_of_the_episode_bit_identically(name, cases, rollouts):
+    """The rollout's runtime has since run another episode; putting the arena bytes back
+    must reproduce the rest of the snapshot's episode exactly: no state lives elsewhere."""
+    case, rollout = cases[name], rollouts[name]
+    runtime = rollout.runtime
+    runtime.load_state(rollout.snapshot)
+    steps = case.outputs["action"].shape[1]
+    replay = np.stack([case.feed(runtime, SNAPSHOT_EPISODE, t) for t in range(SNAPSHOT_STEP, steps)])
+    assert replay.tobytes() == rollout.actions[SNAPSHOT_EPISODE, SNAPSHOT_STEP:].tobytes()
+
+
+def test_diffusion_noise_is_the_counter_based_draw(cases):
+    """The noise LeRobot was fed is what the arena RNG draws at (episode seed, step)."""
+    for name in ("diffusion", "diffusion_ddim_env"):
+        case = cases[name]
+        noise, at = case.outputs["noise"], case.outputs["noise_at"]
+        assert len(noise) > 0
+        for block, (episode, step) in zip(noise, at):
+            drawn = counter_normal(torch.tensor([case.seed(episode), step]), block.shape).numpy()
+            assert drawn.tobytes() == block.tobytes()
+
+
+def test_buffers_have_the_documented_kinds(cases):
+    kinds = {}
+    for name in NAMES:
+        policy = build_policy(cases[name].checkpoint, cases[name].ports)
+        kinds[name] = {s.name: s.kind for s in policy.state_spec()}
+        assert kinds[name]["joints"] == BufferKind.INPUT
+    assert kinds["act_queue"]["act.queue"] == kinds["act_queue"]["act.queue_index"] == BufferKind.CHUNK
+    assert kinds["act_ensemble"]["act.ensemble"] == kinds["act_ensemble"]["act.ensemble_count"] == BufferKind.CHUNK
+    assert kinds["diffusion"]["diffusion.obs.front_camera"] == BufferKind.CONV
+    assert kinds["diffusion"]["diffusion.queue"] == BufferKind.CHUNK
+    assert kinds["diffusion_ddim_env"]["diffusion.obs.env_state"] == BufferKind.CONV
+
+
+class _HostSyncDetector:
+    """Records the aten ops a step runs that need the host to see a tensor's value
+    (``.item()``, ``bool(t)``, data-dependent shapes): none may run in a capturable step."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item", "is_nonzero")
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        calls = self.calls = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__.split(".")[0]
+                if name in _HostSyncDetector.SYNCING:
+                    calls.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_never_needs_a_host_sync(name, cases):
+    """A CPU proxy for CUDA-graph capturability: across a refill and the steps after it,
+    the step runs no op that reads a tensor's value on the host."""
+    case = cases[name]
+    runtime = case.runtime()
+    runtime.reset(episode=0, seed=case.seed(0))
+    detector = _HostSyncDetector()
+    with detector.mode:
+        for t in range(3):
+            case.feed(runtime, 0, t)
+    assert detector.calls == []
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def unreadable_weights(checkpoints, tmp_path_factory) -> Dict[str, Path]:
+    """The camera checkpoints' JSON files, with every .safetensors file (weights and
+    statistics) replaced by garbage: an error that names a feature proves validation came
+    before reading them."""
+    out = {}
+    for name in ("act_queue", "diffusion"):
+        directory = tmp_path_factory.mktemp(name)
+        for path in checkpoints[name].iterdir():
+            if path.suffix == ".safetensors":
+                (directory / path.name).write_bytes(b"not a safetensors file")
+            else:
+                shutil.copy(path, directory / path.name)
+        out[name] = directory
+    return out
+
+
+def _camera(shape=(48, 64, 3), dtype=torch.uint8) -> BufferSpec:
+    return BufferSpec("front_camera", shape, dtype, BufferKind.INPUT)
+
+
+STATE = {"act_queue": BufferSpec("joints", (6,), torch.float32, BufferKind.INPUT),
+         "diffusion": BufferSpec("joints", (5,), torch.float32, BufferKind.INPUT)}
+BAD_MAPS = {
+    "missing camera": (lambda s: {"observation.state": s}, "observation.images.front"),
+    "wrong-size camera": (lambda s: {"observation.state": s, "observation.images.front": _camera((64, 64, 3))},
+                          "observation.images.front"),
+    "camera as float": (lambda s: {"observation.state": s,
+                                   "observation.images.front": _camera(dtype=torch.float32)},
+                        "observation.images.front"),
+    "unknown feature key": (lambda s: {"observation.state": s, "observation.images.front": _camera(),
+                                       "observation.images.wrist": BufferSpec("wrist", (48, 64, 3), torch.uint8,
+                                                                              BufferKind.INPUT)},
+                            "observation.images.wrist"),
+    "wrong state length": (lambda s: {"observation.state": BufferSpec("joints", (7,), torch.float32,
+                                                                      BufferKind.INPUT),
+                                      "observation.images.front": _camera()}, "observation.state"),
+}
+
+
+@pytest.mark.parametrize("name", ["act_queue", "diffusion"])
+@pytest.mark.parametrize("case", sorted(BAD_MAPS))
+def test_bad_feature_map_fails_fast_naming_the_key(name, case, unreadable_weights):
+    make_map, key = BAD_MAPS[case]
+    build = build_act if name == "act_queue" else build_diffusion
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        build(unreadable_weights[name], make_map(STATE[name]))
+    elapsed = time.perf_counter() - start
+    assert repr(key) in str(err.value), str(err.value)
+    assert MODEL_FILE not in str(err.value)
+    assert elapsed < 0.5, f"validation took {elapsed:.2f} s"
+
+
+def test_wrong_policy_type_and_reserved_port_names(checkpoints, cases):
+    with pytest.raises(ConfigError, match="'diffusion'"):
+        build_act(checkpoints["diffusion"], cases["diffusion"].ports)
+    ports = dict(cases["act_queue"].ports)
+    ports["observation.state"] = BufferSpec("action", (6,), torch.float32, BufferKind.INPUT)
+    with pytest.raises(ConfigError, match="'action'"):
+        build_act(checkpoints["act_queue"], ports)
+
+
+def test_weights_load_strictly_by_lerobot_names(checkpoints, cases, tmp_path):
+    """A renamed tensor is reported twice: missing under its name, unexpected under the new one."""
+    from safetensors.torch import load_file, save_file
+    directory = shutil.copytree(checkpoints["act_ensemble"], tmp_path / "ck")
+    tensors = load_file(str(directory / MODEL_FILE))
+    tensors["model.action_head.weight_renamed"] = tensors.pop("model.action_head.weight")
+    save_file(tensors, str(directory / MODEL_FILE))
+    with pytest.raises(ConfigError) as err:
+        build_act(directory, cases["act_ensemble"].ports)
+    assert "missing ['model.action_head.weight']" in str(err.value)
+    assert "unexpected ['model.action_head.weight_renamed']" in str(err.value)
+
+
+def test_config_is_all_validation_reads(checkpoints):
+    """read_checkpoint parses config.json only, and refuses a directory without one."""
+    assert read_checkpoint(checkpoints["diffusion"]).action_dim == 4
+    with pytest.raises(ConfigError, match="config.json"):
+        read_checkpoint(checkpoints["diffusion"].parent)
+
+
+# --- CUDA ----------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_graph_step_matches_eager_and_lerobot(name, cases):
+    """The step captured as a CUDA graph replays like the eager CUDA step (bit for bit) and
+    stays close to LeRobot's CPU actions (other kernels: not bit-identical)."""
+    case = cases[name]
+    graphed, eager = case.runtime("cuda", cuda_graphs=True), case.runtime("cuda", cuda_graphs=False)
+    assert graphed.plan.captured
+    steps = 40
+    got = {}
+    for key, runtime in (("graph", graphed), ("eager", eager)):
+        runtime.reset(episode=0, seed=case.seed(0))
+        got[key] = np.stack([case.feed(runtime, 0, t) for t in range(steps)])
+    assert got["graph"].tobytes() == got["eager"].tobytes()
+    diff = float(np.abs(got["graph"] - case.outputs["action"][0, :steps]).max())
+    print(f"{name}: CUDA graph vs LeRobot CPU, max abs diff {diff:.3g}")
+    assert diff < 1e-3
