@@ -2,10 +2,40 @@
 client node, markers, and the guard that the package was built (./setup.sh)."""
 from __future__ import annotations
 
+import importlib.abc
 import os
 import random
+import sys
 
 import pytest
+from hypothesis import settings
+
+# CAPSULE_ROS_WITHOUT_ROS=1 makes every ROS 2 module unimportable, as on the GPU machine:
+# the ROS-free tests (the runtime, capsules, session, replay engine) must still run.
+ROS_MODULES = ("rclpy", "rcl_interfaces", "rosidl_runtime_py", "ament_index_python", "launch", "launch_ros",
+               "builtin_interfaces", "std_msgs", "sensor_msgs", "geometry_msgs", "diagnostic_msgs", "std_srvs",
+               "lifecycle_msgs", "action_msgs", "trajectory_msgs", "capsule_ros.msg", "capsule_ros.srv",
+               "capsule_ros.action")
+
+
+class _NoRos(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == m or name.startswith(m + ".") for m in ROS_MODULES):
+            raise ImportError(f"{name} is not available (CAPSULE_ROS_WITHOUT_ROS=1)")
+        return None
+
+
+if os.environ.get("CAPSULE_ROS_WITHOUT_ROS") == "1":
+    sys.meta_path.insert(0, _NoRos())
+
+# Hypothesis profiles. "ci" (the default, what `make test` runs): derandomized, the same
+# examples on every run, so CI is reproducible. "dev": new examples every run.
+# "hunt": long exploration, e.g. `HYPOTHESIS_PROFILE=hunt pytest test/test_capsule_statemachine.py -s`.
+# A failing example prints its @reproduce_failure blob.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None, print_blob=True)
+settings.register_profile("hunt", max_examples=1500, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_configure(config):

@@ -9,7 +9,6 @@ from typing import Any, Dict, Optional
 
 from capsule_ros.ros import processes
 from capsule_ros.ros.processes import ManagedProcess, start_executable  # noqa: F401 (used by tests)
-from capsule_ros.ros.spinning import drain
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PARAMS = REPO / "config" / "policy.yaml"
@@ -58,7 +57,10 @@ class ClientNode:
                 raise TimeoutError(f"no subscriber on {publisher.topic_name} after {timeout} s")
             time.sleep(0.05)
 
-    drain = staticmethod(drain)
+    @staticmethod
+    def drain(q: "queue.Queue") -> list:
+        from capsule_ros.ros.spinning import drain
+        return drain(q)
 
     def close(self) -> None:
         self._spin.shutdown()

@@ -24,7 +24,8 @@ import yaml
 
 from capsule_ros.bag.edit import rewrite_bag
 from capsule_ros.bag.reader import ACTION, BAG_INFO_FIELDS, ActionInfo, RecordedEvent, Recording, Timeline
-from capsule_ros.bag.replay import ReplayOptions, main as replay_main, replay_bag
+from capsule_ros.bag.replay import ReplayOptions, replay_bag
+from capsule_ros.cli.replay_cmd import main as replay_main
 from capsule_ros.bag.timeline import AT, BEFORE, Scheduler
 from capsule_ros.serving.records import EventKind
 from fixtures.make_bags import K, N, NODE_PARAMS, Driver, observations, record_events, record_rollback
@@ -219,13 +220,15 @@ def test_timer_mode_bag_steps_where_the_node_acted(live, tmp_path):
     try:
         driver.capsules.record(True, str(tmp_path / "timer"), "mcap")
         driver.send_goal(0.2, -0.3)                       # inputs first: the replay only has the bag's
+        received = driver.latest_joints_received()
         driver.joints.publish(driver.joint_state(observations(1, 50)[0]))
-        time.sleep(0.2)
+        wait_for(lambda: driver.latest_joints_received() > received, timeout=10, what="the joint state")
         driver.capsules.reset()
-        for values in observations(8, 51):
+        for values in observations(8, 51):                # a sensor at 25 Hz, the policy at 50 Hz
             driver.joints.publish(driver.joint_state(values))
             time.sleep(0.04)
-        time.sleep(0.2)
+        ClientNode.drain(driver.actions)
+        wait_for(lambda: driver.actions.qsize() >= 3, timeout=10, what="steps after the last joint state")
         driver.capsules.record(False)
     finally:
         set_parameters(live.client, control__mode="trigger")

@@ -93,12 +93,10 @@ CONTROL = ControlConfig.from_mapping({"mode": "trigger", "trigger_port": "joints
 # reused across processes, a refused reset or recompute changing the state, the interrupt
 # capsule's timeline root left unheld) are fixed; their minimal reproducers are the
 # test_regression_* tests at the end of this file.
-# New examples every run (any failure is a finding;
-# Hypothesis prints its steps and a @reproduce_failure blob). CAPSULE_SM_DERANDOMIZE=1 fixes
-# the examples; CAPSULE_SM_EXAMPLES=600 hunts longer (~40 s per 300 examples on 2 cores).
-SETTINGS = settings(max_examples=int(os.environ.get("CAPSULE_SM_EXAMPLES", 100)), stateful_step_count=40,
-                    deadline=None, print_blob=True,
-                    derandomize=os.environ.get("CAPSULE_SM_DERANDOMIZE", "") == "1",
+# Examples follow the Hypothesis profile (test/conftest.py): the same ones on every run by
+# default (CI), new ones with HYPOTHESIS_PROFILE=dev, a long hunt with HYPOTHESIS_PROFILE=hunt
+# (~40 s per 300 examples on 2 cores). A failure prints its steps and a @reproduce_failure blob.
+SETTINGS = settings(stateful_step_count=40, deadline=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 REPORT: collections.Counter = collections.Counter()   # printed by the test at the end

@@ -35,7 +35,10 @@ def test_demo_succeeds_and_proves_the_rollback(demo_run):
           f"restore p50 {summary['restore_p50_us']:.0f} us")
     assert summary["episodes"] == 50
     assert summary["success_rate"] >= 0.9               # the shipped policy, through ROS
-    assert summary["identical_after_rollback"] is True and summary["compared_steps"] >= 10
+    assert summary["identical_after_rollback"] is True
+    assert summary["compared_steps"] >= 10 or "missed its deadline" in summary["rollback_check"]
+    verdict = summary["bag_verdict"]          # the demo proves its run from its own bag too
+    assert verdict["exit_code"] == 0 and verdict["steps_compared"] >= summary["steps"] - 5, verdict
     kinds = [e["kind"] for e in summary["capsule_events"]]
     for kind in ("COMMIT", "INTERRUPT", "REENTER", "FORK", "RESET", "SAVE"):
         assert kind in kinds, kind
@@ -61,3 +64,27 @@ def test_demo_bag_replays_bit_identically(demo_run):
                             capture_output=True, text=True, timeout=300)
     print(result.stdout[-1500:])
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_demo_passes_under_a_cpu_hog(tmp_path):
+    """A busy-looping process on every core (as a loaded robot computer): the demo still
+    passes, run after run; a deadline miss is reported as such, never as a divergence."""
+    import multiprocessing
+    import os
+    runs = int(os.environ.get("CAPSULE_DEMO_HOG_RUNS", "5"))
+    hogs = [subprocess.Popen(["python3", "-c", "while True: pass"]) for _ in range(multiprocessing.cpu_count())]
+    outcomes = []
+    try:
+        for i in range(runs):
+            out = tmp_path / f"run{i}"
+            proc = subprocess.run(["capsule-ros", "demo", "--episodes", "2", "--headless", "--out", str(out)],
+                                  capture_output=True, text=True, timeout=600)
+            summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+            outcomes.append((proc.returncode, summary.get("rollback_check"), summary.get("failures"),
+                             proc.stderr[-500:] if proc.returncode else ""))
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    print("\n".join(f"run {i}: exit {code}, {check}" for i, (code, check, _, _) in enumerate(outcomes)))
+    assert [o[0] for o in outcomes] == [0] * runs, outcomes

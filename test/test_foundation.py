@@ -6,6 +6,7 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
 import time
 import xml.etree.ElementTree as ET
 
@@ -112,3 +113,41 @@ def test_policy_node_serves_every_service_and_exits_on_sigint(tmp_path, rclpy_co
         elapsed = time.monotonic() - start
     assert code == 0, node.log()
     assert elapsed < 2.0, f"policy_node took {elapsed:.2f} s to exit after SIGINT"
+
+
+# ROS-free test modules: what runs on a GPU machine, which has no ROS 2.
+ROS_FREE_TESTS = ("test_runtime.py", "test_store.py", "test_fallback.py", "test_session_safety.py",
+                  "test_capsule_file.py", "test_capsule_statemachine.py", "test_lerobot_parity.py", "test_sim_arm.py")
+
+
+def test_ros_free_tests_run_without_ros():
+    """With every ROS 2 module made unimportable (as on the GPU machine), the ROS-free
+    test modules collect, and the session test that once imported rclpy through the test
+    harness runs (on the CPU here; `bench/run_gpu.sh` runs the CUDA ones there)."""
+    env = {**os.environ, "CAPSULE_ROS_WITHOUT_ROS": "1"}
+    files = [str(REPO / "test" / name) for name in ROS_FREE_TESTS]
+    collect = subprocess.run([sys.executable, "-m", "pytest", *files, "--collect-only", "-q", "-p", "no:cacheprovider"],
+                             capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert collect.returncode == 0, collect.stdout[-3000:] + collect.stderr[-2000:]
+    assert int(re.search(r"(\d+) tests collected", collect.stdout).group(1)) >= 100
+    run = subprocess.run([sys.executable, "-m", "pytest", str(REPO / "test" / "test_runtime.py"), "-q",
+                          "-p", "no:cacheprovider", "-k", "session_rollback_and_recompute and cpu"],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:]
+
+
+def test_commands_that_need_no_tensors_do_not_import_torch(tmp_path):
+    """`capsule-ros inspect`, `--help` and replay's argument errors answer without torch
+    (importing it takes seconds on a small CPU)."""
+    capsule = next((REPO / "test" / "fixtures" / "capsules").glob("*.capsule"))
+    probe = ("import sys, contextlib, io\n"
+             "from capsule_ros.cli.main import main\n"
+             "for argv in ({argvs}):\n"
+             "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()), "
+             "contextlib.redirect_stderr(io.StringIO()):\n"
+             "        main(list(argv))\n"
+             "print('torch' in sys.modules)\n")
+    argvs = repr([["inspect", str(capsule)], ["--help"], ["replay", "--no-such-option"], ["replay", "--help"]])
+    result = subprocess.run([sys.executable, "-c", probe.format(argvs=argvs)], capture_output=True, text=True,
+                            cwd=REPO, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == "False", result.stdout + result.stderr

@@ -219,15 +219,10 @@ def test_session_rollback_and_recompute_fallback_are_bit_identical(device, tmp_p
     """The node's logic without ROS, on the device: commit, roll back, and rebuild a lost
     capsule from the input log (on the scratch runtime) give the original actions."""
     import dataclasses
-    from capsule_ros.serving.config import ServingConfig
     from capsule_ros.serving.factory import build_session
-    from harness import DEFAULT_PARAMS
-    config = ServingConfig.from_file(DEFAULT_PARAMS)
-    config = dataclasses.replace(
-        config, runtime=dataclasses.replace(config.runtime, device=device),
-        control=dataclasses.replace(config.control, deadline_ms=0.0),
-        capsules=dataclasses.replace(config.capsules, directory=str(tmp_path / "capsules")))
-    session = build_session(config)
+    from runtime_fixtures import default_config
+    config = default_config(tmp_path)
+    session = build_session(dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device=device)))
     obs = observations(60, 21)
 
     def feed(rows):

@@ -61,8 +61,12 @@ def test_realtime_sim_holds_still_when_actions_stop(tmp_path, rclpy_context):
             time.sleep(0.02)
         moving = wait_for(lambda: ClientNode.drain(joints), timeout=5, what="joint states")
         assert max(abs(v) for v in moving[-1].velocity) > 0.5
-        time.sleep(0.8)                                                      # ... then stop sending
-        ClientNode.drain(joints)
+        stopped = time.monotonic()                                           # ... then stop sending
+
+        def still(state) -> bool:
+            return max(abs(v) for v in state.velocity) < 0.05
+        wait_for(lambda: still(joints.get(timeout=2)), timeout=5, what="the arm to hold still")
+        assert time.monotonic() - stopped >= 0.1           # not before action_timeout_ms (100 ms) passed
         held = [joints.get(timeout=2) for _ in range(5)]
         assert all(max(abs(v) for v in s.velocity) < 0.05 for s in held)     # zero velocity: held
         assert np.allclose(held[0].position, held[-1].position, atol=1e-3)

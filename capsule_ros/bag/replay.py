@@ -1,8 +1,6 @@
-"""`capsule-ros replay BAG`: drive the recorded policy step by step from a bag's sensor
-messages and compare every action with the recorded one, bit for bit.
-
-    capsule-ros replay BAG [--verify] [--from-capsule ID] [--node | --in-process]
-                       [--params-file F] [--capsule-dir D] [--json] [--ablation kv-only]
+"""The replay engine behind ``capsule-ros replay`` (``capsule_ros.cli.replay_cmd``): drive
+the recorded policy step by step from a bag's sensor messages and compare every action
+with the recorded one, bit for bit.
 
 Steps follow the bag, never the wall clock: in trigger mode the policy steps on each
 trigger-port message; a timer-mode bag (in-process only) steps where the node acted.
@@ -36,20 +34,19 @@ could be verified; always with a one-line reason and no traceback.
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import collections
 import contextlib
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Deque, Dict, List, Optional
 
-from capsule_ros.bag.errors import BagError, ReplaySetupError
+from capsule_ros.bag.errors import ReplaySetupError
+from capsule_ros.bag.ablation import ABLATIONS
 from capsule_ros.bag.reader import EVENT, SENSOR, Entry, RecordedEvent, Recording, Timeline, capsule_id_position
-from capsule_ros.bag.targets import ABLATIONS, CapsuleFiles, InProcessTarget, NodeTarget
+from capsule_ros.bag.targets import CapsuleFiles, InProcessTarget, NodeTarget
 from capsule_ros.bag.timeline import Scheduler, stream_key
 from capsule_ros.bag.verdict import Act, Divergence, Verdict, differences, max_abs_diff
 from capsule_ros.errors import CapsuleRosError
@@ -506,61 +503,3 @@ def replay_bag(bag, options: ReplayOptions = ReplayOptions()) -> Verdict:
             if options.ablation:
                 verdict.target += f" (ablation: re-entry restores only {options.ablation})"
             return verdict
-
-
-# -- command line -----------------------------------------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="capsule-ros replay",
-        description="Drive the recorded policy step by step from a bag's sensor messages and compare every "
-                    "action with the recorded one, bit for bit (docs/rosbag-replay.md).",
-        epilog="exit status: 0 every recorded action in scope bit-identical; 1 a divergence (with --verify); "
-               "3 no divergence but some actions skipped (with --verify, unless --partial); 2 a bad bag, a replay "
-               "that cannot start, or nothing verified")
-    parser.add_argument("bag", help="rosbag2 directory recorded by capsule_ros (MCAP or sqlite3)")
-    parser.add_argument("--verify", action="store_true",
-                        help="exit 1 on a divergence, 3 when some recorded actions could not be compared")
-    parser.add_argument("--partial", action="store_true",
-                        help="with --verify: accept a verdict that skipped actions (exit 0 if the compared ones match)")
-    parser.add_argument("--from-capsule", default="", metavar="ID",
-                        help="start from this saved capsule, where the bag committed it")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--node", action="store_true", help="replay through a policy_node process started here")
-    where.add_argument("--in-process", action="store_true", help="replay over a PolicySession here (default)")
-    parser.add_argument("--params-file", type=Path, help="serving parameters instead of the recorded ones")
-    parser.add_argument("--capsule-dir", type=Path, help="capsule files (default: the recorded capsules.directory)")
-    parser.add_argument("--ablation", choices=sorted(ABLATIONS), default="",
-                        help="re-entries restore only these buffers (expected to diverge)")
-    parser.add_argument("--timeout", type=float, default=60.0, help="--node: seconds to wait for the node")
-    parser.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
-    return parser
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    options = ReplayOptions(from_capsule=args.from_capsule, node=args.node, params_file=args.params_file,
-                            capsule_dir=args.capsule_dir, ablation=args.ablation, timeout_s=args.timeout,
-                            partial=args.partial)
-    try:
-        verdict = replay_bag(args.bag, options)
-    except BagError as exc:
-        print(f"capsule-ros replay: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("capsule-ros replay: interrupted", file=sys.stderr)
-        return 130
-    if args.json:
-        print(verdict.to_json())
-    else:
-        from rich.console import Console
-        verdict.render(Console())
-    if verdict.steps_compared == 0:
-        print("capsule-ros replay: nothing verified: the bag has no step after an anchor (initial state, reset, "
-              "re-entry of a known capsule, --from-capsule)", file=sys.stderr)
-        return 2
-    return verdict.exit_code(allow_partial=args.partial) if args.verify else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,13 +27,11 @@ from capsule_ros.bag.verdict import Act
 from capsule_ros.capsules.fileformat import load_kek, read_capsule
 from capsule_ros.capsules.store import Capsule
 from capsule_ros.errors import CapsuleRosError, NotFound
-from capsule_ros.runtime.arena import KIND_ORDER, BufferKind
+from capsule_ros.bag.ablation import complement_runs
+from capsule_ros.runtime.schema import BufferKind
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.ports import PortDrop, stamp_ns
 from capsule_ros.serving.records import HoldMode
-
-ABLATIONS = {"kv-only": (BufferKind.KV,), "kv-meta": (BufferKind.KV, BufferKind.META)}
-
 
 class CapsuleFiles:
     """Read-only access to capsule files (``<directory>/<id>.capsule``)."""
@@ -61,17 +59,6 @@ class CapsuleFiles:
                                     expected_schema=schema)
         return Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
                        header.nbytes, header.fingerprint, header.stamp_ns, path=str(path)), data
-
-
-def complement_runs(kinds: Sequence[BufferKind]) -> List[Tuple[BufferKind, ...]]:
-    """The other buffer kinds, as runs contiguous in the arena's layout order."""
-    runs: List[List[BufferKind]] = [[]]
-    for kind in KIND_ORDER:
-        if kind in kinds:
-            runs.append([])
-        else:
-            runs[-1].append(kind)
-    return [tuple(run) for run in runs if run]
 
 
 class InProcessTarget:
@@ -233,9 +220,11 @@ class NodeTarget:
         self._actions: "queue.Queue[Any]" = queue.Queue()
         self._status = threading.Condition()
         self._processed: Dict[str, int] = {}
+        self._published = 0                          # the node's count of published actions (~/status)
+        self._arrived = 0                            # actions that arrived here
         self._fingerprint = ""
         self._sent = {name: 0 for name in config.ports}
-        self.node.create_subscription(Action, f"{node_path}/action", self._actions.put, reliable)
+        self.node.create_subscription(Action, f"{node_path}/action", self._on_action, reliable)
         self.node.create_subscription(RuntimeStatus, f"{node_path}/status", self._on_status, 10)
         self._publishers = {name: self.node.create_publisher(message_class(port.type),
                                                              f"{self.namespace}/replay_in/{name}", reliable)
@@ -265,12 +254,31 @@ class NodeTarget:
 
     # -- plumbing -----------------------------------------------------------------------------------
     def _on_status(self, msg) -> None:
+        """The node builds ~/status on its control thread, after the callback that counted a
+        message (and stepped on it) returned: a status that counts the message also counts
+        the action that step published."""
         with self._status:
             self._fingerprint = msg.fingerprint
+            self._published = int(msg.actions_published)
             for p in msg.ports:
                 self._processed[p.name] = int(p.received + p.dropped_shape + p.dropped_type + p.dropped_nonfinite
-                                              + p.dropped_out_of_order)
+                                              + p.dropped_out_of_order + p.dropped_future)
             self._status.notify_all()
+
+    def _on_action(self, msg) -> None:
+        self._actions.put(msg)
+        with self._status:
+            self._arrived += 1
+            self._status.notify_all()
+
+    def _wait_counted(self, port: str) -> None:
+        """Until the node counted every message sent to ``port`` and every action it
+        published by then has arrived here."""
+        sent = self._sent[port]
+        self._wait(lambda: self._processed.get(port, 0) >= sent, f"port {port} to count message {sent}")
+        with self._status:
+            published = self._published
+        self._wait(lambda: self._arrived >= published, f"the node's {published} published action(s) to arrive")
 
     def _wait(self, predicate, what: str, timeout: Optional[float] = None) -> None:
         deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
@@ -328,9 +336,7 @@ class NodeTarget:
         self._sent[port] += 1
         if expect:
             return self._wait_action(self.timeout_s)
-        sent = self._sent[port]
-        self._wait(lambda: self._processed.get(port, 0) >= sent, f"port {port} to count message {sent}")
-        time.sleep(0.02)                           # a step it triggered may still be publishing
+        self._wait_counted(port)
         return self._drain()
 
     def missing_inputs(self) -> List[str]:
@@ -343,9 +349,8 @@ class NodeTarget:
 
     def settle(self) -> List[Act]:
         """Every message counted and every action in: what arrived (to be discarded)."""
-        for port, sent in self._sent.items():
-            self._wait(lambda: self._processed.get(port, 0) >= sent, f"port {port} to count message {sent}")
-        time.sleep(0.2)
+        for port in self._sent:
+            self._wait_counted(port)
         return self._drain()
 
     def _call(self, service: str, **kwargs) -> Any:

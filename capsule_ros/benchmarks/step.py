@@ -3,7 +3,9 @@ CUDA-graph replay against the same plan run eagerly, side by side in one run.
 
 Two figures per variant: ``gpu`` (the step alone, CUDA events; on a CPU the same as
 ``loop``) and ``loop`` (what the node pays per step: write the staged inputs, step, read
-the action back; host clock).
+the action back; host clock). ``unguarded`` is the same plan without the step guard
+(``runtime.guard_steps``: one on-device copy of the state before each step, so a failed
+or non-finite step can be undone): the difference is the guard's cost.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_policy
 
 
-def measure(config: ServingConfig, device: torch.device, graphs: bool, reps: int) -> dict:
-    runtime_cfg = dataclasses.replace(config.runtime, device=str(device), cuda_graphs=graphs)
+def measure(config: ServingConfig, device: torch.device, graphs: bool, reps: int, guard: bool = True) -> dict:
+    runtime_cfg = dataclasses.replace(config.runtime, device=str(device), cuda_graphs=graphs, guard_steps=guard)
     runtime = PolicyRuntime(build_policy(dataclasses.replace(config, runtime=runtime_cfg), device=device),
                             runtime_cfg)
     rng = np.random.default_rng(0)
@@ -56,8 +58,11 @@ def run(device_name: str = "auto", quick: bool = False) -> dict:
         if device.type == "cuda":
             row["graph"] = measure(config, device, True, reps)
             row["graph_speedup"] = row["eager"]["gpu_ms"]["p50"] / row["graph"]["gpu_ms"]["p50"]
+            row["unguarded"] = measure(config, device, True, reps, guard=False)
         else:
             row["graph"] = None          # no CUDA graphs on a CPU: the plan runs eagerly
+            row["unguarded"] = measure(config, device, False, reps, guard=False)
+        row["guard_cost"] = row["graph" if row["graph"] else "eager"]["gpu_ms"]["p50"] / row["unguarded"]["gpu_ms"]["p50"]
         policies.append(row)
     return {"bench": "step", **environment(device), "quick": quick, "policies": policies}
 
@@ -65,8 +70,8 @@ def run(device_name: str = "auto", quick: bool = False) -> dict:
 def table(result: dict) -> None:
     rows = []
     for p in result["policies"]:
-        for variant in ("graph", "eager"):
-            m = p[variant]
+        for variant in ("graph", "eager", "unguarded"):
+            m = p.get(variant)
             if m is None:
                 continue
             rows.append([p["policy"], variant, f"{m['parameters'] / 1e6:.2f} M", m["gpu_ms"]["p50"],

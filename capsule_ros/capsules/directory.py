@@ -31,7 +31,8 @@ import torch
 from capsule_ros.capsules.fileformat import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, CapsuleHeader,
                                              os_errors, load_kek, read_capsule, read_header, write_capsule)
 from capsule_ros.capsules.ids import check_capsule_id
-from capsule_ros.capsules.store import Capsule, CapsuleStoreConfig
+from capsule_ros.capsules.config import CapsuleStoreConfig
+from capsule_ros.capsules.store import Capsule
 from capsule_ros.errors import Busy, CorruptCapsule, InvalidArgument, NotFound
 
 LOG = logging.getLogger(__name__)

@@ -37,14 +37,15 @@ import os
 import stat
 import struct
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, BinaryIO, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from capsule_ros.capsules.ids import check_capsule_id
 from capsule_ros.errors import (CapsuleIOError, CapsuleRosError, CorruptCapsule, FingerprintMismatch,
                                 InvalidArgument, NotFound, PermissionDenied)
-from capsule_ros.runtime.arena import ALIGNMENT, BufferKind, dtype_from_name
+from capsule_ros.runtime.schema import ALIGNMENT, DTYPE_SIZES, BufferKind
 
 MAGIC = b"CAPSULE\x00"
 FORMAT_VERSION = 1
@@ -234,10 +235,9 @@ def _parse_buffer(obj: Any, index: int, error: ErrorType) -> BufferRecord:
     if len(shape) > MAX_DIMS or any(type(d) is not int or not 1 <= d < _U64 for d in shape):
         raise error(f"{where}shape = {_quote(shape)}: at most {MAX_DIMS} positive integer dims")
     dtype = _get_str(obj, "dtype", 32, error, where)
-    try:
-        itemsize = dtype_from_name(dtype).itemsize
-    except InvalidArgument as exc:
-        raise error(f"{where}{exc}") from None
+    itemsize = DTYPE_SIZES.get(dtype)
+    if itemsize is None:
+        raise error(f"{where}dtype = {_quote(dtype)}: must be one of {sorted(DTYPE_SIZES)}")
     kind = _get_str(obj, "kind", 32, error, where)
     if kind not in _KINDS:
         raise error(f"{where}kind = {_quote(kind)}: must be one of {sorted(_KINDS)}")
@@ -344,8 +344,8 @@ def _plain_tag(aad: bytes, chunk: memoryview) -> bytes:
 
 def _byte_view(payload: Any) -> memoryview:
     """A flat byte view of bytes-like data or a host uint8 tensor, without copying."""
-    if isinstance(payload, torch.Tensor):
-        if payload.dtype != torch.uint8 or payload.device.type != "cpu":
+    if type(payload).__module__.startswith("torch"):          # a tensor (torch is imported by its owner)
+        if str(payload.dtype) != "torch.uint8" or payload.device.type != "cpu":
             raise InvalidArgument(f"payload tensor is {payload.dtype} on {payload.device}: must be host uint8")
         payload = payload.detach().contiguous().reshape(-1).numpy()
     try:
@@ -571,7 +571,7 @@ def read_header(path: PathLike, *, max_bytes: int) -> CapsuleHeader:
 
 def read_capsule(path: PathLike, *, kek: Optional[bytes] = None, max_bytes: int,
                  expected_fingerprint: Optional[str] = None,
-                 expected_schema: Optional[Sequence[Mapping[str, Any]]] = None) -> Tuple[CapsuleHeader, torch.Tensor]:
+                 expected_schema: Optional[Sequence[Mapping[str, Any]]] = None) -> Tuple[CapsuleHeader, "torch.Tensor"]:
     """Read and verify a whole capsule; returns its header and payload (host uint8 tensor).
 
     The payload is allocated only after the header validated, matched the expected
@@ -584,6 +584,7 @@ def read_capsule(path: PathLike, *, kek: Optional[bytes] = None, max_bytes: int,
         out = bytearray(header.nbytes)
         for start, plain in _verified_chunks(f, header, digest, kek, path):
             out[start:start + len(plain)] = plain
+    import torch      # here, not at module level: `capsule-ros inspect` needs no tensors
     return header, torch.frombuffer(out, dtype=torch.uint8)
 
 

@@ -44,6 +44,7 @@ class Segment:
 
     name: str
     actions: List[bytes] = field(default_factory=list)     # raw float32 values, for bit comparison
+    sources: List[int] = field(default_factory=list)       # Action.SOURCE_*: a safe action marks a missed deadline
     path: List[List[float]] = field(default_factory=list)
     steps: List[int] = field(default_factory=list)
     round_trips_ms: List[float] = field(default_factory=list)
@@ -109,6 +110,7 @@ class ArmDriver:
         self.obs = self.sim.step(np.asarray(action.values, dtype=np.float64))
         if segment is not None:
             segment.actions.append(np.asarray(action.values, np.float32).tobytes())
+            segment.sources.append(int(action.source))
             segment.path.append(self.sim.end_effector().tolist())
             segment.steps.append(int(action.step))
             segment.round_trips_ms.append(elapsed)
@@ -238,11 +240,13 @@ def run(args) -> int:
         node_code = node_proc.stop()
     if node_code != 0:
         failures.append(f"policy_node exited with {node_code} (log: {node_proc.log_path})")
-    identical = bool(segments.get("original") and segments.get("rolled_back")
-                     and segments["original"].actions[:INTERRUPT_AT] == segments["rolled_back"].actions[:INTERRUPT_AT]
-                     and len(segments["rolled_back"].actions) >= INTERRUPT_AT)
+    identical, compared, note = rollback_check(segments.get("original"), segments.get("rolled_back"))
     if not identical and not failures:
-        failures.append("the rolled-back segment's actions differ from the original ones")
+        failures.append(f"the rolled-back segment's actions differ from the original ones ({note})")
+    bag_verdict = verify_bag(summary.get("bag"), out / "capsules") if not failures else None
+    if bag_verdict is not None and bag_verdict["exit_code"] != 0:
+        failures.append(f"replaying the run's bag did not verify (exit {bag_verdict['exit_code']}): "
+                        f"{bag_verdict['first_divergence'] or 'actions skipped'}")
     round_trips = [ms for seg in segments.values() for ms in seg.round_trips_ms]
     summary.update({
         "episodes": len(outcomes), "success_rate": float(np.mean(outcomes)) if outcomes else 0.0,
@@ -253,7 +257,7 @@ def run(args) -> int:
         "restore_p50_us": status.restore_p50_ms * 1e3 if status else None,
         "restore_p99_us": status.restore_p99_ms * 1e3 if status else None,
         "identical_after_rollback": identical,
-        "compared_steps": min(len(segments["rolled_back"].actions), INTERRUPT_AT) if "rolled_back" in segments else 0,
+        "compared_steps": compared, "rollback_check": note, "bag_verdict": bag_verdict,
         "capsule_events": [_event_dict(e) for e in drain(events)],
         "capsule_files": sorted(p.name for p in (out / "capsules").glob("*.capsule")),
         "wall_s": time.monotonic() - started, "failures": failures,
@@ -264,7 +268,7 @@ def run(args) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: summary[k] for k in ("episodes", "success_rate", "steps", "step_p50_ms", "step_p99_ms",
                                               "restore_p50_us", "restore_p99_us", "identical_after_rollback",
-                                              "wall_s")}, indent=2))
+                                              "rollback_check", "bag_verdict", "wall_s")}, indent=2))
     print(f"wrote {out}/summary.json, report.png, the bag and {len(summary['capsule_files'])} capsule file(s)")
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
@@ -306,6 +310,41 @@ def scripted_plan(client, driver: ArmDriver, segments: Dict[str, Segment], plan:
     plan["goal"], plan["branch_goal"] = arm_start["goal"].tolist(), (-arm_start["goal"]).tolist()
     plan["interrupt_at"], plan["hold_ticks"] = INTERRUPT_AT, HOLD_TICKS
     return reached
+
+
+def rollback_check(original: Optional[Segment], rolled: Optional[Segment]):
+    """(identical, compared steps, note): the rolled-back segment against the original,
+    step for step, up to the interrupt. A safe action in either (a missed deadline: the
+    arm then moved on a held action, so the inputs that follow differ) ends the comparison
+    there; that is reported as such, not as a divergence (the bag's replay checks those
+    steps exactly)."""
+    if original is None or rolled is None:
+        return False, 0, "the scripted plan did not get to the rollback"
+    n = min(len(original.actions), len(rolled.actions), INTERRUPT_AT)
+    late = next((i for i in range(n) if original.sources[i] != 0 or rolled.sources[i] != 0), None)
+    compared = n if late is None else late
+    identical = original.actions[:compared] == rolled.actions[:compared] and (compared == INTERRUPT_AT or
+                                                                             late is not None)
+    if late is not None:
+        which = "original" if original.sources[late] != 0 else "rolled-back"
+        note = (f"compared {compared} steps: step {late + 1} of the {which} run missed its deadline (a safe "
+                "action was published and the arm moved on it), so the steps after it had other inputs")
+    else:
+        note = f"compared {compared} steps"
+    return identical, compared, note
+
+
+def verify_bag(bag: Optional[str], capsule_dir: Path) -> Optional[dict]:
+    """The run's bag replayed in this process (every recorded action, deadline misses
+    re-enacted): the proof that holds whatever the timing was."""
+    if not bag:
+        return None
+    from capsule_ros.bag.replay import ReplayOptions, replay_bag
+    verdict = replay_bag(bag, ReplayOptions(capsule_dir=capsule_dir))
+    return {"exit_code": verdict.exit_code(), "steps_compared": verdict.steps_compared,
+            "steps_skipped": verdict.steps_skipped, "deadline_misses": verdict.deadline_misses,
+            "first_divergence": str(verdict.first_divergence) if verdict.first_divergence else None,
+            "seconds": round(verdict.seconds, 2)}
 
 
 def _latest(q: "queue.Queue", timeout: float):

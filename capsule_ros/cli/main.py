@@ -17,7 +17,7 @@ def _bench(args) -> int:
 
 DELEGATED = {
     "demo": ("capsule_ros.cli.demo", "the main job: sim + policy node + scripted capsule plan + report"),
-    "replay": ("capsule_ros.bag.replay", "replay a rosbag step by step and verify the actions"),
+    "replay": ("capsule_ros.cli.replay_cmd", "replay a rosbag step by step and verify the actions"),
     "record": ("capsule_ros.bag.record_cmd", "record the node's topics into a rosbag2"),
     "inspect": ("capsule_ros.cli.inspect_cmd", "print and verify a capsule file"),
 }
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     bench = sub.add_parser("bench", help="benchmarks (one JSON object with --json)")
-    bench.add_argument("which", choices=("snapshot", "reenter", "step", "services", "loop"))
+    bench.add_argument("which", choices=("snapshot", "reenter", "step", "services", "loop", "commits"))
     bench.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on a 2-core CPU")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

@@ -12,6 +12,7 @@ from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 
 from capsule_ros.errors import CapsuleRosError, ConfigError, ErrorCode
+from capsule_ros.serving.process import settle_after_start
 
 
 def start_up_error(program: str, exc: BaseException) -> str:
@@ -38,6 +39,7 @@ def run_node(make_node: Callable[[], Node], program: str, argv: Optional[List[st
         print(start_up_error(program, exc), file=sys.stderr)
         rclpy.try_shutdown()
         return 2
+    settle_after_start()                       # no multi-ms garbage collections during the loop
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:

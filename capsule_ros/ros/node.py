@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import logging
+import threading
 import time
 from typing import Any, Callable, Dict, Optional
 
@@ -83,6 +84,8 @@ class PolicyNode(Node):
         self.status_pub = self.create_publisher(RuntimeStatus, "~/status", 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self.recorder = None
+        self._published_lock = threading.Lock()
+        self._actions_published = 0
         self.session = build_session(self.config, on_event=self._on_event,
                                      node_name=self.get_fully_qualified_name())
         if self.session.directory is not None and self.session.directory.recovered:
@@ -181,8 +184,11 @@ class PolicyNode(Node):
                                      f"({adapter.age_ms():.0f} ms > {adapter.config.staleness_ms:.0f} ms)")
 
     def _publish_action(self, record: ActionRecord) -> None:
+        """Publish (and record) an action; any thread (control loop, watchdog, services)."""
         msg = action_message(record, self.config.control.frame_id, self.session.runtime.policy.action_dim)
-        self.action_pub.publish(msg)
+        with self._published_lock:
+            self.action_pub.publish(msg)
+            self._actions_published += 1
         if self.recorder is not None:
             self.recorder.write_message(self.action_pub.topic_name, msg, self.get_clock().now().nanoseconds)
 
@@ -202,6 +208,7 @@ class PolicyNode(Node):
     def _publish_status(self) -> None:
         stamp = self.get_clock().now().to_msg()
         status = runtime_status(self.session, stamp)
+        status.actions_published = self._actions_published
         self.status_pub.publish(status)
         self.diag_pub.publish(self._diagnostics.build(status, stamp))
 

@@ -16,7 +16,7 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
-from capsule_ros.capsules.store import CapsuleStoreConfig
+from capsule_ros.capsules.config import CapsuleStoreConfig
 from capsule_ros.config import ConfigSection, unflatten
 from capsule_ros.runtime.engine import RuntimeConfig
 from capsule_ros.runtime.hybrid import HybridConfig

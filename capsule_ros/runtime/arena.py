@@ -13,7 +13,6 @@ what a captured CUDA graph needs (``GraphPlan`` checks it in debug mode).
 """
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 from dataclasses import dataclass
@@ -23,30 +22,9 @@ import torch
 
 from capsule_ros.config import dims
 from capsule_ros.errors import InvalidArgument
+from capsule_ros.runtime.schema import ALIGNMENT, DTYPE_SIZES, KIND_ORDER, STATE_KINDS, BufferKind  # noqa: F401
 
-ALIGNMENT = 256  # bytes; a CUDA allocation's own alignment, enough for every dtype and vector loads
-
-
-class BufferKind(str, enum.Enum):
-    """What a buffer holds; the order here is the arena's layout order."""
-
-    INPUT = "input"          # fixed-shape sensor inputs, written by the host each step
-    KV = "kv"                # attention key/value cache
-    RECURRENT = "recurrent"  # linear-recurrent layer state
-    CONV = "conv"            # short causal convolution state
-    CHUNK = "chunk"          # action-chunk (multi-token prediction) state
-    META = "meta"            # step, position, episode, RNG
-    OUTPUT = "output"        # action and predicted chunk, read by the host each step
-
-
-KIND_ORDER = tuple(BufferKind)
-# Buffers that define the policy's execution state (everything but the I/O staging areas).
-STATE_KINDS = (BufferKind.KV, BufferKind.RECURRENT, BufferKind.CONV, BufferKind.CHUNK, BufferKind.META)
-
-_DTYPES: Dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
-}
+_DTYPES: Dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
 
 
 def dtype_from_name(name: str) -> torch.dtype:

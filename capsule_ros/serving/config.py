@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from capsule_ros.capsules.store import CapsuleStoreConfig
+from capsule_ros.capsules.config import CapsuleStoreConfig
 from capsule_ros.config import NAME_PATTERN, ConfigSection, dims, load_params_file, section_values, setting
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.engine import RuntimeConfig

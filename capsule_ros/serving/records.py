@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional
 
 import numpy as np
 
-from capsule_ros.capsules.store import Capsule
+if TYPE_CHECKING:
+    from capsule_ros.capsules.store import Capsule
 
 
 class EpisodeState(enum.IntEnum):
@@ -98,7 +99,7 @@ class EventRecord:
 
 @dataclass(frozen=True)
 class ReenterResult:
-    capsule: Optional[Capsule]         # None when resuming an interrupt without a capsule
+    capsule: Optional["Capsule"]       # None when resuming an interrupt without a capsule
     rollback: bool
     fallback: bool
     fallback_reason: str

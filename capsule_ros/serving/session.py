@@ -505,13 +505,16 @@ class PolicySession:
         return capsule
 
     def _write(self, job) -> Capsule:
-        """Outside the lock: a save begun under it; its loan always ends."""
+        """Outside the lock: a save begun under it; its loan always ends (under the lock,
+        which it must not give up on: it waits behind at most one step)."""
         try:
             path = self.saver.write(job)
-        finally:
-            with self._boundary:                     # must not give up: the loan has to end
+        except BaseException:
+            with self._boundary:
                 self.saver.end(job)
+            raise
         with self._boundary:
+            self.saver.end(job)
             job.capsule.path = str(path)
             self._emit(EventKind.SAVE, job.capsule, detail=job.capsule.path)
         return job.capsule

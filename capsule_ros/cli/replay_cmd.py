@@ -1,0 +1,78 @@
+"""``capsule-ros replay BAG``: drive the recorded policy step by step from a bag's sensor
+messages and compare every action with the recorded one (``capsule_ros.bag.replay``
+does the work; docs/rosbag-replay.md is the guide).
+
+    capsule-ros replay BAG [--verify [--partial]] [--from-capsule ID] [--node | --in-process]
+                       [--params-file F] [--capsule-dir D] [--json] [--ablation kv-only]
+
+The arguments are parsed before anything heavy is imported, so a mistyped option
+answers at once.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from capsule_ros.bag.ablation import ABLATIONS
+
+EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_BAD, EXIT_PARTIAL = 0, 1, 2, 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="capsule-ros replay",
+        description="Drive the recorded policy step by step from a bag's sensor messages and compare every "
+                    "action with the recorded one, bit for bit (docs/rosbag-replay.md).",
+        epilog="exit status: 0 every recorded action in scope bit-identical; 1 a divergence (with --verify); "
+               "3 no divergence but some actions skipped (with --verify, unless --partial); 2 a bad bag, a replay "
+               "that cannot start, or nothing verified")
+    parser.add_argument("bag", help="rosbag2 directory recorded by capsule_ros (MCAP or sqlite3)")
+    parser.add_argument("--verify", action="store_true",
+                        help="exit 1 on a divergence, 3 when some recorded actions could not be compared")
+    parser.add_argument("--partial", action="store_true",
+                        help="with --verify: accept a verdict that skipped actions (exit 0 if the compared ones match)")
+    parser.add_argument("--from-capsule", default="", metavar="ID",
+                        help="start from this saved capsule, where the bag committed it")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--node", action="store_true", help="replay through a policy_node process started here")
+    where.add_argument("--in-process", action="store_true", help="replay over a PolicySession here (default)")
+    parser.add_argument("--params-file", type=Path, help="serving parameters instead of the recorded ones")
+    parser.add_argument("--capsule-dir", type=Path, help="capsule files (default: the recorded capsules.directory)")
+    parser.add_argument("--ablation", choices=sorted(ABLATIONS), default="",
+                        help="re-entries restore only these buffers (expected to diverge)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="--node: seconds to wait for the node")
+    parser.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from capsule_ros.bag.errors import BagError
+    from capsule_ros.bag.replay import ReplayOptions, replay_bag
+    options = ReplayOptions(from_capsule=args.from_capsule, node=args.node, params_file=args.params_file,
+                            capsule_dir=args.capsule_dir, ablation=args.ablation, timeout_s=args.timeout,
+                            partial=args.partial)
+    try:
+        verdict = replay_bag(args.bag, options)
+    except BagError as exc:
+        print(f"capsule-ros replay: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_BAD
+    except KeyboardInterrupt:
+        print("capsule-ros replay: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(verdict.to_json())
+    else:
+        from rich.console import Console
+        verdict.render(Console())
+    if verdict.steps_compared == 0:
+        print("capsule-ros replay: nothing verified: the bag has no step after an anchor (initial state, reset, "
+              "re-entry of a known capsule, --from-capsule)", file=sys.stderr)
+        return EXIT_BAD
+    return verdict.exit_code(allow_partial=args.partial) if args.verify else EXIT_IDENTICAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())
