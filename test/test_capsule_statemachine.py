@@ -73,7 +73,8 @@ from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.hybrid import HybridPolicy
 from capsule_ros.serving.config import ControlConfig
 from capsule_ros.serving.records import EpisodeState, HoldMode
-from capsule_ros.serving.session import PolicySession, SaveFailed
+from capsule_ros.serving.files import SaveFailed
+from capsule_ros.serving.session import PolicySession
 
 from runtime_fixtures import INPUTS, SMALL, observations, with_overrides
 

@@ -110,7 +110,7 @@ class InProcessTarget:
 
     def missing_inputs(self) -> List[str]:
         """Ports that have not received a value yet (a step waits for all of them)."""
-        return [name for name in self.session.ports if name not in self.session.inputs_seen]
+        return self.session.inputs.missing()
 
     # -- capsule verbs: each returns what the replay maps to the recording ------------------------
     def commit(self, label: str) -> str:

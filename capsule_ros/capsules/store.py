@@ -272,6 +272,34 @@ class CapsuleStore:
         seconds = time.perf_counter() - start
         return RestoreReport(capsule, payload.tier, seconds)
 
+    def restore_reserving(self, runtime, capsule: Optional[Capsule] = None,
+                          data: Optional[torch.Tensor] = None) -> Payload:
+        """Restore ``capsule`` (from memory, or straight from ``data``, its file's verified
+        bytes; None: restore nothing) and reserve room for one new capsule, without failing
+        half-way: ResourceExhausted before anything changed when there is no room. The
+        source's own slab may be the one that makes room (it was restored first)."""
+        no_room = ResourceExhausted("no room for a new capsule: drop or unpin capsules, "
+                                    "or raise capsules.device_budget_mb / host_budget_mb")
+        if capsule is None or data is not None:
+            if not self.room_for(1):
+                raise no_room
+            room = self.reserve()
+            if capsule is not None:
+                try:
+                    self.restore_bytes(capsule, data, runtime)
+                except BaseException:
+                    self.release(room)
+                    raise
+            return room
+        if self.room_for(1, protect=[capsule.payload]):
+            room = self.reserve(protect=[capsule.payload])
+            self.restore(capsule.id, runtime)
+            return room
+        if not self.room_for(1):
+            raise no_room
+        self.restore(capsule.id, runtime)
+        return self.reserve()
+
     def restore_bytes(self, capsule: Capsule, data: torch.Tensor, runtime) -> RestoreReport:
         """Restore a capsule's verified bytes (read from its file) without caching them in a
         pool: for a one-off restore that must not need room (a reset from a disk capsule)."""

@@ -44,7 +44,7 @@ from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
 from capsule_ros.serving.factory import build_session
 from capsule_ros.serving.ports import PortDrop, stamp_ns
 from capsule_ros.serving.records import ActionRecord, ActionSource, EventRecord, HoldMode
-from capsule_ros.serving.session import SaveFailed
+from capsule_ros.serving.files import SaveFailed
 
 LOG = logging.getLogger(__name__)
 WARN_PERIOD_S = 5.0
@@ -162,8 +162,8 @@ class PolicyNode(Node):
         whether that is the policy's action or the safe one)."""
         record = self.session.tick(stamp)
         if record is None:
-            if not self.session.inputs_ready:
-                missing = [n for n in self.config.ports if n not in self.session.inputs_seen]
+            if not self.session.inputs.ready:
+                missing = self.session.inputs.missing()
                 self._warn_throttled("inputs", f"waiting for first message on port(s) {missing}")
             return
         if not record.published:

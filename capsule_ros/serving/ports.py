@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional
 
 import numpy as np
 
@@ -228,5 +229,49 @@ class PortAdapter:
         return np.ascontiguousarray(img)
 
 
-def port_adapters(ports: Dict[str, PortConfig]) -> Dict[str, PortAdapter]:
+def port_adapters(ports: Mapping[str, PortConfig]) -> Dict[str, PortAdapter]:
     return {name: PortAdapter(name, cfg) for name, cfg in ports.items()}
+
+
+class SensorInputs:
+    """The policy's input buffers as the control loop fills them: one port adapter per
+    configured port, the runtime's staging buffers, and which inputs have a value yet.
+
+    ``lock`` guards the staging buffers: writers hold it for one copy, a step holds it from
+    loading the inputs until its outputs are read (on CUDA the load is asynchronous)."""
+
+    def __init__(self, staging: Mapping[str, np.ndarray], ports: Mapping[str, PortConfig]):
+        self.staging = staging
+        self.ports: Dict[str, PortAdapter] = port_adapters(ports)
+        self.lock = threading.Lock()
+        self._seen: set = set()
+
+    def receive(self, port: str, msg: Any, now_ns: Optional[int], future_tolerance_ns: Optional[int]) -> np.ndarray:
+        """A message for ``port``: checked, converted and staged; raises PortDrop (counted)."""
+        values = self.ports[port].accept(msg, now_ns, future_tolerance_ns)
+        self.write(port, values)
+        return values
+
+    def write(self, name: str, values: np.ndarray) -> None:
+        """Copy values into an input's staging buffer (their size already checked)."""
+        staging = self.staging[name]
+        with self.lock:
+            np.copyto(staging, values.reshape(staging.shape), casting="unsafe")
+            self._seen.add(name)
+
+    @property
+    def ready(self) -> bool:
+        """Every input has received a value (a step needs them all)."""
+        return len(self._seen) == len(self.staging)
+
+    @property
+    def seen(self) -> FrozenSet[str]:
+        return frozenset(self._seen)
+
+    def missing(self) -> List[str]:
+        return [name for name in self.staging if name not in self._seen]
+
+    def reset_ordering(self) -> None:
+        """A new episode: a sensor's clock may have restarted."""
+        for port in self.ports.values():
+            port.reset_ordering()

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Callable, ContextManager, Dict, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.inputlog import InputLog
 
 LOG = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,25 @@ class Recompute:
         LOG.warning("capsule %s rebuilt by recomputing %d steps in %.1f ms (%s)", capsule_id, len(plan.rows),
                     seconds * 1e3, cause)
         return capsule
+
+    def recover(self, capsule_id: str, cause: CapsuleRosError, at_boundary: Callable[[], ContextManager],
+                lock: ContextManager, resume: Callable[[Capsule, float], T]) -> T:
+        """The whole fallback: ``plan`` under ``at_boundary()`` (re-raising ``cause`` when
+        the log cannot rebuild the capsule), ``rebuild`` outside it, then ``adopt`` and
+        ``resume(capsule, seconds)`` under it again. ``lock`` (blocking) returns the room
+        when the rebuild fails."""
+        with at_boundary():
+            plan = self.plan(capsule_id, cause)
+        start = time.perf_counter()
+        try:
+            self.rebuild(plan)
+        except BaseException:
+            with lock:
+                self.release(plan)
+            raise
+        seconds = time.perf_counter() - start
+        with at_boundary():
+            return resume(self.adopt(capsule_id, plan, cause, seconds), seconds)
 
     def release(self, plan: RebuildPlan) -> None:
         """Under the lock: return the plan's reserved room (the rebuild failed or was not needed)."""

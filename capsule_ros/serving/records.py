@@ -137,3 +137,17 @@ class SessionStatus:
     evictions: int
     demotions: int
     stamp_ns: int = 0
+
+    @classmethod
+    def of(cls, session) -> "SessionStatus":
+        """The picture of a ``PolicySession``; its caller holds the boundary lock."""
+        from capsule_ros.capsules.store import Tier
+        store, c = session.store, session.store.counters
+        store.flush_timings()
+        return cls(state=session.state, episode_id=session.episode_id, step=session.step, lineage=session.lineage,
+                   counters=SessionCounters(**vars(session.counters)),
+                   step_ms=session.stepper.latency.percentiles_ms(50, 95, 99),
+                   restore_ms=store.restore_latency.percentiles_ms(50, 95, 99),
+                   capsules={int(t): store.count(t) for t in Tier}, hits={int(t): c.hits[t] for t in Tier},
+                   restores=c.restores, misses=c.misses, invalidations=c.invalidations, evictions=c.evictions,
+                   demotions=c.demotions, stamp_ns=session.clock_ns())

@@ -1,0 +1,112 @@
+"""One guarded control step, and what decides whether its action may reach the robot.
+
+A step's output is the policy's action only when the step ended within its deadline,
+raised nothing, and produced finite values. Otherwise the caller publishes the safe
+action (``control.deadline_action``) and the fault is counted:
+
+- ``LATE``: the step ended after its deadline. Its state is kept (the policy did step);
+  only its action is withheld. With the deadline watchdog running, the safe action goes
+  out *at* the deadline from the watchdog's thread, while the step still runs.
+- ``ERROR``: the step raised. ``NONFINITE``: its outputs held NaN or Inf. With the step
+  guard (``runtime.guard_steps``) the state is put back exactly as before the step, so
+  later steps behave as if it never ran; without it the state is left as the step left it.
+
+Only steps that count are logged for the recompute fallback (a step that was undone is
+not part of the timeline).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from capsule_ros.metrics import LatencyWindow
+from capsule_ros.runtime.engine import PolicyRuntime, StepOutputs
+from capsule_ros.serving.ports import SensorInputs
+from capsule_ros.serving.records import SessionCounters, StepFault
+from capsule_ros.serving.watchdog import DeadlineWatchdog
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: Optional[StepOutputs]     # None when the step raised
+    fault: StepFault
+    step: int                          # the state's step counter after the tick
+    seconds: float
+    overran: bool                      # the watchdog published the safe action during the step
+
+
+class GuardedStep:
+    """Runs the runtime's step under its guards (see the module docstring); the caller
+    serialises calls (the session's boundary lock)."""
+
+    def __init__(self, runtime: PolicyRuntime, inputs: SensorInputs, counters: SessionCounters,
+                 log_step: Callable[[int, np.ndarray], None]):
+        self.runtime = runtime
+        self.inputs = inputs
+        self.counters = counters
+        self.log_step = log_step
+        self.latency = LatencyWindow()
+        self._watchdog: Optional[DeadlineWatchdog] = None
+
+    def start_watchdog(self, on_overrun: Callable[[], None]) -> None:
+        """Call ``on_overrun`` from the watchdog's thread as soon as a step passes its deadline."""
+        if self._watchdog is None:
+            self._watchdog = DeadlineWatchdog(on_overrun)
+
+    def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
+
+    def run(self, from_step: int, deadline_s: Optional[float], forced_late: bool = False) -> StepResult:
+        """One step from state step ``from_step`` (``deadline_s`` None: no deadline;
+        ``forced_late``: count it late whatever its time, e.g. a replay re-enacting a miss)."""
+        watched = deadline_s is not None and self._watchdog is not None
+        if watched:
+            self._watchdog.arm(deadline_s)
+        fault, out, start = StepFault.NONE, None, time.perf_counter()
+        with self.inputs.lock:
+            try:
+                self.runtime.load_inputs()
+                self.runtime.step()
+                out = self.runtime.read_outputs()
+                if not (np.isfinite(out.action).all() and np.isfinite(out.chunk).all()):
+                    fault = StepFault.NONFINITE
+            except Exception as exc:  # noqa: BLE001 - a step must never take the node down
+                fault = StepFault.ERROR
+                self.counters.last_fault = f"{type(exc).__name__}: {exc}"
+                LOG.debug("step failed", exc_info=True)
+            if fault == StepFault.NONE or not self.runtime.guarded:
+                self.log_step(from_step, self.runtime.input_staging.numpy())
+        seconds = time.perf_counter() - start
+        overran = self._watchdog.disarm() if watched else False
+        self.latency.record(seconds)
+        if fault != StepFault.NONE:
+            return StepResult(out, fault, self._after_fault(fault, from_step), seconds, overran)
+        self.counters.steps += 1
+        if forced_late or overran or (deadline_s is not None and seconds > deadline_s):
+            fault = StepFault.LATE
+            self.counters.deadline_misses += 1
+        return StepResult(out, fault, out.step, seconds, overran)
+
+    def _after_fault(self, fault: StepFault, from_step: int) -> int:
+        """Count a failed or non-finite step and undo it (guarded); the state's step after."""
+        if fault == StepFault.NONFINITE:
+            self.counters.nonfinite_steps += 1
+            self.counters.last_fault = f"non-finite outputs at step {from_step + 1}"
+        else:
+            self.counters.step_errors += 1
+        if self.runtime.guarded:
+            self.runtime.undo_step()
+            step = from_step
+        else:
+            step = self.runtime.read_outputs().step
+        LOG.warning("step %d: %s; published the safe action%s", from_step + 1, self.counters.last_fault,
+                    " and put the state back as it was" if self.runtime.guarded else "")
+        return step
