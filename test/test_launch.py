@@ -263,6 +263,7 @@ def test_ctrl_c_stops_ros2_launch_and_both_nodes_cleanly(tmp_path, rclpy_context
             proc.wait()
     output = log_path.read_text(errors="replace")
     assert rc == 0, output
+    assert "user interrupted with ctrl-c (SIGINT)" in output, output                   # launch got it too
     assert "[policy_node-1]: process has finished cleanly" in output, output
     assert "[sim_node-2]: process has finished cleanly" in output, output
     for bad in BAD_OUTPUT:
