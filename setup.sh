@@ -127,7 +127,7 @@ else
     echo "$WHEELS_HASH" > "$STAMPS/launch-wheels"
   fi
   IFACE_HASH="$( (cat "$STAMPS/requirements"
-                  find "$LAUNCH_SRC/composition_interfaces" -type f | LC_ALL=C sort | xargs cat) \
+                  find "$LAUNCH_SRC/composition_interfaces" -type f -print0 | LC_ALL=C sort -z | xargs -0 cat) \
                  | sha256sum | cut -d' ' -f1)"
   if [[ -f "$LAUNCH_PREFIX/local_setup.bash" && "$(cat "$STAMPS/launch-interfaces" 2>/dev/null)" == "$IFACE_HASH" ]]; then
     say "$STEP: composition_interfaces up to date"
