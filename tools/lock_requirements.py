@@ -6,22 +6,41 @@ Run it with the project's venv after changing requirements/*.txt:
     .venv/bin/python tools/lock_requirements.py
 
 Distributions that pip did not install itself (the ROS wheels unpack egg-info of their
-own packages, e.g. `rclpy`) are left out: their `ros-*` wheel carries the pin.
+own packages, e.g. `rclpy`) are left out: their `ros-*` wheel carries the pin. So are the
+launch tools of requirements/launch.txt (installed from a wheel directory, not the index,
+and pinned in that file), so the lock is the same whether the venv has them or not.
 """
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-LOCK = Path(__file__).resolve().parents[1] / "requirements" / "lock.txt"
+REQUIREMENTS = Path(__file__).resolve().parents[1] / "requirements"
+LOCK = REQUIREMENTS / "lock.txt"
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def launch_tooling() -> set:
+    """The names pinned in requirements/launch.txt."""
+    names = set()
+    for line in (REQUIREMENTS / "launch.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            names.add(canonical(re.split(r"[=<>!~ ]", line)[0]))
+    return names
 
 
 def main() -> int:
     out = subprocess.run([sys.executable, "-m", "pip", "inspect"], check=True,
                          capture_output=True, text=True).stdout
     pins = []
+    excluded = launch_tooling()
     for dist in json.loads(out)["installed"]:
-        if dist.get("installer") != "pip":
+        if dist.get("installer") != "pip" or canonical(dist["metadata"]["name"]) in excluded:
             continue
         name, version = dist["metadata"]["name"], dist["metadata"]["version"]
         version = version.split("+")[0]  # torch 2.13.0+cpu: `==2.13.0` matches the local build

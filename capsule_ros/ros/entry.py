@@ -1,8 +1,24 @@
-"""The common `main` of the package's nodes: init, build, spin, clean shutdown on SIGINT."""
+"""The common `main` of the package's nodes: init, build, spin, clean shutdown on SIGINT/SIGTERM.
+
+Signals. A terminal's Ctrl-C sends SIGINT to the whole process group, so under
+``ros2 launch`` a node gets SIGINT twice: from the terminal and again from launch (then
+SIGTERM if it is slow). rclpy's own handlers are not fit for that: on SIGINT they shut
+the context down from another thread while a callback may be publishing (``RCLError:
+publisher's context is invalid``), and Python's default handler raises KeyboardInterrupt
+wherever the main thread is, a second time in the middle of the clean-up. So
+``run_node`` owns SIGINT and SIGTERM for the process: the first one only asks the spin
+loop to stop (a flag, checked between callbacks and at least every ``POLL_S``), later
+ones do nothing. The node is then taken down in order, with the context alive until
+the end: the executor stops (no callback runs any more), ``node.close()`` stops the
+node's own threads (they may still publish until they are joined), the node is
+destroyed, and only then is rclpy shut down. The process exits 0.
+"""
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import traceback
 from typing import Callable, List, Optional
 
@@ -10,9 +26,35 @@ import rclpy
 from rclpy.exceptions import NameValidationException, ParameterException
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
+from rclpy.signals import SignalHandlerOptions
 
 from capsule_ros.errors import CapsuleRosError, ConfigError, ErrorCode
 from capsule_ros.serving.process import settle_after_start
+
+
+POLL_S = 0.1          # the spin loop notices a stop request within this (rcl_wait is not interrupted)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequest:
+    """Set by the first SIGINT/SIGTERM; the handlers stay installed until the process
+    exits, so a signal that comes during the clean-up (launch's copy of Ctrl-C) is harmless."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal: Optional[int] = None
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.signal is None:
+            self.signal = signum
+        self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
 
 
 def start_up_error(program: str, exc: BaseException) -> str:
@@ -27,10 +69,12 @@ def start_up_error(program: str, exc: BaseException) -> str:
 
 
 def run_node(make_node: Callable[[], Node], program: str, argv: Optional[List[str]] = None) -> int:
-    """Spin the node ``make_node()`` builds until SIGINT; 0 on a clean exit, 2 when it
-    cannot start (a bad parameter, key file or weights file...): one line on stderr,
-    never a traceback."""
-    rclpy.init(args=argv if argv is not None else sys.argv)
+    """Spin the node ``make_node()`` builds until SIGINT or SIGTERM; 0 on a clean exit,
+    2 when it cannot start (a bad parameter, key file or weights file...): one line on
+    stderr, never a traceback."""
+    stop = StopRequest()
+    stop.install()                  # before init: a Ctrl-C while the node is built stops it cleanly
+    rclpy.init(args=argv if argv is not None else sys.argv, signal_handler_options=SignalHandlerOptions.NO)
     try:
         node = make_node()
     except Exception as exc:  # noqa: BLE001 - every start-up error: one line and exit 2
@@ -43,14 +87,15 @@ def run_node(make_node: Callable[[], Node], program: str, argv: Optional[List[st
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
+        while not stop.is_set() and rclpy.ok():
+            executor.spin_once(timeout_sec=POLL_S)
+    except ExternalShutdownException:
         pass
     finally:
+        executor.shutdown(timeout_sec=1.0)
         close = getattr(node, "close", None)
         if close is not None:
-            close()
-        executor.shutdown(timeout_sec=1.0)
+            close()                 # the node's threads: joined while the context is still valid
         node.destroy_node()
         rclpy.try_shutdown()
     return 0

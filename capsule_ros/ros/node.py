@@ -367,8 +367,13 @@ class PolicyNode(Node):
         return SetParametersResult(successful=True)
 
     def close(self) -> None:
-        """Stop the watchdog, the service threads and any recording (before destroy_node)."""
+        """Stop the node's threads, after the executor and before destroy_node and rclpy's
+        shutdown (ros/entry.py): the service threads first, letting a running call finish
+        (it may publish an event or a safe action), then the session's deadline watchdog
+        (no step can arm it any more and no service holds the session), then any recording.
+        After this no thread of the node publishes, so none can hit a destroyed publisher
+        or context."""
+        self._service_threads.shutdown(wait=True, cancel_futures=True)
         self.session.close()
-        self._service_threads.shutdown(wait=False, cancel_futures=True)
         if self.recorder is not None:
             self._stop_recording()
