@@ -128,12 +128,13 @@ def test_ros_free_tests_run_without_ros():
     harness runs (on the CPU here; `bench/run_gpu.sh` runs the CUDA ones there)."""
     env = {**os.environ, "CAPSULE_ROS_WITHOUT_ROS": "1"}
     files = [str(REPO / "test" / name) for name in ROS_FREE_TESTS]
-    collect = subprocess.run([sys.executable, "-m", "pytest", *files, "--collect-only", "-q", "-p", "no:cacheprovider"],
-                             capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    no_launch = ["-p", "no:launch_testing", "-p", "no:launch_pytest", "-p", "no:launch_ros"]   # ROS packages too
+    collect = subprocess.run([sys.executable, "-m", "pytest", *files, "--collect-only", "-q", "-p", "no:cacheprovider",
+                              *no_launch], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert collect.returncode == 0, collect.stdout[-3000:] + collect.stderr[-2000:]
     assert int(re.search(r"(\d+) tests collected", collect.stdout).group(1)) >= 100
     run = subprocess.run([sys.executable, "-m", "pytest", str(REPO / "test" / "test_runtime.py"), "-q",
-                          "-p", "no:cacheprovider", "-k", "session_rollback_and_recompute and cpu"],
+                          "-p", "no:cacheprovider", *no_launch, "-k", "session_rollback_and_recompute and cpu"],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:]
 
