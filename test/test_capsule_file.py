@@ -544,9 +544,13 @@ def test_permissions_and_confinement(tmp_path, kek):
             with pytest.raises(InvalidArgument):
                 call(bad)
             refused += 1
+    (tmp_path / "elsewhere.capsule").write_bytes(path.read_bytes())
     (root / "escape.capsule").symlink_to(tmp_path / "elsewhere.capsule")
-    with pytest.raises(InvalidArgument):
-        directory.path_of("escape")
+    assert not directory.exists("escape")
+    with pytest.raises(CorruptCapsule, match="symbolic link"):
+        directory.load("escape", expected_fingerprint=FP)
+    with pytest.raises(CorruptCapsule, match="symbolic link"):
+        directory.describe("escape")
     with pytest.raises(NotFound):
         directory.load("absent", expected_fingerprint=FP)
     directory.remove("e1.s7.abc123")

@@ -140,7 +140,7 @@ def budget_mb(slabs: int, nbytes: int) -> float:
     return (slabs * nbytes + 1) / 2**20
 
 
-def disk_full(f, header, data, kek):
+def disk_full(f, header, data, kek, **_):
     """Stands in for fileformat.write_capsule: half a file, then ENOSPC."""
     f.write(b"CAPSULE\x00" + b"\x00" * 100)
     raise OSError(errno.ENOSPC, "No space left on device (injected)")

@@ -175,9 +175,9 @@ def test_a_persisting_commit_changes_the_lineage_at_its_boundary_while_steps_run
     session.on_event = events.append
     real_write = directory_module.write_capsule
 
-    def slow_write(*args):
+    def slow_write(*args, **kwargs):
         time.sleep(0.15)                              # a large capsule on a slow disk
-        real_write(*args)
+        real_write(*args, **kwargs)
     monkeypatch.setattr(directory_module, "write_capsule", slow_write)
     feed(session, observations(3, 6))
     done = []
@@ -205,10 +205,10 @@ def _gated_writes(monkeypatch):
     entered, release = threading.Event(), threading.Event()
     real_write = directory_module.write_capsule
 
-    def gated(*args):
+    def gated(*args, **kwargs):
         entered.set()
         assert release.wait(10)
-        real_write(*args)
+        real_write(*args, **kwargs)
     monkeypatch.setattr(directory_module, "write_capsule", gated)
     return entered, release
 

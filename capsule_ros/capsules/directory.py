@@ -7,7 +7,8 @@ Guarantees (docs/capsule-format.md explains them and their limits):
   is therefore always complete; a crash leaves at most a ``.part`` file, which the next
   ``CapsuleDirectory`` moves into ``quarantine/`` (listed in ``recovered``).
 - Confinement: capsule ids are checked against the id alphabet (no separators, no
-  leading dot, no ``..``) and the resolved path must sit directly in the root.
+  leading dot, no ``..``), so a capsule's path sits directly in the root; files are read
+  with O_NOFOLLOW, so a symbolic link planted there is refused, race-free.
 - Privacy: the root (and quarantine) are mode 0700, files 0600; with a key file every
   capsule is encrypted and authenticated (AES-GCM), and unencrypted files are refused.
 
@@ -22,9 +23,10 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import stat
 import threading
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -73,6 +75,7 @@ class CapsuleDirectory:
         self.max_file_bytes = max_file_bytes
         self._kek: Optional[bytes] = load_kek(Path(key_file).expanduser()) if key_file else None
         self._names = threading.Lock()        # publishing (rename) vs removing a capsule file
+        self._checked_schemas: Set[Tuple[int, Tuple]] = set()   # (nbytes, schema) validated by a save
         with os_errors(root, "capsule directory"):
             self.root = _private_dir(Path(root).expanduser())
             self.recovered: List[Path] = self._quarantine_leftovers()
@@ -91,15 +94,17 @@ class CapsuleDirectory:
 
     # -- paths ----------------------------------------------------------------------------------
     def path_of(self, capsule_id: str) -> Path:
-        """``<root>/<id>.capsule``; refuses (InvalidArgument) ids and paths that leave the root."""
-        path = self.root / (check_capsule_id(capsule_id) + SUFFIX)
-        if path.resolve().parent != self.root:   # belt and braces: e.g. a symlink planted in the root
-            raise InvalidArgument(f"capsule id {capsule_id!r} resolves to {str(path.resolve())!r}, "
-                                  f"outside the capsule directory {str(self.root)!r}")
-        return path
+        """``<root>/<id>.capsule``; refuses (InvalidArgument) malformed ids. The id alphabet
+        has no separators, so the path is always directly in the root; a symbolic link
+        planted there is refused when opened (files are read with O_NOFOLLOW)."""
+        return self.root / (check_capsule_id(capsule_id) + SUFFIX)
 
     def exists(self, capsule_id: str) -> bool:
-        return self.path_of(capsule_id).is_file()
+        """A regular capsule file (not a link, a directory...) is there."""
+        try:
+            return stat.S_ISREG(os.lstat(self.path_of(capsule_id)).st_mode)
+        except FileNotFoundError:
+            return False
 
     def ids(self) -> List[str]:
         """Ids of the complete capsule files, sorted (other files are ignored)."""
@@ -147,7 +152,9 @@ class CapsuleDirectory:
             try:
                 with os.fdopen(fd, "wb") as f:
                     os.fchmod(f.fileno(), FILE_MODE)
-                    write_capsule(f, header, data, self._kek)
+                    checked = (header.nbytes, header.schema)
+                    write_capsule(f, header, data, self._kek, schema_checked=checked in self._checked_schemas)
+                    self._checked_schemas.add(checked)
                     f.flush()
                     os.fsync(f.fileno())
                 with self._names:
@@ -169,18 +176,18 @@ class CapsuleDirectory:
         Raises NotFound, FingerprintMismatch, CorruptCapsule, PermissionDenied, CapsuleIOError.
         """
         path = self.path_of(capsule_id)
-        header, data = read_capsule(path, kek=self._kek, max_bytes=self.max_file_bytes,
+        header, data = read_capsule(path, kek=self._kek, max_bytes=self.max_file_bytes, follow=False,
                                     expected_fingerprint=expected_fingerprint, expected_schema=expected_schema)
         return self._capsule_of(header, path, capsule_id), data
 
     def header(self, capsule_id: str) -> CapsuleHeader:
         """The validated header of a capsule file (its chunks are not read)."""
-        return read_header(self.path_of(capsule_id), max_bytes=self.max_file_bytes)
+        return read_header(self.path_of(capsule_id), max_bytes=self.max_file_bytes, follow=False)
 
     def describe(self, capsule_id: str) -> Capsule:
         """A capsule's metadata from its file's header (payload None, path set; chunks not read)."""
         path = self.path_of(capsule_id)
-        return self._capsule_of(read_header(path, max_bytes=self.max_file_bytes), path, capsule_id)
+        return self._capsule_of(read_header(path, max_bytes=self.max_file_bytes, follow=False), path, capsule_id)
 
     @staticmethod
     def _capsule_of(header: CapsuleHeader, path: Path, capsule_id: str) -> Capsule:

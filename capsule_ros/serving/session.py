@@ -47,6 +47,7 @@ from capsule_ros.serving.stepping import GuardedStep
 
 LOG = logging.getLogger(__name__)
 MAX_LABEL = 256
+SAVE_GAP_WAIT_S = 0.01       # a save waits at most this long for the gap after a step
 # Errors of a capsule that cannot be restored from its bytes: re-entering it tries the fallback.
 UNRESTORABLE = (CorruptCapsule, NotFound, FingerprintMismatch, CapsuleIOError, PermissionDenied, InvalidArgument)
 
@@ -77,7 +78,9 @@ class PolicySession:
         self.inputs = SensorInputs(runtime.staging, dict(ports or {}))
         self.recompute = Recompute(runtime, store, control.input_log_steps)
         self.stepper = GuardedStep(runtime, self.inputs, self.counters, self.recompute.log_step)
-        self.saver = CapsuleSaver(directory, store, runtime.layout.schema()) if directory is not None else None
+        self.saver = CapsuleSaver(directory, store, runtime.layout.schema(),
+                                  between_steps=lambda: self.stepper.idle.wait(SAVE_GAP_WAIT_S)) \
+            if directory is not None else None
         self.reader = CapsuleReader(store, directory, runtime.layout.schema())
         self._boundary = BoundaryLock()
         self._next_episode = 1

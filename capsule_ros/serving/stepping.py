@@ -17,6 +17,7 @@ not part of the timeline).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -52,6 +53,8 @@ class GuardedStep:
         self.counters = counters
         self.log_step = log_step
         self.latency = LatencyWindow()
+        self.idle = threading.Event()    # set between steps: background work (saves) starts then
+        self.idle.set()
         self._watchdog: Optional[DeadlineWatchdog] = None
 
     def start_watchdog(self, on_overrun: Callable[[], None]) -> None:
@@ -70,6 +73,13 @@ class GuardedStep:
         watched = deadline_s is not None and self._watchdog is not None
         if watched:
             self._watchdog.arm(deadline_s)
+        self.idle.clear()
+        try:
+            return self._run(from_step, deadline_s, forced_late, watched)
+        finally:
+            self.idle.set()
+
+    def _run(self, from_step: int, deadline_s: Optional[float], forced_late: bool, watched: bool) -> StepResult:
         fault, out, start = StepFault.NONE, None, time.perf_counter()
         with self.inputs.lock:
             try:
