@@ -34,7 +34,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["capsule_ros", "capsule_ros.*"],
                            exclude=["capsule_ros.ros", "capsule_ros.ros.*", "capsule_ros.bt", "capsule_ros.bt.*"]),
-    package_data={"capsule_ros": ["policies/*.safetensors", "policies/*.json"]},
+    package_data={"capsule_ros": ["py.typed", "policies/*.safetensors", "policies/*.json"]},
     install_requires=core_requirements(),
     entry_points={"console_scripts": ["capsule-ros = capsule_ros.cli.main:main"]},
 )

@@ -40,6 +40,14 @@ def setting(default: Any, doc: str, *, low: Optional[float] = None, high: Option
     return field(default=default, metadata=meta)
 
 
+def field_default(f: dataclasses.Field) -> Any:
+    """A dataclass field's default value (from ``default`` or ``default_factory``)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    factory: Any = f.default_factory
+    return factory()
+
+
 def _check_value(section: str, name: str, value: Any, meta: Mapping[str, Any]) -> None:
     where = f"{section}.{name}"
     numbers = value if isinstance(value, tuple) else (value,)
@@ -121,8 +129,7 @@ class ConfigSection:
         kwargs = {}
         for name, value in values.items():
             f = known[name]
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kwargs[name] = _coerce(section, name, value, default)
+            kwargs[name] = _coerce(section, name, value, field_default(f))
         try:
             return cls(**cls.normalize(kwargs))
         except ConfigError as exc:   # name the section as the caller knows it (e.g. ports.joints)

@@ -48,6 +48,6 @@ class LatencyWindow:
             n = min(self._count, len(self._samples))
             data = self._samples[:n].copy()
         if n == 0:
-            return {q: 0.0 for q in qs}
+            return dict.fromkeys(qs, 0.0)
         values = np.percentile(data, qs) * 1e3
-        return {q: float(v) for q, v in zip(qs, values)}
+        return {q: float(v) for q, v in zip(qs, values, strict=True)}

@@ -7,12 +7,13 @@
 ``device`` is passed to the node only when given: by default ``runtime.device`` comes
 from the parameter file (``auto`` in config/policy.yaml), so a user file's choice holds.
 """
-from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, OpaqueFunction
 from launch.conditions import IfCondition
 from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
 from launch_ros.actions import Node
 from launch_ros.substitutions import FindPackageShare
+
+from launch import LaunchDescription
 
 
 def policy_node(context):

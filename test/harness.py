@@ -3,10 +3,10 @@ talks to them over real topics and services."""
 from __future__ import annotations
 
 import queue
-import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from capsule_ros.polling import wait_until
 from capsule_ros.ros import processes
 from capsule_ros.ros.processes import ManagedProcess, start_executable  # noqa: F401 (used by tests)
 
@@ -33,16 +33,16 @@ class ClientNode:
     messages and call the policy node's services."""
 
     def __init__(self, rclpy_module, name: str = "capsule_test_client", node_path: str = "/capsule_policy"):
-        from capsule_ros.ros.spinning import SpinThread
         from capsule_ros.ros.client import CapsuleClient
+        from capsule_ros.ros.spinning import SpinThread
         self.rclpy = rclpy_module
         self.node = rclpy_module.create_node(name)
         self._spin = SpinThread(self.node)
         self.capsules = CapsuleClient(self.node, node_path, server_wait_s=30.0, call_timeout_s=5.0)
-        self._queues: Dict[str, "queue.Queue"] = {}
+        self._queues: Dict[str, queue.Queue] = {}
 
-    def subscribe(self, msg_type, topic: str, qos=10) -> "queue.Queue":
-        q: "queue.Queue" = queue.Queue()
+    def subscribe(self, msg_type, topic: str, qos=10) -> queue.Queue:
+        q: queue.Queue = queue.Queue()
         self.node.create_subscription(msg_type, topic, q.put, qos)
         self._queues[topic] = q
         return q
@@ -51,14 +51,11 @@ class ClientNode:
         return self.node.create_publisher(msg_type, topic, qos)
 
     def wait_for_subscribers(self, publisher, count: int = 1, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while publisher.get_subscription_count() < count:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no subscriber on {publisher.topic_name} after {timeout} s")
-            time.sleep(0.05)
+        wait_until(lambda: publisher.get_subscription_count() >= count, timeout,
+                   f"{count} subscriber(s) on {publisher.topic_name}")
 
     @staticmethod
-    def drain(q: "queue.Queue") -> list:
+    def drain(q: queue.Queue) -> list:
         from capsule_ros.ros.spinning import drain
         return drain(q)
 
@@ -68,10 +65,5 @@ class ClientNode:
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+    """``capsule_ros.polling.wait_until`` with the tests' defaults."""
+    return wait_until(predicate, timeout, what, interval)

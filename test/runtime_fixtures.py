@@ -10,9 +10,9 @@ import torch
 
 from capsule_ros.capsules.store import CapsuleStore, CapsuleStoreConfig
 from capsule_ros.config import load_params_file
+from capsule_ros.policies.hybrid import HybridConfig, HybridPolicy
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
-from capsule_ros.runtime.hybrid import HybridConfig, HybridPolicy
 
 INPUTS = [BufferSpec("joints", (4,), torch.float32, BufferKind.INPUT),
           BufferSpec("goal", (2,), torch.float32, BufferKind.INPUT)]

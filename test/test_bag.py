@@ -21,15 +21,15 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from fixtures.make_bags import NODE_PARAMS, Driver, K, N, observations, record_events, record_rollback
+from harness import REPO, ClientNode, start_policy_node, wait_for
 
 from capsule_ros.bag.edit import rewrite_bag
-from capsule_ros.bag.reader import ACTION, BAG_INFO_FIELDS, ActionInfo, RecordedEvent, Recording, Timeline
+from capsule_ros.bag.reader import ACTION, BAG_INFO_FIELDS, ActionInfo, BagScan, RecordedEvent, Recording
 from capsule_ros.bag.replay import ReplayOptions, replay_bag
-from capsule_ros.cli.replay_cmd import main as replay_main
-from capsule_ros.bag.timeline import AT, BEFORE, Scheduler
+from capsule_ros.bag.schedule import AT, BEFORE, Scheduler
+from capsule_ros.cli.replay_cmd import main as replay_main, replay
 from capsule_ros.serving.records import EventKind
-from fixtures.make_bags import K, N, NODE_PARAMS, Driver, observations, record_events, record_rollback
-from harness import REPO, ClientNode, start_policy_node, wait_for
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NS = "/tbag"
@@ -61,9 +61,9 @@ def changed_copy(src: Path, dst: Path, step: int, delta: float = 0.25) -> int:
     """A consistent copy of a bag in which the joint state that triggered recorded step
     ``step`` (its first occurrence) has position[0] changed; returns that message's index."""
     with Recording(src) as recording:
-        timeline = recording.scan()
-    action = next(a for a in timeline.actions if a.step == step)
-    trigger = max(t for t in timeline.trigger_times if t < action.time)
+        scan = recording.scan()
+    action = next(a for a in scan.actions if a.step == step)
+    trigger = max(t for t in scan.trigger_times if t < action.time)
     changed = []
 
     def change(entry, recording):
@@ -143,7 +143,7 @@ def test_cross_process_replay_from_the_saved_capsule(live):
 
 @pytest.mark.ros
 def test_node_mode_verifies_a_bag(live):
-    verdict = replay_bag(live.rollback["bag"], ReplayOptions(node=True, timeout_s=90))
+    verdict = replay(live.rollback["bag"], ReplayOptions(node=True, timeout_s=90))
     assert verdict.target == "policy_node"
     assert verdict.identical, (verdict.first_divergence, verdict.notes)
     assert verdict.steps_compared == N + (N - K)
@@ -237,7 +237,7 @@ def test_timer_mode_bag_steps_where_the_node_acted(live, tmp_path):
     assert verdict.identical, (verdict.first_divergence, verdict.notes)
     assert verdict.steps_compared >= 10
     with pytest.raises(Exception, match="timer mode"):
-        replay_bag(tmp_path / "timer", ReplayOptions(node=True))
+        replay(tmp_path / "timer", ReplayOptions(node=True))
 
 
 @pytest.mark.ros
@@ -301,12 +301,12 @@ def test_a_recording_stopped_mid_step_ends_at_its_last_action(live, tmp_path, ca
     """The bag's last message is a trigger whose action was never recorded."""
     bag = Path(live.rollback["bag"])
     with Recording(bag) as recording:
-        timeline = recording.scan()
-    last_action = timeline.actions[-1].time
+        scan = recording.scan()
+    last_action = scan.actions[-1].time
     cut = tmp_path / "cut"
     rewrite_bag(bag, cut, lambda e, r: None if e.kind == ACTION and e.time == last_action else e.data)
     with Recording(cut) as recording:
-        assert len(recording.scan().actions) == len(timeline.actions) - 1
+        assert len(recording.scan().actions) == len(scan.actions) - 1
     assert replay_main([str(cut), "--verify", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["steps_unrecorded"] == 1 and report["first_divergence"] is None
@@ -352,7 +352,7 @@ def test_recorded_deadline_misses_are_reenacted_and_compared(live, tmp_path):
     verdict = replay_bag(bag)
     assert verdict.exit_code() == 0 and verdict.complete, (verdict.first_divergence, verdict.notes)
     assert verdict.deadline_misses == 4 and verdict.steps_compared == 12
-    node = replay_bag(bag, ReplayOptions(node=True, timeout_s=90))
+    node = replay(bag, ReplayOptions(node=True, timeout_s=90))
     assert node.first_divergence is None and node.steps_skipped == 4 and node.exit_code() == 3
     assert node.exit_code(allow_partial=True) == 0
 
@@ -526,21 +526,21 @@ def _event(kind, time, index, capsule_id="", step=0, episode=1, detail=""):
 
 def test_commit_published_after_later_steps_applies_at_its_boundary():
     """commit snapshots at step 5, saves, and its event comes after steps 6 and 7."""
-    timeline = Timeline(actions=[ActionInfo(20 + 10 * s, 0, 1, s, "", 0) for s in range(1, 8)],
+    scan = BagScan(actions=[ActionInfo(20 + 10 * s, 0, 1, s, "", 0) for s in range(1, 8)],
                         events=[_event(EventKind.COMMIT, 95, 0, "e1.s5.abcdef", step=7)])
-    timeline.trigger_times.extend(15 + 10 * s for s in range(1, 8))        # trigger 5 ms before each action
-    (slot, _), = Scheduler(timeline, "trigger").schedule()
+    scan.trigger_times.extend(15 + 10 * s for s in range(1, 8))        # trigger 5 ms before each action
+    (slot, _), = Scheduler(scan, "trigger").schedule()
     assert (slot.time, slot.side) == (75, BEFORE)                           # before the trigger of step 6
 
 
 def test_interrupt_recorded_after_a_trigger_it_preceded_applies_before_that_step():
     actions = [ActionInfo(20, 0, 1, 1, "", 0), ActionInfo(40, 0, 1, 1, "", 1)]   # step 1, then a safe action
-    timeline = Timeline(actions=actions, events=[_event(EventKind.INTERRUPT, 35, 0, step=1, detail="HOLD_LAST")])
-    timeline.trigger_times.extend([15, 30])
-    (slot, _), = Scheduler(timeline, "trigger").schedule()
+    scan = BagScan(actions=actions, events=[_event(EventKind.INTERRUPT, 35, 0, step=1, detail="HOLD_LAST")])
+    scan.trigger_times.extend([15, 30])
+    (slot, _), = Scheduler(scan, "trigger").schedule()
     assert (slot.time, slot.side) == (30, BEFORE)
     actions[1] = ActionInfo(40, 0, 1, 2, "", 0)                              # the step came first
-    (slot, _), = Scheduler(timeline, "trigger").schedule()
+    (slot, _), = Scheduler(scan, "trigger").schedule()
     assert (slot.time, slot.side) == (35, AT)
 
 
@@ -548,10 +548,10 @@ def test_reentry_after_a_silent_trigger_stays_after_it():
     """A trigger that made no action (interrupted, silent), then a re-entry, then a step:
     the re-entry must not move before the silent trigger."""
     actions = [ActionInfo(60, 0, 1, 6, "e1.s5.abcdef", 0)]
-    timeline = Timeline(actions=actions, events=[_event(EventKind.REENTER, 45, 0, "e1.s5.abcdef", step=5)])
-    timeline.trigger_times.extend([40, 55])
-    (slot, _), = Scheduler(timeline, "trigger").schedule()
+    scan = BagScan(actions=actions, events=[_event(EventKind.REENTER, 45, 0, "e1.s5.abcdef", step=5)])
+    scan.trigger_times.extend([40, 55])
+    (slot, _), = Scheduler(scan, "trigger").schedule()
     assert (slot.time, slot.side) == (45, AT)
-    timeline.trigger_times[:] = type(timeline.trigger_times)("q", [40])     # the action is the trigger's at 40
-    (slot, _), = Scheduler(timeline, "trigger").schedule()
+    scan.trigger_times[:] = type(scan.trigger_times)("q", [40])     # the action is the trigger's at 40
+    (slot, _), = Scheduler(scan, "trigger").schedule()
     assert (slot.time, slot.side) == (40, BEFORE)

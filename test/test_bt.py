@@ -19,11 +19,11 @@ import time
 import numpy as np
 import py_trees
 import pytest
+from harness import REPO, ClientNode, start_policy_node, wait_for
 from py_trees.common import Status
+from test_node import Driver, observations
 
 import capsule_ros.bt as bt
-from harness import REPO, ClientNode, start_policy_node, wait_for
-from test_node import Driver, observations
 
 pytestmark = pytest.mark.ros
 NS = "/bt"

@@ -22,15 +22,29 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from capsule_ros.capsules.directory import CapsuleDirectory
-from capsule_ros.capsules.fileformat import (MAGIC, PREFIX, CapsuleHeader, canonical_json, load_kek, read_capsule,
-                                             read_header, verify_capsule, write_capsule)
+from capsule_ros.capsules.fileformat import (
+    MAGIC,
+    PREFIX,
+    CapsuleHeader,
+    canonical_json,
+    load_kek,
+    read_capsule,
+    read_header,
+    verify_capsule,
+    write_capsule,
+)
 from capsule_ros.capsules.store import Capsule, CapsuleStoreConfig
-from capsule_ros.errors import (CapsuleRosError, CorruptCapsule, FingerprintMismatch, InvalidArgument, NotFound,
-                                PermissionDenied)
+from capsule_ros.errors import (
+    CapsuleRosError,
+    CorruptCapsule,
+    FingerprintMismatch,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 from capsule_ros.runtime.arena import ArenaLayout, BufferKind, buffer_specs
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ temporary directory, through random sequences of rules:
 
   steps (ticks on seeded observations), commit (persist / pin), steps_then_commit,
   interrupt, reenter (own capsule / any id / "" / unknown / malformed), reset, fork,
-  save, load, drop (memory / memory and disk / store.release_memory), forget (drop one
+  save, load, drop (memory / memory and disk / store.demote_to_disk), forget (drop one
   of this process's capsules and damage or delete its file, maybe re-enter it at once),
   fault (flip a bit / truncate a file, plant a ``.part``, disk full on the next write)
   and restart (crash, crash mid-save leaving a ``.part``, stray ``.part``, or a new
@@ -58,25 +58,38 @@ from typing import Dict, List, Optional
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from runtime_fixtures import INPUTS, SMALL, observations, with_overrides
 
 from capsule_ros.capsules import directory as directory_module
 from capsule_ros.capsules.directory import PART_SUFFIX, QUARANTINE, SUFFIX, CapsuleDirectory
 from capsule_ros.capsules.store import CapsuleStore, CapsuleStoreConfig, Tier
-from capsule_ros.errors import (Busy, CapsuleIOError, CapsuleRosError, CorruptCapsule, FingerprintMismatch,
-                                InvalidArgument, NotFound, ResourceExhausted, WrongState)
+from capsule_ros.errors import (
+    Busy,
+    CapsuleIOError,
+    CapsuleRosError,
+    CorruptCapsule,
+    FingerprintMismatch,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    WrongState,
+)
+from capsule_ros.policies.hybrid import HybridPolicy
 from capsule_ros.runtime.arena import BufferKind
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
-from capsule_ros.runtime.hybrid import HybridPolicy
 from capsule_ros.serving.config import ControlConfig
-from capsule_ros.serving.records import EpisodeState, HoldMode
 from capsule_ros.serving.files import SaveFailed
+from capsule_ros.serving.records import EpisodeState, HoldMode
 from capsule_ros.serving.session import PolicySession
-
-from runtime_fixtures import INPUTS, SMALL, observations, with_overrides
 
 torch.set_num_threads(1)
 
@@ -206,7 +219,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         self.mem: Dict[str, bytes] = {}            # bytes the store's copy of an id must hold
         self.made: Dict[str, Made] = {}            # ledger: capsules this process made
         self.pinned: set = set()                   # pinned, not dropped/released by the user
-        self.released: set = set()                 # memory released by the user (release_memory)
+        self.released: set = set()                 # memory released by the user (demote_to_disk)
         self.since_boot = 0
         self.process += 1
         self.session.reset()
@@ -573,12 +586,12 @@ class CapsuleMachine(RuleBasedStateMachine):
         REPORT["load: from disk"] += 1
 
     @precondition(lambda self: self.ids)
-    @rule(index=IDX, how=st.sampled_from(["memory", "disk", "release_memory"]))
+    @rule(index=IDX, how=st.sampled_from(["memory", "disk", "demote_to_disk"]))
     @counted
     def drop(self, index, how):
-        """session.drop (memory, or memory and disk) or store.release_memory."""
-        if how == "release_memory":
-            return self.release_memory(self.pick(index))
+        """session.drop (memory, or memory and disk) or store.demote_to_disk."""
+        if how == "demote_to_disk":
+            return self.demote_to_disk(self.pick(index))
         from_disk = how == "disk"
         capsule_id = self.pick(index)
         s = self.session
@@ -601,10 +614,10 @@ class CapsuleMachine(RuleBasedStateMachine):
             self.on_tl.pop(capsule_id, None)
         REPORT["drops"] += 1
 
-    def release_memory(self, capsule_id):
+    def demote_to_disk(self, capsule_id):
         store = self.session.store
         found = store.find(capsule_id)
-        _, exc = self.attempt("release_memory", lambda: store.release_memory(capsule_id))
+        _, exc = self.attempt("demote_to_disk", lambda: store.demote_to_disk(capsule_id))
         if found is None:
             return self.expect_refusal(exc, NotFound)
         if found.path is None:
@@ -813,7 +826,7 @@ class CapsuleMachine(RuleBasedStateMachine):
 def _diff(before, after) -> str:
     names = ("arena", "episode", "step", "state", "lineage", "interrupt capsule", "store listing", "files")
     out = []
-    for name, a, b in zip(names, before, after):
+    for name, a, b in zip(names, before, after, strict=True):
         if a != b:
             if name == "store listing":
                 out.append(f"  store listing: removed {sorted(set(a) - set(b))}, added {sorted(set(b) - set(a))}")
@@ -915,7 +928,7 @@ def test_regression_a_refused_fallback_keeps_the_capsule_entry(machine):
     s = machine.session
     _feed(s, 3, 1)
     capsule = s.commit("x", persist=True)
-    s.store.release_memory(capsule.id)             # disk-only entry
+    s.store.demote_to_disk(capsule.id)             # disk-only entry
     path = machine.path(capsule.id)
     blob = bytearray(path.read_bytes())
     blob[-1] ^= 1

@@ -18,19 +18,17 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import List
 
 import numpy as np
 import pytest
 import torch
+from runtime_fixtures import default_config, observations
 
 from capsule_ros.errors import CorruptCapsule, ErrorCode, NotFound, error_code_of
 from capsule_ros.serving.factory import build_session
 from capsule_ros.serving.records import EpisodeState
 from capsule_ros.serving.session import PolicySession
-
-from runtime_fixtures import default_config, observations
 
 torch.set_num_threads(1)
 KS = tuple(int(k) for k in os.environ.get("CAPSULE_FALLBACK_KS", "50,200,800").split(","))
@@ -235,5 +233,5 @@ def test_recompute_cost_against_restore(tmp_path):
               f"{rec / k:9.3f} {rec_wall / disk_wall:7.0f}")
     print(f"first fallback of the session (5 steps, builds the scratch runtime): "
           f"{cold.recompute_seconds * 1e3:.1f} ms")
-    for (_, *_a, r1, _w1), (_, *_b, r2, _w2) in zip(rows, rows[1:]):
+    for (_, *_a, r1, _w1), (_, *_b, r2, _w2) in zip(rows, rows[1:], strict=False):
         assert r2 > r1, "recompute cost should grow with k"

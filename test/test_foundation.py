@@ -11,7 +11,6 @@ import time
 import xml.etree.ElementTree as ET
 
 import pytest
-
 from harness import REPO, ClientNode, start_policy_node, wait_for
 
 SERVICE_NAMES = ("commit", "reset", "interrupt", "reenter", "fork", "list_capsules", "drop_capsule",
@@ -87,10 +86,10 @@ def test_policy_node_serves_every_service_and_exits_on_sigint(tmp_path, rclpy_co
     client = ClientNode(rclpy_context, "foundation_client", node_path="/foundation/capsule_policy")
     try:
         expected = {f"/foundation/capsule_policy/{name}": f"capsule_ros/srv/{t}"
-                    for name, t in zip(SERVICE_NAMES + ("record",), SRV_TYPES)}
+                    for name, t in zip(SERVICE_NAMES + ("record",), SRV_TYPES, strict=True)}
 
         def advertised():
-            found = dict((n, t[0]) for n, t in client.node.get_service_names_and_types())
+            found = {n: t[0] for n, t in client.node.get_service_names_and_types()}
             return all(found.get(n) == t for n, t in expected.items()) and found
 
         wait_for(advertised, timeout=60, what="the node's services")

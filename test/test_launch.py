@@ -26,12 +26,12 @@ LAUNCH_HINT = ("the ROS 2 launch tooling is not installed: run ./setup.sh (or ma
                "CAPSULE_ROS_LAUNCH_WHEELS=<directory of the launch wheels>, e.g. shared/ros-launch/wheels "
                "(see requirements/launch.txt; CI's .ci/run sets it)")
 if os.environ.get("CAPSULE_ROS_LAUNCH_WHEELS"):
-    import launch_pytest   # asked for: an incomplete install must fail, not skip
+    import launch_pytest  # asked for: an incomplete install must fail, not skip
 else:
     launch_pytest = pytest.importorskip("launch_pytest", reason=LAUNCH_HINT)
 
 import psutil  # noqa: E402
-from launch import LaunchDescription  # noqa: E402
+from harness import DEFAULT_PARAMS, ClientNode, wait_for  # noqa: E402
 from launch.actions import IncludeLaunchDescription, RegisterEventHandler, SetEnvironmentVariable  # noqa: E402
 from launch.event_handlers import OnProcessExit, OnProcessStart  # noqa: E402
 from launch.launch_description_sources import PythonLaunchDescriptionSource  # noqa: E402
@@ -39,7 +39,7 @@ from launch.substitutions import PathJoinSubstitution  # noqa: E402
 from launch_ros.substitutions import FindPackageShare  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
 
-from harness import DEFAULT_PARAMS, ClientNode, wait_for  # noqa: E402
+from launch import LaunchDescription  # noqa: E402
 
 pytestmark = pytest.mark.ros
 RELIABLE = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)

@@ -170,7 +170,7 @@ def test_diffusion_noise_is_the_counter_based_draw(cases):
         case = cases[name]
         noise, at = case.outputs["noise"], case.outputs["noise_at"]
         assert len(noise) > 0
-        for block, (episode, step) in zip(noise, at):
+        for block, (episode, step) in zip(noise, at, strict=True):
             drawn = counter_normal(torch.tensor([case.seed(episode), step]), block.shape).numpy()
             assert drawn.tobytes() == block.tobytes()
 

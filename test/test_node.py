@@ -9,13 +9,11 @@ from __future__ import annotations
 import os
 import queue
 import stat
-import time
 
 import numpy as np
 import pytest
-from rclpy.qos import QoSProfile, ReliabilityPolicy
-
 from harness import ClientNode, start_policy_node, wait_for
+from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 pytestmark = pytest.mark.ros
 NS = "/tn"
@@ -26,9 +24,10 @@ class Driver:
     """Feeds a trigger-mode node one joint-state message at a time and collects actions."""
 
     def __init__(self, client: ClientNode, ns: str):
-        from capsule_ros.msg import Action, CapsuleEvent, RuntimeStatus
         from geometry_msgs.msg import PointStamped
         from sensor_msgs.msg import JointState
+
+        from capsule_ros.msg import Action, CapsuleEvent, RuntimeStatus
         self.client, self.ns = client, ns
         self.JointState, self.PointStamped = JointState, PointStamped
         self.actions = client.subscribe(Action, f"{ns}/capsule_policy/action", RELIABLE)
@@ -207,8 +206,8 @@ def test_fork_list_save_drop_load(node):
 
 
 def test_error_paths_answer_their_code_and_change_nothing(node):
-    from capsule_ros.srv import Commit, DropCapsule, Fork, Interrupt, LoadCapsule, Reenter, Reset, SaveCapsule
     from capsule_ros.errors import ErrorCode as E
+    from capsule_ros.srv import Commit, DropCapsule, Fork, Interrupt, LoadCapsule, Reenter, Reset, SaveCapsule
     proc, client, driver, tmp = node
     driver.run(observations(2, 15))
     anchor = client.capsules.commit(label="anchor").capsule

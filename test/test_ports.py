@@ -119,8 +119,8 @@ def test_values_the_buffer_dtype_cannot_hold_are_dropped_as_nonfinite(value):
                                             ("uint8", [255, 0], [256, 0]), ("uint8", [0, 1], [-1, 0]),
                                             ("int64", [-2**53, 2**53], [1e19, 0])])
 def test_integer_buffers_refuse_values_out_of_their_range(dtype, good, bad):
-    from std_msgs.msg import Float32MultiArray
     from geometry_msgs.msg import PointStamped
+    from std_msgs.msg import Float32MultiArray
     port = adapter(type="geometry_msgs/PointStamped", fields=["point.x", "point.y"], shape=[2], dtype=dtype)
 
     def point(values):

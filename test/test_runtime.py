@@ -6,15 +6,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from runtime_fixtures import (
+    SMALL,
+    arena_bytes,
+    first_divergence,
+    make_runtime,
+    make_store,
+    observations,
+    run,
+    with_overrides,
+)
 
 from capsule_ros.capsules.store import Tier
 from capsule_ros.errors import FingerprintMismatch, InvalidArgument
+from capsule_ros.policies.hybrid import chunked_scan
 from capsule_ros.runtime.arena import KIND_ORDER, ArenaLayout, BufferKind, BufferSpec
-from capsule_ros.runtime.hybrid import chunked_scan
 from capsule_ros.runtime.plan import GraphAddressError
-
-from runtime_fixtures import (SMALL, arena_bytes, first_divergence, make_runtime, make_store, observations, run,
-                              with_overrides)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -219,8 +226,10 @@ def test_session_rollback_and_recompute_fallback_are_bit_identical(device, tmp_p
     """The node's logic without ROS, on the device: commit, roll back, and rebuild a lost
     capsule from the input log (on the scratch runtime) give the original actions."""
     import dataclasses
-    from capsule_ros.serving.factory import build_session
+
     from runtime_fixtures import default_config
+
+    from capsule_ros.serving.factory import build_session
     config = default_config(tmp_path)
     session = build_session(dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device=device)))
     obs = observations(60, 21)
@@ -238,7 +247,7 @@ def test_session_rollback_and_recompute_fallback_are_bit_identical(device, tmp_p
     original = feed(obs[20:])
     assert session.reenter(capsule.id).rollback
     assert first_divergence(feed(obs[20:]), original) is None
-    session.store.release_memory(capsule.id)          # only its file is left ...
+    session.store.demote_to_disk(capsule.id)          # only its file is left ...
     path = tmp_path / "capsules" / f"{capsule.id}.capsule"
     blob = bytearray(path.read_bytes())
     blob[-100] ^= 0x10                                  # ... and it is damaged

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from runtime_fixtures import default_config, feed, observations
 
 from capsule_ros.capsules import directory as directory_module
 from capsule_ros.capsules.directory import CapsuleDirectory
@@ -34,8 +35,6 @@ from capsule_ros.runtime.plan import PolicyStepError
 from capsule_ros.runtime.policy import StatefulPolicy, standard_specs
 from capsule_ros.serving.factory import build_runtime, build_session
 from capsule_ros.serving.records import ActionSource, EventKind, StepFault
-
-from runtime_fixtures import default_config, feed, observations
 
 torch.set_num_threads(1)
 

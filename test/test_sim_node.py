@@ -7,9 +7,8 @@ import time
 
 import numpy as np
 import pytest
-from rclpy.qos import QoSProfile, ReliabilityPolicy
-
 from harness import ClientNode, ManagedProcess, start_executable, start_policy_node, wait_for
+from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 pytestmark = pytest.mark.ros
 RELIABLE = QoSProfile(depth=50, reliability=ReliabilityPolicy.RELIABLE)
@@ -23,8 +22,9 @@ def start_sim(tmp_path, namespace: str, mode: str = "lockstep", **params) -> Man
 
 
 def test_lockstep_sim_and_policy_node_drive_each_other(tmp_path, rclpy_context):
-    from capsule_ros.msg import Action
     from sensor_msgs.msg import JointState
+
+    from capsule_ros.msg import Action
     policy = start_policy_node(tmp_path, {"policy": {"weights": ""}, "ports": {"joints": {"qos": "reliable"}}},
                                namespace="/lock")
     sim = start_sim(tmp_path, "/lock")
@@ -47,8 +47,9 @@ def test_lockstep_sim_and_policy_node_drive_each_other(tmp_path, rclpy_context):
 
 
 def test_realtime_sim_holds_still_when_actions_stop(tmp_path, rclpy_context):
-    from capsule_ros.msg import Action
     from sensor_msgs.msg import JointState
+
+    from capsule_ros.msg import Action
     sim = start_sim(tmp_path, "/rt", mode="realtime", rate_hz=50.0, action_timeout_ms=100.0)
     client = ClientNode(rclpy_context, "sim_realtime_client")
     try:

@@ -3,11 +3,10 @@ pins, forks sharing bytes, counters."""
 from __future__ import annotations
 
 import pytest
+from runtime_fixtures import arena_bytes, make_runtime, make_store, observations, run
 
 from capsule_ros.capsules.store import Tier
 from capsule_ros.errors import InvalidArgument, NotFound, ResourceExhausted
-
-from runtime_fixtures import arena_bytes, make_runtime, make_store, observations, run
 
 
 def slabs_mb(runtime, n):

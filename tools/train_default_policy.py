@@ -48,8 +48,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from capsule_ros.policies.hybrid import HybridPolicy
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig, configure_torch
-from capsule_ros.runtime.hybrid import HybridPolicy
 from capsule_ros.runtime.weights import save_weights
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_policy
@@ -75,10 +75,10 @@ class Episodes:
     def __len__(self) -> int:
         return self.observations.shape[0]
 
-    def subset(self, indices: np.ndarray) -> "Episodes":
+    def subset(self, indices: np.ndarray) -> Episodes:
         return Episodes(self.observations[indices], self.labels[indices])
 
-    def extend(self, other: "Episodes") -> "Episodes":
+    def extend(self, other: Episodes) -> Episodes:
         return Episodes(np.concatenate([self.observations, other.observations]),
                         np.concatenate([self.labels, other.labels]))
 
@@ -290,7 +290,7 @@ def evaluate(config: ServingConfig, policy: HybridPolicy, threads: int) -> dict:
     return {"success_rate": float(result["success"].mean()),
             "final_at_goal_rate": float(result["final_at_goal"].mean()),
             "mean_steps_to_success": float(np.mean(reached)) if reached else None,
-            "failed_seeds": [s for s, ok in zip(EVAL_SEEDS, result["success"]) if not ok]}
+            "failed_seeds": [s for s, ok in zip(EVAL_SEEDS, result["success"], strict=True) if not ok]}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -378,7 +378,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     weights_path = args.output_dir / f"{POLICY_NAME}.safetensors"
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     tensors = {name: t.detach().float().contiguous() for name, t in policy.state_dict().items()}
     save_weights(weights_path, tensors, {
         "name": POLICY_NAME, "seed": args.seed, "steps": trainer.steps_done,

@@ -29,7 +29,7 @@ from typing import Any, Dict, Mapping, Optional
 import yaml
 
 from capsule_ros.bag.errors import BadBag
-from capsule_ros.config import ConfigSection
+from capsule_ros.config import ConfigSection, field_default
 from capsule_ros.errors import CapsuleRosError
 from capsule_ros.serving.config import ServingConfig
 
@@ -41,8 +41,7 @@ def _section_params(section: ConfigSection) -> Dict[str, Any]:
     """A section's settings as parameter values; empty lists whose default is empty are
     left out (ROS parameter files cannot type an empty list)."""
     out = {}
-    defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-                for f in section.settings()}
+    defaults = {f.name: field_default(f) for f in section.settings()}
     for name, value in section.to_mapping().items():
         if value == [] and defaults[name] == ():
             continue
@@ -130,7 +129,7 @@ class RecordingMeta:
 
     @classmethod
     def for_node(cls, config: ServingConfig, action_topic: str, events_topic: str,
-                 fingerprint: str = "") -> "RecordingMeta":
+                 fingerprint: str = "") -> RecordingMeta:
         node = node_of(action_topic)
         ports = {name: PortTopic(resolve_topic(port.topic, node), port.type) for name, port in config.ports.items()}
         return cls(config_params(config), node, ports, action_topic, events_topic, fingerprint,
@@ -154,7 +153,7 @@ class RecordingMeta:
             "versions": json.dumps(self.versions, sort_keys=True), "initial_inputs": str(self.initial_inputs)}.items()}
 
     @classmethod
-    def from_custom_data(cls, custom: Optional[Mapping[str, str]]) -> "RecordingMeta":
+    def from_custom_data(cls, custom: Optional[Mapping[str, str]]) -> RecordingMeta:
         """Parse the keys written by ``to_custom_data`` (BadBag naming what is missing)."""
         custom = dict(custom or {})
         if PREFIX + "params" not in custom:
@@ -174,13 +173,13 @@ class RecordingMeta:
             raise BadBag(f"garbled capsule_ros metadata in metadata.yaml custom_data: {exc!r}") from None
 
     @classmethod
-    def from_config(cls, config: ServingConfig, action_topic: str, events_topic: str) -> "RecordingMeta":
+    def from_config(cls, config: ServingConfig, action_topic: str, events_topic: str) -> RecordingMeta:
         """For a bag without our metadata (e.g. ``ros2 bag record``): ports resolved from
         the given config in the namespace of the recorded action topic."""
         meta = cls.for_node(config, action_topic, events_topic)
         return dataclasses.replace(meta, versions={})
 
-    def with_config(self, config: ServingConfig) -> "RecordingMeta":
+    def with_config(self, config: ServingConfig) -> RecordingMeta:
         """The same recording, replayed with another config (``--params-file``)."""
         return dataclasses.replace(self, params=config_params(config))
 

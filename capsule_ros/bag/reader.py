@@ -6,8 +6,8 @@ an unreadable or truncated storage file, a missing topic or recorded config, an
 undecodable action or event, a message digest that differs from the recorded one.
 
 ``scan()`` reads the bag once without deserialising sensor data: it checks the digest
-and returns a ``Timeline`` (events, compact actions, tick times) from which the replay
-schedules each capsule event (``capsule_ros.bag.timeline``). ``entries()`` then streams
+and returns a ``BagScan`` (events, compact actions, tick times) from which the replay
+schedules each capsule event (``capsule_ros.bag.schedule``). ``entries()`` then streams
 the messages, in the order the node processed them (log time order).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import yaml
 from rosbags.rosbag2 import Reader
@@ -91,7 +91,7 @@ class RecordedEvent:
         return position[1] if position else self.step
 
     @classmethod
-    def of(cls, msg: Any, time: int, index: int) -> "RecordedEvent":
+    def of(cls, msg: Any, time: int, index: int) -> RecordedEvent:
         try:
             kind = EventKind(int(msg.kind))
         except ValueError:
@@ -101,13 +101,13 @@ class RecordedEvent:
 
 
 @dataclass
-class Timeline:
+class BagScan:
     """The pre-scan of a bag (see the module docstring)."""
 
     actions: List[ActionInfo] = field(default_factory=list)
     events: List[RecordedEvent] = field(default_factory=list)
-    trigger_times: Sequence[int] = field(default_factory=lambda: array("q"))   # log times of trigger messages
-    sensor_times: Sequence[int] = field(default_factory=lambda: array("q"))    # log times of all sensor messages
+    trigger_times: array[int] = field(default_factory=lambda: array("q"))   # log times of trigger messages
+    sensor_times: array[int] = field(default_factory=lambda: array("q"))    # log times of all sensor messages
     counts: Dict[str, int] = field(default_factory=dict)     # messages per topic
     messages: int = 0
     start_ns: int = 0
@@ -148,10 +148,10 @@ class Recording:
         self.storage = str(self.info.get("storage_identifier", "?"))
         self._override = config
         self._reader: Optional[Reader] = None
-        self._timeline: Optional[Timeline] = None
+        self._scan: Optional[BagScan] = None
 
     # -- opening ------------------------------------------------------------------------------
-    def __enter__(self) -> "Recording":
+    def __enter__(self) -> Recording:
         try:
             self._reader = Reader(self.path)
             self._reader.open()
@@ -175,6 +175,7 @@ class Recording:
 
     def _bind(self) -> None:
         """Metadata, typestore and the topic -> role map."""
+        assert self._reader is not None                 # bound right after opening
         connections = self._reader.connections
         by_type: Dict[str, List[str]] = {}
         for conn in connections:
@@ -240,36 +241,36 @@ class Recording:
             raise BadBag(f"{entry.kind} message {entry.index} on {entry.topic} does not decode: {_reason(exc)}") \
                 from None
 
-    def scan(self) -> Timeline:
+    def scan(self) -> BagScan:
         """The pre-scan (cached); checks the recorded digest and message count."""
-        if self._timeline is not None:
-            return self._timeline
-        timeline = Timeline()
+        if self._scan is not None:
+            return self._scan
+        scan = BagScan()
         digest = MessageDigest()
         trigger = self.config.control.trigger_port
         for entry in self.entries():
             digest.update(entry.topic, entry.time, entry.data)
-            timeline.counts[entry.topic] = timeline.counts.get(entry.topic, 0) + 1
+            scan.counts[entry.topic] = scan.counts.get(entry.topic, 0) + 1
             if entry.kind == ACTION:
                 msg = self.decode_own(entry)
-                timeline.actions.append(ActionInfo(entry.time, entry.index, int(msg.episode_id), int(msg.step),
+                scan.actions.append(ActionInfo(entry.time, entry.index, int(msg.episode_id), int(msg.step),
                                                    str(msg.lineage), int(msg.source)))
             elif entry.kind == EVENT:
-                timeline.events.append(RecordedEvent.of(self.decode_own(entry), entry.time, entry.index))
+                scan.events.append(RecordedEvent.of(self.decode_own(entry), entry.time, entry.index))
             else:
-                timeline.sensor_times.append(entry.time)
-                if entry.port == trigger and len(timeline.sensor_times) > self.meta.initial_inputs:
-                    timeline.trigger_times.append(entry.time)     # the inputs' state at the start made no step
-            timeline.start_ns = timeline.start_ns or entry.time
-            timeline.end_ns = entry.time
-        timeline.messages = digest.count
+                scan.sensor_times.append(entry.time)
+                if entry.port == trigger and len(scan.sensor_times) > self.meta.initial_inputs:
+                    scan.trigger_times.append(entry.time)     # the inputs' state at the start made no step
+            scan.start_ns = scan.start_ns or entry.time
+            scan.end_ns = entry.time
+        scan.messages = digest.count
         meta = self.meta
         if meta.messages >= 0 and digest.count != meta.messages:
             raise BadBag(f"truncated or altered: {digest.count} messages readable, {meta.messages} recorded")
         if meta.digest and digest.hexdigest() != meta.digest:
             raise BadBag("garbled: the messages' SHA-256 differs from the digest recorded in metadata.yaml")
-        self._timeline = timeline
-        return timeline
+        self._scan = scan
+        return scan
 
 
 def _reason(exc: BaseException) -> str:

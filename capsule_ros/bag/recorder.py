@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from rosbags.interfaces import Connection, Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
 from rosbags.rosbag2 import StoragePlugin, Writer, WriterError
@@ -74,7 +74,7 @@ class BagWriter:
         self._connections: Dict[str, Connection] = {}
         self._open = False
 
-    def open(self) -> "BagWriter":
+    def open(self) -> BagWriter:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._writer.open()
@@ -126,7 +126,7 @@ class BagWriter:
             self._open = False
             self._writer.abort()
 
-    def __enter__(self) -> "BagWriter":
+    def __enter__(self) -> BagWriter:
         return self.open()
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -146,12 +146,17 @@ class NodeRecorder:
     to the thread that made them); ``start`` and ``close`` wait for it and re-raise its
     errors."""
 
-    def __init__(self, path: Path, storage: str, meta: RecordingMeta):
+    def __init__(self, path: Path, storage: str, meta: RecordingMeta,
+                 serialize: Optional[Callable[[Any], bytes]] = None):
+        """``serialize``: turns a message object given to ``write_message`` into its CDR
+        bytes, on the writer thread (the node passes rclpy's ``serialize_message``: this
+        layer needs no ROS)."""
         self.meta = meta
+        self._serialize = serialize
         self.path = str(path)
         self.storage = storage
         self._lock = threading.Lock()
-        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._closed = False
         self._last = -1
@@ -166,7 +171,8 @@ class NodeRecorder:
 
     @classmethod
     def start(cls, path: str, directory: str, storage: str, config, action_topic: str, events_topic: str,
-              fingerprint: str = "", initial_inputs: int = 0) -> "NodeRecorder":
+              fingerprint: str = "", initial_inputs: int = 0,
+              serialize: Optional[Callable[[Any], bytes]] = None) -> NodeRecorder:
         """Open a new bag (``path`` "" = ``<directory>/<UTC stamp>``) with a connection per
         port, ``~/action`` and ``~/capsule_events``. ``initial_inputs``: how many sensor
         messages the caller writes first as the inputs' state at the start (the last
@@ -175,7 +181,7 @@ class NodeRecorder:
                                    initial_inputs=initial_inputs)
         storage = storage or "mcap"
         storage_plugin(storage)                   # refuse a bad name before any thread starts
-        recorder = cls(Path(path).expanduser() if path else new_bag_path(directory), storage, meta)
+        recorder = cls(Path(path).expanduser() if path else new_bag_path(directory), storage, meta, serialize)
         LOG.info("recording to %s (%s)", recorder.path, storage)
         return recorder
 
@@ -184,11 +190,11 @@ class NodeRecorder:
         """A sensor message as received (``topic`` as configured: resolved like the node)."""
         self._put(resolve_topic(topic, self.meta.node), msgtype, bytes(raw_cdr), stamp_ns)
 
-    def write_message(self, topic: str, rclpy_msg, stamp_ns: int) -> None:
-        """A published message (serialized on the writer thread)."""
-        msgtype = ACTION_TYPE if topic == self.meta.action_topic else \
-            EVENT_TYPE if topic == self.meta.events_topic else _rclpy_type_name(rclpy_msg)
-        self._put(topic, msgtype, rclpy_msg, stamp_ns)
+    def write_message(self, topic: str, msg: Any, stamp_ns: int) -> None:
+        """A published ``~/action`` or ``~/capsule_events`` message (serialized on the writer
+        thread with the recorder's ``serialize``)."""
+        msgtype = ACTION_TYPE if topic == self.meta.action_topic else EVENT_TYPE
+        self._put(topic, msgtype, msg, stamp_ns)
 
     def close(self) -> int:
         """Stop, write the metadata, close the bag; returns the number of messages written."""
@@ -239,7 +245,12 @@ class NodeRecorder:
                 continue
             topic, msgtype, payload, log_time = item
             try:
-                data = payload if isinstance(payload, bytes) else _serialize(payload)
+                if isinstance(payload, bytes):
+                    data = payload
+                elif self._serialize is not None:
+                    data = self._serialize(payload)
+                else:
+                    raise RecordError("write_message needs the recorder's serialize function")
                 writer.write(topic, msgtype, data, log_time)
                 self._count += 1
             except Exception as exc:  # noqa: BLE001 - disk full etc.: stop writing, report at close
@@ -252,16 +263,6 @@ class NodeRecorder:
             writer.close(self.meta)
         except Exception as exc:  # noqa: BLE001 - reported by close()
             self._error = exc
-
-
-def _serialize(rclpy_msg) -> bytes:
-    from rclpy.serialization import serialize_message
-    return serialize_message(rclpy_msg)
-
-
-def _rclpy_type_name(msg) -> str:
-    module = type(msg).__module__.split(".")        # e.g. capsule_ros.msg._action
-    return f"{module[0]}/msg/{type(msg).__name__}"
 
 
 def write_bag(path: Path, storage: str, meta: RecordingMeta, typestore: Typestore,

@@ -4,14 +4,14 @@ with the recorded one, bit for bit.
 
 Steps follow the bag, never the wall clock: in trigger mode the policy steps on each
 trigger-port message; a timer-mode bag (in-process only) steps where the node acted.
-Capsule events are re-enacted where they took effect (``capsule_ros.bag.timeline``):
+Capsule events are re-enacted where they took effect (``capsule_ros.bag.schedule``):
 COMMIT commits (recorded capsule ids map to the replay's), REENTER re-enters the mapped
 capsule, RESET resets, INTERRUPT interrupts with the recorded hold mode, FORK and DROP
 as recorded, LOAD reads a capsule file the bag did not make; SAVE and EVICT change
 nothing a replay can check.
 
 Verification needs a known starting state, an *anchor*: the initial state (the bag's
-first action is step 1 of a fresh timeline), a RESET, a REENTER into a capsule the bag
+first action is step 1 of a fresh scan), a RESET, a REENTER into a capsule the bag
 committed or whose file is in the capsule directory, or ``--from-capsule ID`` (the
 saved capsule, re-entered where the bag committed it). The verdict's *scope* runs from
 the first anchor to the end of the bag: recorded actions before it are reported as
@@ -41,16 +41,19 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Deque, Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Tuple
 
-from capsule_ros.bag.errors import ReplaySetupError
 from capsule_ros.bag.ablation import ABLATIONS
-from capsule_ros.bag.reader import EVENT, SENSOR, Entry, RecordedEvent, Recording, Timeline, capsule_id_position
-from capsule_ros.bag.targets import CapsuleFiles, InProcessTarget, NodeTarget
-from capsule_ros.bag.timeline import Scheduler, stream_key
+from capsule_ros.bag.errors import ReplaySetupError
+from capsule_ros.bag.reader import EVENT, SENSOR, BagScan, Entry, RecordedEvent, Recording, capsule_id_position
+from capsule_ros.bag.schedule import Scheduler, stream_key
+from capsule_ros.bag.targets import InProcessTarget
 from capsule_ros.bag.verdict import Act, Divergence, Verdict, differences, max_abs_diff
+from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.errors import CapsuleRosError
+from capsule_ros.runtime.schema import BufferKind
 from capsule_ros.serving.records import ActionSource, EventKind, HoldMode
+
 
 @dataclass(frozen=True)
 class ReplayOptions:
@@ -76,12 +79,12 @@ class _Pending:
     inputs: List[str] = field(default_factory=list)
 
 
-def starts_initial(timeline: Timeline) -> bool:
+def starts_initial(scan: BagScan) -> bool:
     """Whether the bag's first action is the first step from an initial state (and no
     RESET / REENTER came before it): then the replay's fresh state is the anchor."""
-    first_state_event = next((e.time for e in timeline.events if e.kind in (EventKind.RESET, EventKind.REENTER)),
+    first_state_event = next((e.time for e in scan.events if e.kind in (EventKind.RESET, EventKind.REENTER)),
                              None)
-    first = timeline.actions[0] if timeline.actions else None
+    first = scan.actions[0] if scan.actions else None
     return (first is not None and (first_state_event is None or first.time < first_state_event)
             and first.step == 1 and first.lineage == "" and first.source == ActionSource.POLICY)
 
@@ -91,14 +94,14 @@ class Replayer:
 
     def __init__(self, recording: Recording, target, options: ReplayOptions):
         self.recording = recording
-        self.timeline = recording.scan()
+        self.scan = recording.scan()
         self.target = target
         self.options = options
         self.config = recording.config
         self.mode = self.config.control.mode
         self.trigger = self.config.control.trigger_port
         self.verdict = Verdict(bag=str(recording.path), storage=recording.storage, target=target.kind,
-                               mode=self.mode, messages=self.timeline.messages,
+                               mode=self.mode, messages=self.scan.messages,
                                fingerprint_recorded=recording.meta.fingerprint, fingerprint_replay=target.fingerprint,
                                versions_recorded=dict(recording.meta.versions))
         self.anchored = False
@@ -112,13 +115,13 @@ class Replayer:
         self.sensors_seen = 0
         self.inputs: List[str] = []                 # ports with messages since the last step
         self.recorded_hold: Optional[HoldMode] = None
-        self._action_times = [a.time for a in self.timeline.actions]
+        self._action_times = [a.time for a in self.scan.actions]
 
     # -- driving -----------------------------------------------------------------------------------
     def run(self) -> Verdict:
         start = time.perf_counter()
         self._initial_anchor()
-        schedule = iter(Scheduler(self.timeline, self.mode).schedule())
+        schedule = iter(Scheduler(self.scan, self.mode).schedule())
         pending = next(schedule, None)
         for entry in self.recording.entries():
             if entry.kind == EVENT:
@@ -141,7 +144,8 @@ class Replayer:
             else:
                 self._diverge("extra", extra, None, detail="the replay acted where the recording did not")
         if self.verdict.steps_unrecorded:
-            self.verdict.notes.append(f"the recording ended before the action of its last {self.verdict.steps_unrecorded} "
+            self.verdict.notes.append(f"the recording ended before the action of its last "
+                                      f"{self.verdict.steps_unrecorded} "
                                       "input(s): not compared")
         self.verdict.seconds = time.perf_counter() - start
         self._version_notes()
@@ -150,13 +154,13 @@ class Replayer:
     def _initial_anchor(self) -> None:
         option = self.options.from_capsule
         if option:
-            known = {e.capsule_id for e in self.timeline.events
+            known = {e.capsule_id for e in self.scan.events
                      if e.kind in (EventKind.COMMIT, EventKind.REENTER, EventKind.RESET)}
             if option not in known:
                 raise ReplaySetupError(f"--from-capsule {option}: the bag never commits, re-enters or resets to it "
                                        f"(capsules in the bag: {sorted(c for c in known if c) or 'none'})")
             return
-        if starts_initial(self.timeline):
+        if starts_initial(self.scan):
             if self.recording.meta.initial_inputs and not self.target.stages_without_stepping:
                 self._anchor_after_initial_inputs = True     # see _sensor
                 return
@@ -216,7 +220,7 @@ class Replayer:
     def _next_action(self, t: int):
         """The first recorded action after log time ``t`` (None at the end)."""
         i = bisect.bisect_right(self._action_times, t)
-        return self.timeline.actions[i] if i < len(self.timeline.actions) else None
+        return self.scan.actions[i] if i < len(self.scan.actions) else None
 
     def _recorded_late(self, action) -> bool:
         """Whether the recording published a safe action for this step although it was not
@@ -230,7 +234,7 @@ class Replayer:
         i = bisect.bisect_right(self._action_times, t)
         if i >= len(self._action_times):
             return False
-        triggers = self.timeline.trigger_times
+        triggers = self.scan.trigger_times
         j = bisect.bisect_right(triggers, t)
         return j >= len(triggers) or self._action_times[i] < triggers[j]
 
@@ -421,7 +425,7 @@ class Replayer:
         if self.target.has(capsule_id):
             self.capsules[capsule_id] = capsule_id
             return capsule_id
-        if self.target.files.path(capsule_id) is None:
+        if self.target.files is None or not self.target.files.exists(capsule_id):
             return None
         self.target.adopt(capsule_id)
         self.capsules[capsule_id] = capsule_id
@@ -467,8 +471,10 @@ class Replayer:
 
 # -- library entry point ------------------------------------------------------------------------------
 
-def replay_bag(bag, options: ReplayOptions = ReplayOptions()) -> Verdict:
-    """Replay ``bag`` and return the verdict (raises BagError subclasses)."""
+def replay_bag(bag, options: ReplayOptions = ReplayOptions(), node_target=None) -> Verdict:
+    """Replay ``bag`` and return the verdict (raises BagError subclasses). With
+    ``options.node``, ``node_target`` makes the policy_node target (the bag layer has no
+    ROS: ``capsule_ros.ros.replay_target.NodeTarget``, as ``capsule-ros replay --node`` passes)."""
     from capsule_ros.serving.config import ServingConfig
     from capsule_ros.serving.factory import capsule_directory_path
     config = None
@@ -477,7 +483,7 @@ def replay_bag(bag, options: ReplayOptions = ReplayOptions()) -> Verdict:
             config = ServingConfig.from_file(Path(options.params_file))
         except CapsuleRosError as exc:
             raise ReplaySetupError(f"--params-file: {exc}") from None
-    ablation = ()
+    ablation: Tuple[BufferKind, ...] = ()
     if options.ablation:
         if options.ablation not in ABLATIONS:
             raise ReplaySetupError(f"--ablation {options.ablation!r}: one of {sorted(ABLATIONS)}")
@@ -489,14 +495,20 @@ def replay_bag(bag, options: ReplayOptions = ReplayOptions()) -> Verdict:
         if options.node and cfg.control.mode != "trigger":
             raise ReplaySetupError("this bag was recorded in timer mode: its steps followed the wall clock; "
                                    "replay it in-process (the default), which steps where the node acted")
+        if options.node and node_target is None:
+            raise ReplaySetupError("--node needs ROS 2: replay through capsule_ros.cli.replay_cmd")
         directory = options.capsule_dir or (capsule_directory_path(cfg.capsules.directory, recording.meta.node)
                                             if cfg.capsules.directory else None)
-        files = CapsuleFiles(directory, cfg.capsules.key_file, int(cfg.capsules.max_file_mb * 2**20))
+        try:
+            files = CapsuleDirectory(directory, key_file=cfg.capsules.key_file, read_only=True,
+                                     max_file_bytes=int(cfg.capsules.max_file_mb * 2**20)) if directory else None
+        except CapsuleRosError as exc:
+            raise ReplaySetupError(f"capsule directory {directory}: {exc}") from None
         recording.scan()                            # a bad bag fails before anything starts
         with contextlib.ExitStack() as stack:
             if options.node:
                 workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="capsule_replay_")))
-                target = stack.enter_context(NodeTarget(cfg, files, workdir, options.timeout_s))
+                target = stack.enter_context(node_target(cfg, files, workdir, options.timeout_s))
             else:
                 target = stack.enter_context(InProcessTarget(cfg, files, ablation))
             verdict = Replayer(recording, target, options).run()

@@ -18,6 +18,7 @@ from rosbags.typesys import Stores, get_types_from_idl, get_types_from_msg, get_
 from rosbags.typesys.store import Typestore
 
 from capsule_ros.bag.errors import BadBag
+from capsule_ros.paths import share_dirs
 
 PACKAGE = "capsule_ros"
 ACTION_TYPE = f"{PACKAGE}/msg/Action"
@@ -27,14 +28,7 @@ OWN_TYPES = (ACTION_TYPE, EVENT_TYPE)
 
 def msg_directories() -> List[Path]:
     """Where our ``.msg`` files may be: the installed share directory, the source tree."""
-    found = []
-    try:
-        from ament_index_python.packages import get_package_share_directory
-        found.append(Path(get_package_share_directory(PACKAGE)) / "msg")
-    except Exception:  # noqa: BLE001 - no ROS, or the package is not installed
-        pass
-    found.append(Path(__file__).resolve().parents[2] / "msg")
-    return [d for d in found if d.is_dir()]
+    return share_dirs("msg")
 
 
 def _package_definition(msgtype: str) -> Optional[str]:

@@ -27,7 +27,7 @@ class Act:
     chunk: np.ndarray           # float32 [chunk_horizon * action_dim], empty for safe actions
 
     @classmethod
-    def of_record(cls, record) -> "Act":
+    def of_record(cls, record) -> Act:
         """From a session ``ActionRecord``, converted exactly as ``action_message`` does."""
         chunk = np.zeros(0, np.float32) if record.chunk is None else \
             np.asarray(record.chunk).astype(np.float32).ravel()
@@ -35,7 +35,7 @@ class Act:
                    np.asarray(record.values).astype(np.float32).ravel(), chunk)
 
     @classmethod
-    def of_msg(cls, msg: Any) -> "Act":
+    def of_msg(cls, msg: Any) -> Act:
         """From an Action message (rosbags dataclass or rclpy message)."""
         return cls(int(msg.source), int(msg.step), int(msg.episode_id), str(msg.lineage),
                    np.asarray(msg.values, dtype=np.float32).ravel(), np.asarray(msg.chunk, dtype=np.float32).ravel())

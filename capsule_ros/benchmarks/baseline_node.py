@@ -12,14 +12,13 @@ from __future__ import annotations
 import sys
 
 import torch
+from geometry_msgs.msg import PointStamped
 from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
-
-from capsule_ros.msg import Action
-from geometry_msgs.msg import PointStamped
 from sensor_msgs.msg import JointState
 
 from capsule_ros.benchmarks.common import config_path
+from capsule_ros.msg import Action
 from capsule_ros.ros.entry import run_node
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_policy

@@ -4,9 +4,10 @@ A control loop ticks the session every ``period`` (2 ms: faster than any robot's
 so every commit overlaps steps) with fresh inputs, in three phases: no commits, a
 behaviour tree committing back to back in memory, and committing back to back with
 ``persist`` (each followed by a drop from memory and disk, so the store and the disk do
-not fill). The phases alternate over five rounds and each phase's samples are pooled. The figure is the tick's wall time as the control loop sees it (waiting at
-the boundary included), its p50 / p99 / max, and the periods of a 50 Hz loop it would
-have missed. Target: p99 with persisting commits within 1.5x of the p99 without commits.
+not fill). The phases alternate over five rounds and each phase's samples are pooled.
+The figure is the tick's wall time as the control loop sees it (waiting at the boundary
+included), its p50 / p99 / max, and the periods of a 50 Hz loop it would have missed.
+Target: p99 with persisting commits within 1.5x of the p99 without commits.
 
 On a CPU it runs the default policy; on a GPU the paper-scale reference state
 (``config/reference_hybrid.yaml``, ~400 MiB per capsule) at the session level.

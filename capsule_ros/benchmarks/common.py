@@ -13,21 +13,13 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 import torch
 
+from capsule_ros.paths import share_file
 from capsule_ros.runtime.arena import ArenaLayout, StateArena
-
-REPO_CONFIG = Path(__file__).resolve().parents[2] / "config"
 
 
 def config_path(name: str) -> Path:
     """A file of the package's config/ (installed share/ first, then the source tree)."""
-    try:
-        from ament_index_python.packages import get_package_share_directory
-        path = Path(get_package_share_directory("capsule_ros")) / "config" / name
-        if path.is_file():
-            return path
-    except Exception:  # noqa: BLE001 - no ROS here (e.g. the GPU machine): use the source tree
-        pass
-    return REPO_CONFIG / name
+    return share_file("config", name)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -44,7 +36,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def time_calls(fn: Callable[[], None], reps: int, device: torch.device, warmup: int = 2,
-               stream: Optional["torch.cuda.Stream"] = None) -> np.ndarray:
+               stream: Optional[torch.cuda.Stream] = None) -> np.ndarray:
     """Seconds per call: CUDA events around each call on a GPU (``stream`` or the current
     one), a host clock on a CPU."""
     for _ in range(warmup):
@@ -74,7 +66,7 @@ def pct(samples: Sequence[float], scale: float = 1e6) -> Dict[str, float]:
 
 
 def environment(device: torch.device) -> dict:
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    info = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "device": str(device), "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(["capsule-ros", *sys.argv[1:]]) if sys.argv else "",
             "cpu_threads": torch.get_num_threads()}
@@ -92,7 +84,7 @@ class ArenaHost:
     arena: StateArena
     layout: ArenaLayout
     fingerprint: str
-    stream: Optional["torch.cuda.Stream"]
+    stream: Optional[torch.cuda.Stream]
 
 
 def random_arena(layout: ArenaLayout, device: torch.device, seed: int = 0) -> ArenaHost:

@@ -13,8 +13,9 @@ import threading
 import time
 
 from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device
-from capsule_ros.benchmarks.procs import SpunNode, policy_node, wait_until, workdir
-from capsule_ros.ros.processes import ManagedProcess
+from capsule_ros.polling import wait_until
+from capsule_ros.ros.processes import ManagedProcess, start_policy_node, workdir
+from capsule_ros.ros.spinning import SpunNode
 
 TARGET_RATIO = 1.0
 
@@ -23,10 +24,11 @@ class Endpoint:
     """Publishes joint states to one policy and waits for its action."""
 
     def __init__(self, node, namespace: str, action_topic: str):
-        from capsule_ros.msg import Action
         from geometry_msgs.msg import PointStamped
         from rclpy.qos import QoSProfile, ReliabilityPolicy
         from sensor_msgs.msg import JointState
+
+        from capsule_ros.msg import Action
         self.JointState = JointState
         self.joints = node.create_publisher(JointState, f"{namespace}/arm/joint_states", 10)
         self.goal = node.create_publisher(PointStamped, f"{namespace}/arm/goal",
@@ -72,7 +74,8 @@ def run(device_name: str = "cpu", quick: bool = False) -> dict:
     tmp = workdir()
     params = {"runtime": {"device": str(device)}, "policy": {"weights": ""},
               "capsules": {"directory": str(tmp / "capsules")}, "control": {"deadline_ms": 1000.0}}
-    capsule_proc = policy_node(tmp, "/bench_loop_capsule", params, config_path("policy.yaml"))
+    capsule_proc = start_policy_node(tmp, params, namespace="/bench_loop_capsule",
+                                     params_file=config_path("policy.yaml"))
     baseline_proc = ManagedProcess([sys.executable, "-m", "capsule_ros.benchmarks.baseline_node", "--ros-args",
                              "-r", "__ns:=/bench_loop_baseline"], tmp / "baseline.log")
     rclpy.init()

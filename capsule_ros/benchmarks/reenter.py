@@ -17,8 +17,7 @@ from typing import List
 import numpy as np
 import torch
 
-from capsule_ros.benchmarks.common import (config_path, emit, environment, pct, print_table, resolve_device,
-                                           time_calls)
+from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device, time_calls
 from capsule_ros.capsules.store import CapsuleStore, CapsuleStoreConfig
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.config import ServingConfig
@@ -59,11 +58,6 @@ def run(device_name: str = "auto", quick: bool = False, prefixes: List[int] = ()
             runtime.load_inputs()
             runtime.step()
 
-        def cold():
-            runtime.reset(episode=0)          # eager reset (outside the timed region below)
-            runtime.prefill(tokens)
-            first_action()
-
         # warm-up (captures the prefill graph for this length), then the capsule of the prefix
         runtime.reset(episode=0)
         runtime.prefill(tokens)
@@ -71,11 +65,11 @@ def run(device_name: str = "auto", quick: bool = False, prefixes: List[int] = ()
         cold_samples, capsule_samples = [], []
         for _ in range(reps):
             runtime.reset(episode=0)
-            cold_samples.append(time_calls(lambda: (runtime.prefill(tokens), first_action()), 1, device,
+            cold_samples.append(time_calls(lambda t=tokens: (runtime.prefill(t), first_action()), 1, device,
                                            warmup=0, stream=runtime.stream)[0])
             cold_action = runtime.read_outputs().action
             runtime.reset(episode=0)          # dirty the live state: the restore must bring it all back
-            capsule_samples.append(time_calls(lambda: (store.restore(capsule.id, runtime), first_action()), 1,
+            capsule_samples.append(time_calls(lambda c=capsule: (store.restore(c.id, runtime), first_action()), 1,
                                               device, warmup=0, stream=runtime.stream)[0])
             capsule_action = runtime.read_outputs().action
         identical = cold_action.tobytes() == capsule_action.tobytes()

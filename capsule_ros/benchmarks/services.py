@@ -14,7 +14,9 @@ import time
 import numpy as np
 
 from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device
-from capsule_ros.benchmarks.procs import SpunNode, policy_node, wait_until, workdir
+from capsule_ros.polling import wait_until
+from capsule_ros.ros.processes import start_policy_node, workdir
+from capsule_ros.ros.spinning import SpunNode
 
 TARGET_P99_MS = 20.0
 NS = "/bench_services"
@@ -25,13 +27,15 @@ def run(device_name: str = "cpu", quick: bool = False) -> dict:
     from geometry_msgs.msg import PointStamped
     from rclpy.qos import qos_profile_sensor_data
     from sensor_msgs.msg import JointState
+
     from capsule_ros.ros.client import CapsuleClient
 
     device = resolve_device(device_name)
     calls = 200 if quick else 1000
     tmp = workdir()
-    node = policy_node(tmp, NS, {"runtime": {"device": str(device)}, "policy": {"weights": ""},
-                                 "capsules": {"directory": str(tmp / "capsules")}}, config_path("policy.yaml"))
+    node = start_policy_node(tmp, {"runtime": {"device": str(device)}, "policy": {"weights": ""},
+                                   "capsules": {"directory": str(tmp / "capsules")}},
+                             namespace=NS, params_file=config_path("policy.yaml"))
     rclpy.init()
     client = SpunNode(rclpy, "bench_services_client")
     stop = threading.Event()

@@ -14,11 +14,19 @@ from typing import Dict, List
 
 import torch
 
-from capsule_ros.benchmarks.common import (config_path, emit, environment, pct, print_table, random_arena,
-                                           resolve_device, time_calls)
+from capsule_ros.benchmarks.common import (
+    config_path,
+    emit,
+    environment,
+    pct,
+    print_table,
+    random_arena,
+    resolve_device,
+    time_calls,
+)
 from capsule_ros.capsules.store import CapsuleStore, CapsuleStoreConfig
+from capsule_ros.policies.hybrid import hybrid_state_spec
 from capsule_ros.runtime.arena import ArenaLayout
-from capsule_ros.runtime.hybrid import hybrid_state_spec
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import input_specs
 

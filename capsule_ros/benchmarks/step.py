@@ -14,8 +14,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from capsule_ros.benchmarks.common import (config_path, emit, environment, pct, print_table, resolve_device,
-                                           time_calls)
+from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device, time_calls
 from capsule_ros.benchmarks.reenter import QUICK
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.config import ServingConfig
@@ -62,7 +61,8 @@ def run(device_name: str = "auto", quick: bool = False) -> dict:
         else:
             row["graph"] = None          # no CUDA graphs on a CPU: the plan runs eagerly
             row["unguarded"] = measure(config, device, False, reps, guard=False)
-        row["guard_cost"] = row["graph" if row["graph"] else "eager"]["gpu_ms"]["p50"] / row["unguarded"]["gpu_ms"]["p50"]
+        guarded = row["graph"] or row["eager"]
+        row["guard_cost"] = guarded["gpu_ms"]["p50"] / row["unguarded"]["gpu_ms"]["p50"]
         policies.append(row)
     return {"bench": "step", **environment(device), "quick": quick, "policies": policies}
 

@@ -8,11 +8,31 @@
 
 docs/behavior-trees.md covers these and calling the services from BehaviorTree.ROS2 / Nav2.
 """
-from capsule_ros.bt.behaviours import (DEFAULT_CALL_TIMEOUT_S, DEFAULT_NODE, DEFAULT_SERVER_WAIT_S,
-                                       DISK_CALL_TIMEOUT_S, FORK_KEY, INTERRUPT_KEY, LAST_GOOD_KEY, OUTCOME_PREFIX,
-                                       CapsuleServiceCall, Commit, DropCapsule, FailureKind, Fork, Interrupt,
-                                       InvalidRequest, LoadCapsule, Reenter, Reset, SaveCapsule, ServiceOutcome,
-                                       capsule_id_from, spin_in_background, tick_until_done)
+from capsule_ros.bt.behaviours import (
+                                       DEFAULT_CALL_TIMEOUT_S,
+                                       DEFAULT_NODE,
+                                       DEFAULT_SERVER_WAIT_S,
+                                       DISK_CALL_TIMEOUT_S,
+                                       FORK_KEY,
+                                       INTERRUPT_KEY,
+                                       LAST_GOOD_KEY,
+                                       OUTCOME_PREFIX,
+                                       CapsuleServiceCall,
+                                       Commit,
+                                       DropCapsule,
+                                       FailureKind,
+                                       Fork,
+                                       Interrupt,
+                                       InvalidRequest,
+                                       LoadCapsule,
+                                       Reenter,
+                                       Reset,
+                                       SaveCapsule,
+                                       ServiceOutcome,
+                                       capsule_id_from,
+                                       spin_in_background,
+                                       tick_until_done,
+)
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT_S", "DEFAULT_NODE", "DEFAULT_SERVER_WAIT_S", "DISK_CALL_TIMEOUT_S", "FORK_KEY",

@@ -47,8 +47,17 @@ import numpy as np
 import py_trees
 from py_trees.common import Status
 
-from capsule_ros.bt.behaviours import (DEFAULT_CALL_TIMEOUT_S, DEFAULT_NODE, DEFAULT_SERVER_WAIT_S, LAST_GOOD_KEY,
-                                       OUTCOME_PREFIX, Commit, Reenter, spin_in_background, tick_until_done)
+from capsule_ros.bt.behaviours import (
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_NODE,
+    DEFAULT_SERVER_WAIT_S,
+    LAST_GOOD_KEY,
+    OUTCOME_PREFIX,
+    Commit,
+    Reenter,
+    spin_in_background,
+    tick_until_done,
+)
 from capsule_ros.sim.arm import GOAL_TOLERANCE, SPEED_TOLERANCE, ArmSim, end_effector, jacobian
 
 ROLLBACK_OUTCOME_KEY = f"{OUTCOME_PREFIX}/grasp_rollback"
@@ -154,10 +163,11 @@ class LocalArm:
 
     def __init__(self, node, *, node_path: str = DEFAULT_NODE, joints_topic: str = "/arm/joint_states",
                  goal_topic: str = "/arm/goal", rate_hz: float = 20.0, seed: int = 0):
-        from capsule_ros.msg import Action
         from geometry_msgs.msg import PointStamped
         from rclpy.qos import QoSProfile, ReliabilityPolicy
         from sensor_msgs.msg import JointState
+
+        from capsule_ros.msg import Action
         self.node = node
         self.JointState, self.PointStamped = JointState, PointStamped
         self.sim = ArmSim(seed)

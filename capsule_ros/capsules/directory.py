@@ -30,12 +30,22 @@ from typing import Any, Callable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
-from capsule_ros.capsules.fileformat import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, CapsuleHeader,
-                                             os_errors, load_kek, read_capsule, read_header, write_capsule)
-from capsule_ros.capsules.ids import check_capsule_id
 from capsule_ros.capsules.config import CapsuleStoreConfig
+from capsule_ros.capsules.fileformat import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    BufferRecord,
+    CapsuleHeader,
+    load_kek,
+    os_errors,
+    read_capsule,
+    read_header,
+    write_capsule,
+)
+from capsule_ros.capsules.ids import check_capsule_id
 from capsule_ros.capsules.store import Capsule
-from capsule_ros.errors import Busy, CorruptCapsule, InvalidArgument, NotFound
+from capsule_ros.errors import Busy, CorruptCapsule, InvalidArgument, NotFound, PermissionDenied
 
 LOG = logging.getLogger(__name__)
 
@@ -65,7 +75,10 @@ class CapsuleDirectory:
     """Capsule files under one root directory (see the module docstring)."""
 
     def __init__(self, root: Union[Path, str], *, key_file: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 max_file_bytes: int):
+                 max_file_bytes: int, read_only: bool = False):
+        """``read_only``: access an existing directory without changing it (a replay, a
+        tool): nothing is created, chmod-ed or recovered, and save / remove are refused
+        (PermissionDenied); a missing root simply holds no capsules."""
         if type(chunk_bytes) is not int or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidArgument(f"chunk_bytes = {chunk_bytes!r}: must be an int in "
                                   f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
@@ -76,12 +89,17 @@ class CapsuleDirectory:
         self._kek: Optional[bytes] = load_kek(Path(key_file).expanduser()) if key_file else None
         self._names = threading.Lock()        # publishing (rename) vs removing a capsule file
         self._checked_schemas: Set[Tuple[int, Tuple]] = set()   # (nbytes, schema) validated by a save
+        self.read_only = read_only
+        self.recovered: List[Path] = []
+        if read_only:
+            self.root = Path(root).expanduser().absolute()
+            return
         with os_errors(root, "capsule directory"):
             self.root = _private_dir(Path(root).expanduser())
-            self.recovered: List[Path] = self._quarantine_leftovers()
+            self.recovered = self._quarantine_leftovers()
 
     @classmethod
-    def from_config(cls, config: CapsuleStoreConfig) -> "CapsuleDirectory":
+    def from_config(cls, config: CapsuleStoreConfig) -> CapsuleDirectory:
         """The directory a ``capsules`` config section names (which must not be '')."""
         if not config.directory:
             raise InvalidArgument("capsules.directory = '': no capsule directory is configured")
@@ -108,6 +126,8 @@ class CapsuleDirectory:
 
     def ids(self) -> List[str]:
         """Ids of the complete capsule files, sorted (other files are ignored)."""
+        if self.read_only and not self.root.is_dir():
+            return []
         with os_errors(self.root, "capsule directory"):
             names = [entry.name for entry in os.scandir(self.root) if entry.is_file(follow_symlinks=False)]
         out = []
@@ -130,6 +150,7 @@ class CapsuleDirectory:
         False discards the written data (NotFound: the capsule was dropped meanwhile).
         Raises InvalidArgument, Busy (a ``.part`` of that id exists), NotFound, CapsuleIOError.
         """
+        self._require_writable("save")
         path = self.path_of(capsule.id)
         try:   # int-likes (numpy / torch scalars) become ints; the writer then validates strictly
             episode, step, stamp, nbytes = (operator.index(v) for v in (capsule.episode_id, capsule.step,
@@ -141,7 +162,7 @@ class CapsuleDirectory:
             raise InvalidArgument(f"capsule {capsule.id!r} is {nbytes} bytes: larger than "
                                   f"max_file_bytes = {self.max_file_bytes}, it could not be loaded back")
         header = CapsuleHeader(capsule.id, capsule.label, capsule.parent_id, episode, step, stamp, nbytes,
-                               capsule.fingerprint, list(schema), self.chunk_bytes)
+                               capsule.fingerprint, tuple(BufferRecord.of(e) for e in schema), self.chunk_bytes)
         part = path.with_name(capsule.id + PART_SUFFIX)
         with os_errors(part):
             try:
@@ -199,10 +220,15 @@ class CapsuleDirectory:
 
     def remove(self, capsule_id: str) -> None:
         """Delete a capsule file (NotFound if there is none)."""
+        self._require_writable("remove")
         path = self.path_of(capsule_id)
         with os_errors(path), self._names:
             path.unlink()
             _fsync_dir(self.root)
+
+    def _require_writable(self, verb: str) -> None:
+        if self.read_only:
+            raise PermissionDenied(f"capsule directory {str(self.root)!r} is opened read-only: cannot {verb}")
 
     # -- recovery -------------------------------------------------------------------------------
     def _quarantine_leftovers(self) -> List[Path]:

@@ -33,6 +33,7 @@ import contextlib
 import errno
 import hashlib
 import hmac
+import io
 import json
 import os
 import stat
@@ -44,8 +45,15 @@ if TYPE_CHECKING:
     import torch
 
 from capsule_ros.capsules.ids import check_capsule_id
-from capsule_ros.errors import (CapsuleIOError, CapsuleRosError, CorruptCapsule, FingerprintMismatch,
-                                InvalidArgument, NotFound, PermissionDenied)
+from capsule_ros.errors import (
+    CapsuleIOError,
+    CapsuleRosError,
+    CorruptCapsule,
+    FingerprintMismatch,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 from capsule_ros.runtime.schema import ALIGNMENT, DTYPE_SIZES, BufferKind
 
 MAGIC = b"CAPSULE\x00"
@@ -95,7 +103,7 @@ class BufferRecord:
                 "offset": self.offset, "nbytes": self.nbytes}
 
     @classmethod
-    def of(cls, entry: Union["BufferRecord", Mapping[str, Any]]) -> "BufferRecord":
+    def of(cls, entry: Union[BufferRecord, Mapping[str, Any]]) -> BufferRecord:
         """A record from itself or from a mapping such as ``ArenaLayout.schema()`` yields
         (types are checked later, by the header validation)."""
         if isinstance(entry, BufferRecord):
@@ -261,7 +269,7 @@ def parse_header(obj: Any, *, encrypted: bool, max_bytes: int,
     ``error`` is CorruptCapsule for a file being read and InvalidArgument for a header a
     caller asks us to write: one validator for both directions.
     """
-    keys = list(f.name for f in fields(CapsuleHeader) if f.name not in ("wrapped_key", "key_nonce"))
+    keys = [f.name for f in fields(CapsuleHeader) if f.name not in ("wrapped_key", "key_nonce")]
     keys += ["chunk_count"] + (["wrapped_key", "key_nonce"] if encrypted else [])
     _check_keys(obj, keys, error, "header ")
     capsule_id = _get(obj, "capsule_id", str, error, "")
@@ -428,7 +436,7 @@ def os_errors(path: PathLike, what: str = "capsule file") -> Iterator[None]:
         raise CapsuleIOError(f"{what} {str(path)!r}: {exc.strerror or exc}") from None
 
 
-def _open_regular(path: PathLike, what: str, error: ErrorType, follow: bool = True) -> Tuple[BinaryIO, os.stat_result]:
+def _open_regular(path: PathLike, what: str, error: ErrorType, follow: bool = True) -> Tuple[io.FileIO, os.stat_result]:
     """Open a regular file for reading (O_NONBLOCK: a FIFO planted there cannot hang us);
     anything else raises ``error``. ``follow=False`` refuses a symbolic link at ``path``
     (checked by the open itself: no window between a check and the open)."""
@@ -450,7 +458,7 @@ def _open_regular(path: PathLike, what: str, error: ErrorType, follow: bool = Tr
             raise
 
 
-def _read_into(f: BinaryIO, view: memoryview, path: PathLike, what: str) -> None:
+def _read_into(f: io.FileIO, view: memoryview, path: PathLike, what: str) -> None:
     done = 0
     while done < len(view):
         n = f.readinto(view[done:])
@@ -459,13 +467,13 @@ def _read_into(f: BinaryIO, view: memoryview, path: PathLike, what: str) -> None
         done += n
 
 
-def _read(f: BinaryIO, n: int, path: PathLike, what: str) -> bytes:
+def _read(f: io.FileIO, n: int, path: PathLike, what: str) -> bytes:
     buf = bytearray(n)
     _read_into(f, memoryview(buf), path, what)
     return bytes(buf)
 
 
-def _read_header(f: BinaryIO, size: int, path: PathLike, max_bytes: int) -> Tuple[CapsuleHeader, bytes]:
+def _read_header(f: io.FileIO, size: int, path: PathLike, max_bytes: int) -> Tuple[CapsuleHeader, bytes]:
     """Read, check and validate the header; returns it and its digest."""
     where = f"capsule file {str(path)!r}"
     if size < PREFIX.size + 2 + DIGEST_BYTES:
@@ -505,7 +513,7 @@ def _read_header(f: BinaryIO, size: int, path: PathLike, max_bytes: int) -> Tupl
 
 
 @contextlib.contextmanager
-def _opened(path: PathLike, max_bytes: int, follow: bool = True) -> Iterator[Tuple[BinaryIO, CapsuleHeader, bytes]]:
+def _opened(path: PathLike, max_bytes: int, follow: bool = True) -> Iterator[Tuple[io.FileIO, CapsuleHeader, bytes]]:
     f, st = _open_regular(path, "capsule file", CorruptCapsule, follow)
     with f, os_errors(path):
         header, digest = _read_header(f, st.st_size, path, max_bytes)
@@ -530,7 +538,7 @@ def _data_cipher(header: CapsuleHeader, kek: Optional[bytes], path: PathLike) ->
     return AESGCM(data_key)
 
 
-def _verified_chunks(f: BinaryIO, header: CapsuleHeader, digest: bytes, kek: Optional[bytes],
+def _verified_chunks(f: io.FileIO, header: CapsuleHeader, digest: bytes, kek: Optional[bytes],
                      path: PathLike) -> Iterator[Tuple[int, memoryview]]:
     """Yield (payload offset, verified plaintext) per chunk, streaming with one record buffer."""
     cipher = _data_cipher(header, kek, path)
@@ -568,7 +576,8 @@ def _check_expected(header: CapsuleHeader, fingerprint: Optional[str],
         return
     expected = tuple(BufferRecord.of(e) for e in schema)
     if expected != header.schema:
-        diff = next((f"buffer {i}: {a} != {b}" for i, (a, b) in enumerate(zip(header.schema, expected)) if a != b),
+        pairs = enumerate(zip(header.schema, expected, strict=False))
+        diff = next((f"buffer {i}: {a} != {b}" for i, (a, b) in pairs if a != b),
                     f"{len(header.schema)} buffers, expected {len(expected)}")
         raise FingerprintMismatch(f"capsule {header.capsule_id!r}: schema differs from this runtime's ({diff})")
 
@@ -587,7 +596,7 @@ def read_header(path: PathLike, *, max_bytes: int, follow: bool = True) -> Capsu
 def read_capsule(path: PathLike, *, kek: Optional[bytes] = None, max_bytes: int,
                  expected_fingerprint: Optional[str] = None,
                  expected_schema: Optional[Sequence[Mapping[str, Any]]] = None,
-                 follow: bool = True) -> Tuple[CapsuleHeader, "torch.Tensor"]:
+                 follow: bool = True) -> Tuple[CapsuleHeader, torch.Tensor]:
     """Read and verify a whole capsule; returns its header and payload (host uint8 tensor).
 
     The payload is allocated only after the header validated, matched the expected
@@ -601,7 +610,7 @@ def read_capsule(path: PathLike, *, kek: Optional[bytes] = None, max_bytes: int,
         out = bytearray(header.nbytes)
         for start, plain in _verified_chunks(f, header, digest, kek, path):
             out[start:start + len(plain)] = plain
-    import torch      # here, not at module level: `capsule-ros inspect` needs no tensors
+    import torch  # here, not at module level: `capsule-ros inspect` needs no tensors
     return header, torch.frombuffer(out, dtype=torch.uint8)
 
 

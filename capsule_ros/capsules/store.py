@@ -33,8 +33,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from capsule_ros.capsules.ids import check_capsule_id, new_capsule_id
 from capsule_ros.capsules.config import CapsuleStoreConfig
+from capsule_ros.capsules.ids import check_capsule_id, new_capsule_id
 from capsule_ros.errors import Busy, FingerprintMismatch, InvalidArgument, NotFound, ResourceExhausted
 from capsule_ros.metrics import LatencyWindow
 from capsule_ros.runtime.arena import BufferKind
@@ -56,7 +56,7 @@ class Payload:
 
     slab: torch.Tensor
     tier: Tier
-    ready: Optional["torch.cuda.Event"] = None   # completion of the copy that filled the slab
+    ready: Optional[torch.cuda.Event] = None   # completion of the copy that filled the slab
     refs: int = 0
     last_used: int = 0
     loans: int = 0                               # readers outside the caller's lock (see CapsuleStore.lend)
@@ -68,12 +68,12 @@ class Loan:
     disk): until ``CapsuleStore.end_loan`` the slab is neither moved, evicted nor reused,
     even if the capsule is dropped meanwhile. ``ready`` is the copy that filled it."""
 
-    capsule: "Capsule"
+    capsule: Capsule
     payload: Payload
-    ready: Optional["torch.cuda.Event"]
+    ready: Optional[torch.cuda.Event]
 
     def host_bytes(self, staging: Optional[torch.Tensor] = None,
-                   stream: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
+                   stream: Optional[torch.cuda.Stream] = None) -> torch.Tensor:
         """The bytes on the host: the slab itself when it is host memory, else a copy into
         ``staging`` (pinned, the slab's size) on ``stream``, complete on return. Safe
         without the store's lock: it touches only this loan's slab."""
@@ -119,7 +119,7 @@ class Capsule:
 class StoreCounters:
     snapshots: int = 0
     restores: int = 0
-    hits: Dict[Tier, int] = field(default_factory=lambda: {t: 0 for t in Tier})
+    hits: Dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
     misses: int = 0
     evictions: int = 0
     demotions: int = 0
@@ -159,7 +159,7 @@ class CapsuleStore:
     """Capsules of one runtime fingerprint (see the module docstring)."""
 
     def __init__(self, nbytes: int, fingerprint: str, device: torch.device,
-                 config: CapsuleStoreConfig = CapsuleStoreConfig(),
+                 config: CapsuleStoreConfig = CapsuleStoreConfig(),  # noqa: B008 - frozen: shared safely
                  on_evict: Optional[Callable[[Capsule], None]] = None):
         self.nbytes = nbytes
         self.fingerprint = fingerprint
@@ -177,7 +177,7 @@ class CapsuleStore:
         self.counters = StoreCounters()
         self.restore_latency = LatencyWindow()    # copy time: CUDA events on GPU, wall time on CPU
         self.snapshot_latency = LatencyWindow()
-        self._pending_timings: List[Tuple["torch.cuda.Event", "torch.cuda.Event", LatencyWindow]] = []
+        self._pending_timings: List[Tuple[torch.cuda.Event, torch.cuda.Event, LatencyWindow]] = []
         LOG.info("capsule pools: %d device slab(s), %d host slab(s) of %d bytes",
                  self.pools[Tier.DEVICE].capacity, self.pools[Tier.HOST].capacity, nbytes)
 
@@ -219,10 +219,10 @@ class CapsuleStore:
     def reserve(self, protect: Sequence[Optional[Payload]] = ()) -> Payload:
         """Room for one capsule, taken now (demoting or evicting as a snapshot would, but
         never ``protect``): a caller that must not fail half-way reserves first, changes
-        the state, then snapshots into the reservation. ``release`` it if unused."""
+        the state, then snapshots into the reservation. ``unreserve`` it if unused."""
         return self._new_payload(protect=tuple(p for p in protect if p is not None))
 
-    def release(self, payload: Payload) -> None:
+    def unreserve(self, payload: Payload) -> None:
         """Return an unused reservation to its pool."""
         if payload.refs == 0:
             self._wait(payload)
@@ -284,11 +284,11 @@ class CapsuleStore:
             if not self.room_for(1):
                 raise no_room
             room = self.reserve()
-            if capsule is not None:
+            if capsule is not None and data is not None:
                 try:
                     self.restore_bytes(capsule, data, runtime)
                 except BaseException:
-                    self.release(room)
+                    self.unreserve(room)
                     raise
             return room
         if self.room_for(1, protect=[capsule.payload]):
@@ -357,7 +357,7 @@ class CapsuleStore:
         if capsule is not None:
             capsule.held = held
 
-    def release_memory(self, capsule_id: str) -> Capsule:
+    def demote_to_disk(self, capsule_id: str) -> Capsule:
         """Drop a persisted capsule's memory copy; it stays listed on the DISK tier."""
         capsule = self.get(capsule_id)
         if capsule.path is None:
@@ -539,16 +539,16 @@ class CapsuleStore:
             stream.wait_stream(runtime.stream)          # the step that made the boundary
         if payload.ready is not None:
             stream.wait_event(payload.ready)            # the copy that filled the source slab
-        start = end = None
+        timed = None
         if timing is not None:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
+            timed = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timed[0].record(stream)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-        done = end or torch.cuda.Event()
+        done = timed[1] if timed is not None else torch.cuda.Event()
         done.record(stream)
-        if timing is not None:
-            self._pending_timings.append((start, end, timing))
+        if timed is not None and timing is not None:
+            self._pending_timings.append((timed[0], timed[1], timing))
         if runtime is not None:
             runtime.stream.wait_event(done)             # the next step waits for this copy
         payload.ready = done

@@ -54,17 +54,18 @@ class ArmDriver:
     """The simulated arm in lockstep with policy_node over ROS 2 topics."""
 
     def __init__(self, node, namespace: str):
-        from capsule_ros.msg import Action
         from geometry_msgs.msg import PointStamped
         from rclpy.qos import QoSProfile, ReliabilityPolicy
         from sensor_msgs.msg import JointState
+
+        from capsule_ros.msg import Action
         from capsule_ros.ros.sim_node import goal_message, joint_state_message
         self._goal_message, self._joint_message = goal_message, joint_state_message
         self.node = node
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.joints = node.create_publisher(JointState, f"{namespace}/arm/joint_states", reliable)
         self.goals = node.create_publisher(PointStamped, f"{namespace}/arm/goal", reliable)
-        self.actions: "queue.Queue" = queue.Queue()
+        self.actions: queue.Queue = queue.Queue()
         node.create_subscription(Action, f"{namespace}/capsule_policy/action", self.actions.put, reliable)
         from capsule_ros.msg import RuntimeStatus
         self._goal_taken = threading.Condition()
@@ -138,16 +139,14 @@ class ArmDriver:
 
 def wait_ready(client, driver: ArmDriver, node_proc, timeout: float = 60.0) -> None:
     """Until the node's services answer and it subscribes to the arm's topics."""
-    deadline = time.monotonic() + timeout
-    while True:
+    from capsule_ros.polling import wait_until
+
+    def still_running() -> None:
         if node_proc.proc.poll() is not None:
             raise RuntimeError(f"policy_node exited during start-up: {node_proc.log().strip()[-400:]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"policy_node was not ready after {timeout:.0f} s")
-        if (client.ready() and driver.joints.get_subscription_count() > 0
-                and driver.goals.get_subscription_count() > 0):
-            return
-        time.sleep(0.1)
+    wait_until(lambda: (client.ready() and driver.joints.get_subscription_count() > 0
+                        and driver.goals.get_subscription_count() > 0), timeout, "policy_node to be ready",
+               interval=0.1, check=still_running)
 
 
 class Progress:
@@ -182,10 +181,12 @@ class Progress:
 
 def run(args) -> int:
     import rclpy
-    from capsule_ros.benchmarks.common import config_path
-    from capsule_ros.benchmarks.procs import SpunNode, policy_node
+
     from capsule_ros.msg import CapsuleEvent, RuntimeStatus
+    from capsule_ros.paths import share_file
     from capsule_ros.ros.client import CapsuleClient
+    from capsule_ros.ros.processes import start_policy_node
+    from capsule_ros.ros.spinning import SpunNode
     from capsule_ros.srv import Interrupt
 
     started = time.monotonic()
@@ -198,11 +199,11 @@ def run(args) -> int:
               "capsules": {"directory": str(out / "capsules")},
               "ports": {"joints": {"qos": "reliable", "depth": 10}},
               "control": {"status_rate_hz": 50.0}}       # fast status: the arm waits for each new goal
-    node_proc = policy_node(out, ns, params, config_path("policy.yaml"))
+    node_proc = start_policy_node(out, params, namespace=ns, params_file=share_file("config", "policy.yaml"))
     rclpy.init()
     spun = SpunNode(rclpy, "capsule_demo")
-    events: "queue.Queue" = queue.Queue()
-    statuses: "queue.Queue" = queue.Queue()
+    events: queue.Queue = queue.Queue()
+    statuses: queue.Queue = queue.Queue()
     spun.node.create_subscription(CapsuleEvent, f"{ns}/capsule_policy/capsule_events", events.put, 100)
     spun.node.create_subscription(RuntimeStatus, f"{ns}/capsule_policy/status", statuses.put, 10)
     client = CapsuleClient(spun.node, f"{ns}/capsule_policy", server_wait_s=60.0, call_timeout_s=10.0)
@@ -347,7 +348,7 @@ def verify_bag(bag: Optional[str], capsule_dir: Path) -> Optional[dict]:
             "seconds": round(verdict.seconds, 2)}
 
 
-def _latest(q: "queue.Queue", timeout: float):
+def _latest(q: queue.Queue, timeout: float):
     items = drain(q)
     if items:
         return items[-1]
@@ -357,8 +358,9 @@ def _latest(q: "queue.Queue", timeout: float):
 
 
 def _event_dict(event) -> dict:
-    names = ("COMMIT", "INTERRUPT", "REENTER", "RESET", "FORK", "DROP", "SAVE", "LOAD", "EVICT")
-    return {"kind": names[event.kind] if event.kind < len(names) else str(event.kind),
+    from capsule_ros.serving.records import EventKind
+    kind = EventKind(event.kind).name if event.kind in EventKind._value2member_map_ else str(event.kind)
+    return {"kind": kind,
             "capsule_id": event.capsule_id, "episode_id": event.episode_id, "step": event.step,
             "rollback": event.rollback, "fallback": event.fallback}
 

@@ -12,8 +12,8 @@ import json
 import sys
 from typing import List, Optional
 
-from capsule_ros.capsules.fileformat import CapsuleHeader, load_kek, read_header, verify_capsule
 from capsule_ros.capsules.config import CapsuleStoreConfig
+from capsule_ros.capsules.fileformat import CapsuleHeader, load_kek, read_header, verify_capsule
 from capsule_ros.errors import CapsuleRosError, PermissionDenied
 
 EXIT_VALID = 0

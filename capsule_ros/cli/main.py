@@ -18,7 +18,7 @@ def _bench(args) -> int:
 DELEGATED = {
     "demo": ("capsule_ros.cli.demo", "the main job: sim + policy node + scripted capsule plan + report"),
     "replay": ("capsule_ros.cli.replay_cmd", "replay a rosbag step by step and verify the actions"),
-    "record": ("capsule_ros.bag.record_cmd", "record the node's topics into a rosbag2"),
+    "record": ("capsule_ros.cli.record_cmd", "record the node's topics into a rosbag2"),
     "inspect": ("capsule_ros.cli.inspect_cmd", "print and verify a capsule file"),
 }
 

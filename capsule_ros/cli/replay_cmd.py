@@ -47,15 +47,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def replay(bag, options):
+    """``capsule_ros.bag.replay.replay_bag`` with the policy_node target for ``--node``."""
+    from capsule_ros.bag.errors import ReplaySetupError
+    from capsule_ros.bag.replay import replay_bag
+    node_target = None
+    if options.node:
+        try:
+            from capsule_ros.ros.replay_target import NodeTarget as node_target
+        except ImportError as exc:
+            raise ReplaySetupError(f"--node needs ROS 2 and the built package ({exc})") from None
+    return replay_bag(bag, options, node_target)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from capsule_ros.bag.errors import BagError
-    from capsule_ros.bag.replay import ReplayOptions, replay_bag
+    from capsule_ros.bag.replay import ReplayOptions
     options = ReplayOptions(from_capsule=args.from_capsule, node=args.node, params_file=args.params_file,
                             capsule_dir=args.capsule_dir, ablation=args.ablation, timeout_s=args.timeout,
                             partial=args.partial)
     try:
-        verdict = replay_bag(args.bag, options)
+        verdict = replay(args.bag, options)
     except BagError as exc:
         print(f"capsule-ros replay: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_BAD

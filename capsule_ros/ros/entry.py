@@ -31,7 +31,6 @@ from rclpy.signals import SignalHandlerOptions
 from capsule_ros.errors import CapsuleRosError, ConfigError, ErrorCode
 from capsule_ros.serving.process import settle_after_start
 
-
 POLL_S = 0.1          # the spin loop notices a stop request within this (rcl_wait is not interrupted)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import array
 
 from builtin_interfaces.msg import Time
-from capsule_ros.msg import Action, CapsuleEvent, CapsuleInfo
 
 from capsule_ros.capsules.store import Capsule
+from capsule_ros.msg import Action, CapsuleEvent, CapsuleInfo
 from capsule_ros.serving.records import ActionRecord, EventRecord
 
 

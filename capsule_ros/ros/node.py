@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional
 
+from diagnostic_msgs.msg import DiagnosticArray
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.node import Node
@@ -32,19 +33,17 @@ from rclpy.serialization import serialize_message
 from rclpy.task import Future
 
 from capsule_ros import srv
-from capsule_ros.msg import Action, CapsuleEvent, RuntimeStatus
-from diagnostic_msgs.msg import DiagnosticArray
-
 from capsule_ros.config import flatten, unflatten
 from capsule_ros.errors import CapsuleRosError, ConfigError, ErrorCode
+from capsule_ros.msg import Action, CapsuleEvent, RuntimeStatus
 from capsule_ros.ros.messages import action_message, capsule_info, event_message
 from capsule_ros.ros.params import declare_parameters
 from capsule_ros.ros.status import DiagnosticsBuilder, runtime_status
 from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
 from capsule_ros.serving.factory import build_session
+from capsule_ros.serving.files import SaveFailed
 from capsule_ros.serving.ports import PortDrop, stamp_ns
 from capsule_ros.serving.records import ActionRecord, ActionSource, EventRecord, HoldMode
-from capsule_ros.serving.files import SaveFailed
 
 LOG = logging.getLogger(__name__)
 WARN_PERIOD_S = 5.0
@@ -113,7 +112,8 @@ class PolicyNode(Node):
         if self.config.record.enabled:
             self._start_recording("", self.config.record.storage)
         self.get_logger().info(
-            f"serving on {self.session.runtime.device} ({'CUDA graph' if self.session.runtime.plan.captured else 'eager'}),"
+            f"serving on {self.session.runtime.device} "
+            f"({'CUDA graph' if self.session.runtime.plan.captured else 'eager'}),"
             f" {control.mode} mode, ports {list(self.config.ports)}, episode {self.session.episode_id} "
             f"{self.session.state.name}, fingerprint {self.session.runtime.fingerprint[:12]}")
 
@@ -325,7 +325,8 @@ class PolicyNode(Node):
         self.recorder = NodeRecorder.start(path, self.config.record.directory, storage, self.config,
                                            self.action_pub.topic_name, self.event_pub.topic_name,
                                            fingerprint=self.session.runtime.fingerprint,
-                                           initial_inputs=len(self._last_port_messages))
+                                           initial_inputs=len(self._last_port_messages),
+                                           serialize=serialize_message)
         for name, msg in self._last_port_messages.items():   # the inputs the next step will use
             self._record_port_message(name, msg)
         self.get_logger().info(f"recording to {self.recorder.path}")

@@ -16,16 +16,9 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
-from capsule_ros.capsules.config import CapsuleStoreConfig
-from capsule_ros.config import ConfigSection, unflatten
-from capsule_ros.runtime.engine import RuntimeConfig
-from capsule_ros.runtime.hybrid import HybridConfig
-from capsule_ros.serving.config import ControlConfig, PolicyConfig, PortConfig, RecordConfig
+from capsule_ros.config import ConfigSection, field_default, unflatten
+from capsule_ros.serving.config import SECTIONS, PortConfig
 
-SECTIONS: Tuple[Tuple[str, Type[ConfigSection]], ...] = (
-    ("control", ControlConfig), ("policy", PolicyConfig), ("policy.hybrid", HybridConfig),
-    ("runtime", RuntimeConfig), ("capsules", CapsuleStoreConfig), ("record", RecordConfig),
-)
 _INT64 = (-(2**63), 2**63 - 1)
 _ARRAY_TYPES = {str: Parameter.Type.STRING_ARRAY, int: Parameter.Type.INTEGER_ARRAY,
                 float: Parameter.Type.DOUBLE_ARRAY, bool: Parameter.Type.BOOL_ARRAY}
@@ -54,7 +47,7 @@ def descriptor(f: dataclasses.Field, python_type: Any) -> ParameterDescriptor:
 
 
 def _declare(node: Node, name: str, f: dataclasses.Field, python_type: Any) -> Any:
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    default = field_default(f)
     if isinstance(default, tuple):
         item = typing.get_args(python_type)[0] if typing.get_args(python_type) else str
         value: Any = list(default) if default else _ARRAY_TYPES[item]

@@ -9,7 +9,7 @@ from capsule_ros.ros.entry import run_node
 
 def main(argv: Optional[List[str]] = None) -> int:
     def make():
-        from capsule_ros.ros.node import PolicyNode   # after rclpy.init: torch's import is slow
+        from capsule_ros.ros.node import PolicyNode  # after rclpy.init: torch's import is slow
         return PolicyNode()
     return run_node(make, "policy_node", argv)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -28,7 +29,7 @@ class ManagedProcess:
 
     def __init__(self, argv: List[str], log_path: Path, env: Optional[Dict[str, str]] = None):
         self.log_path = Path(log_path)
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")          # noqa: SIM115 - open for the process's life; stop() closes it
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=env or os.environ.copy())
 
@@ -57,11 +58,18 @@ def start_executable(name: str, args: List[str], log_path: Path) -> ManagedProce
 
 
 def start_policy_node(workdir: Path, params: dict, *, namespace: str = "", params_file: Path,
-                      tag: str = "policy") -> ManagedProcess:
-    """``policy_node`` with ``params_file`` plus ``params`` as a second (overriding) file."""
+                      tag: str = "") -> ManagedProcess:
+    """``policy_node`` with ``params_file`` plus ``params`` as a second (overriding) file;
+    its log and overlay files in ``workdir`` are named by ``tag`` (default: the namespace)."""
+    tag = tag or namespace.strip("/").replace("/", "_") or "policy"
     overlay = Path(workdir) / f"{tag}-overrides.yaml"
     overlay.write_text(yaml.safe_dump({"/**": {"ros__parameters": params}}))
     args = ["--ros-args", "--params-file", str(params_file), "--params-file", str(overlay)]
     if namespace:
         args += ["-r", f"__ns:={namespace}"]
     return start_executable("policy_node", args, Path(workdir) / f"{tag}.log")
+
+
+def workdir(prefix: str = "capsule-ros-") -> Path:
+    """A new private temporary directory (logs, parameter overlays, capsules)."""
+    return Path(tempfile.mkdtemp(prefix=prefix))

@@ -23,15 +23,14 @@ import time
 from typing import List, Optional
 
 import numpy as np
-from rclpy.node import Node
-from rclpy.qos import QoSProfile, ReliabilityPolicy
-
-from capsule_ros.msg import Action
 from geometry_msgs.msg import PointStamped
 from rcl_interfaces.msg import FloatingPointRange, ParameterDescriptor
+from rclpy.node import Node
+from rclpy.qos import QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import JointState
 from std_srvs.srv import Trigger
 
+from capsule_ros.msg import Action
 from capsule_ros.ros.entry import run_node
 from capsule_ros.sim.arm import DT, ArmSim, Observation
 

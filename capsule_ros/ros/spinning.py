@@ -15,10 +15,11 @@ from rclpy.node import Node
 
 
 class SpinThread:
-    """``nodes`` spun by one executor in a daemon thread until ``shutdown``."""
+    """``nodes`` spun by one executor in a daemon thread until ``shutdown`` (``context``: a
+    private rclpy context, else the default one)."""
 
-    def __init__(self, *nodes: Node, name: str = "capsule-ros-spin"):
-        self.executor = SingleThreadedExecutor()
+    def __init__(self, *nodes: Node, name: str = "capsule-ros-spin", context=None):
+        self.executor = SingleThreadedExecutor(context=context)
         for node in nodes:
             self.executor.add_node(node)
         self.thread = threading.Thread(target=self.executor.spin, name=name, daemon=True)
@@ -31,7 +32,19 @@ class SpinThread:
         self.thread.join(timeout_s)
 
 
-def drain(q: "queue.Queue") -> list:
+class SpunNode:
+    """A new rclpy node, spun in its own background thread (rclpy initialised by the caller)."""
+
+    def __init__(self, rclpy_module, name: str, **node_kwargs):
+        self.node = rclpy_module.create_node(name, **node_kwargs)
+        self._spin = SpinThread(self.node, name=f"{name}-spin", context=node_kwargs.get("context"))
+
+    def close(self) -> None:
+        self._spin.shutdown()
+        self.node.destroy_node()
+
+
+def drain(q: queue.Queue) -> list:
     """Everything a subscription callback queued so far (without waiting)."""
     items = []
     while True:

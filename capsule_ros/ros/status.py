@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from capsule_ros.msg import PortStatus, RuntimeStatus
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
 from capsule_ros.capsules.store import Tier
+from capsule_ros.msg import PortStatus, RuntimeStatus
 from capsule_ros.serving.ports import PortAdapter
 from capsule_ros.serving.records import EpisodeState
 from capsule_ros.serving.session import PolicySession
@@ -60,7 +60,7 @@ class DiagnosticsBuilder:
     def build(self, status: RuntimeStatus, stamp) -> DiagnosticArray:
         stale = sum(p.stale_steps for p in status.ports)
         now = (status.deadline_misses, status.step_errors + status.nonfinite_steps, status.dropped_inputs, stale)
-        misses, faults, drops, stales = (a - b for a, b in zip(now, self._last))
+        misses, faults, drops, stales = (a - b for a, b in zip(now, self._last, strict=True))
         self._last = now
         if faults:
             level, text = DiagnosticStatus.ERROR, f"{faults} failed or non-finite step(s) since the last report: " \
@@ -68,7 +68,8 @@ class DiagnosticsBuilder:
         elif misses:
             level, text = DiagnosticStatus.ERROR, f"{misses} deadline miss(es) since the last report"
         elif drops or stales:
-            level, text = DiagnosticStatus.WARN, f"{drops} dropped input(s), {stales} stale step(s) since the last report"
+            level = DiagnosticStatus.WARN
+            text = f"{drops} dropped input(s), {stales} stale step(s) since the last report"
         else:
             level, text = DiagnosticStatus.OK, "ok"
         values = {
@@ -88,7 +89,8 @@ class DiagnosticsBuilder:
         for p in status.ports:
             values[f"port.{p.name}.received"] = p.received
             values[f"port.{p.name}.dropped"] = (f"shape={p.dropped_shape} type={p.dropped_type} "
-                                                f"nonfinite={p.dropped_nonfinite} out_of_order={p.dropped_out_of_order} "
+                                                f"nonfinite={p.dropped_nonfinite} "
+                                                f"out_of_order={p.dropped_out_of_order} "
                                                 f"future={p.dropped_future}")
             values[f"port.{p.name}.stale_steps"] = p.stale_steps
             values[f"port.{p.name}.age_ms"] = f"{p.age_ms:.1f}"

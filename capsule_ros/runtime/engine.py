@@ -83,7 +83,7 @@ def configure_torch(config: RuntimeConfig, device: torch.device) -> None:
         torch.use_deterministic_algorithms(True)
         # Deterministic mode also fills every new temporary with NaN to expose reads of
         # uninitialised memory: a debugging aid that costs one kernel per temporary.
-        torch.utils.deterministic.fill_uninitialized_memory = False
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     if device.type == "cpu" and config.cpu_threads:
         torch.set_num_threads(config.cpu_threads)
 
@@ -232,7 +232,7 @@ class PolicyRuntime:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     # -- replica -------------------------------------------------------------------------------
-    def replica(self) -> "PolicyRuntime":
+    def replica(self) -> PolicyRuntime:
         """A second live runtime over the same weights with its own arena and graphs.
 
         Both share the fingerprint, so capsules move freely between them; they never share

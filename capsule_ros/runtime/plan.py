@@ -48,7 +48,7 @@ class GraphPlan:
     """Runs ``policy.step`` / ``policy.prefill`` over ``arena`` (see module docstring)."""
 
     def __init__(self, policy: StatefulPolicy, arena: StateArena, *, use_graphs: bool,
-                 stream: Optional["torch.cuda.Stream"], debug_checks: bool = False, warmup_steps: int = 3):
+                 stream: Optional[torch.cuda.Stream], debug_checks: bool = False, warmup_steps: int = 3):
         self.policy = policy
         self.arena = arena
         self.use_graphs = bool(use_graphs and arena.device.type == "cuda")
@@ -73,11 +73,12 @@ class GraphPlan:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def _capture(self, fn) -> "torch.cuda.CUDAGraph":
+    def _capture(self, fn) -> torch.cuda.CUDAGraph:
         """Warm up ``fn`` then capture it; the arena is restored to its bytes before."""
         saved = self.arena.storage.clone()
         with torch.inference_mode(), self._stream_ctx():
             self._warm_up(fn)
+            assert self.stream is not None                      # graphs are captured on CUDA only
             free_before = torch.cuda.mem_get_info(self.arena.device)[0]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=self.stream):

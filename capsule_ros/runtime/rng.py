@@ -5,7 +5,7 @@ function of those two numbers and the draw's size: no generator object, no hidde
 so a capsule that restores the arena restores the random stream too, and the draw can
 run inside a CUDA graph (it is integer arithmetic on tensors, no host round trip).
 
-Algorithm (the same as ``HybridPolicy._gaussian``): for ``n`` values, ``2n`` 32-bit
+Algorithm: for ``n`` values, ``2n`` 32-bit
 words ``h_i = hash32((seed ^ hash32(counter * 2n + i + 0x9E3779B1)) & 0xFFFFFFFF)``,
 turned into uniforms ``u = (h + 0.5) / 2^32`` (float64) and paired by Box-Muller,
 ``sqrt(-2 ln u_i) * cos(2 pi u_{n+i})``, rounded to float32.

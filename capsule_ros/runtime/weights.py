@@ -14,7 +14,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Dict, Mapping, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 MAX_HEADER_BYTES = 100 * 2**20
 
 
-def save_weights(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] = ()) -> None:
+def save_weights(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> None:
     """Write ``tensors`` atomically (temporary file, fsync, rename)."""
     header: Dict[str, dict] = {}
     blobs = []
@@ -80,7 +80,8 @@ def read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
         nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
         if not 0 <= start <= end <= len(body) or end - start != nbytes:
             raise InvalidArgument(f"{path}: {name!r} offsets [{start}, {end}) do not hold {shape} {entry['dtype']}")
-        raw = torch.frombuffer(bytearray(body[start:end]), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        raw = (torch.frombuffer(bytearray(body[start:end]), dtype=torch.uint8) if nbytes
+               else torch.empty(0, dtype=torch.uint8))
         tensors[name] = raw.view(dtype).reshape(shape)
     return tensors, {str(k): str(v) for k, v in metadata.items()}
 

@@ -66,7 +66,7 @@ class BoundaryLock:
     def locked(self) -> bool:
         return self._held
 
-    def __enter__(self) -> "BoundaryLock":
+    def __enter__(self) -> BoundaryLock:
         self.acquire()
         return self
 

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple, Type
 
 from capsule_ros.capsules.config import CapsuleStoreConfig
-from capsule_ros.config import NAME_PATTERN, ConfigSection, dims, load_params_file, section_values, setting
+from capsule_ros.config import (
+    NAME_PATTERN,
+    ConfigSection,
+    dims,
+    field_default,
+    load_params_file,
+    section_values,
+    setting,
+)
 from capsule_ros.errors import ConfigError
+from capsule_ros.paths import share_file
+from capsule_ros.policies.hybrid import HybridConfig
 from capsule_ros.runtime.engine import RuntimeConfig
-from capsule_ros.runtime.hybrid import HybridConfig
 
 MESSAGE_TYPES = (
     "sensor_msgs/msg/JointState", "sensor_msgs/msg/Imu", "sensor_msgs/msg/Image",
@@ -137,6 +146,15 @@ class RecordConfig(ConfigSection):
     storage: str = setting("mcap", "rosbag2 storage plugin", choices=("mcap", "sqlite3"))
 
 
+# Every configuration section, by its parameter prefix: ``ports.<name>`` (one per port, see
+# PortConfig) and these. ROS parameters, docs/configuration.md and ServingConfig all come
+# from this table and the dataclasses' settings.
+SECTIONS: Tuple[Tuple[str, Type[ConfigSection]], ...] = (
+    ("control", ControlConfig), ("policy", PolicyConfig), ("policy.hybrid", HybridConfig),
+    ("runtime", RuntimeConfig), ("capsules", CapsuleStoreConfig), ("record", RecordConfig),
+)
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """Everything the serving stack needs, validated."""
@@ -151,7 +169,7 @@ class ServingConfig:
     source: str = field(default="")
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any], source: str = "") -> "ServingConfig":
+    def from_params(cls, params: Mapping[str, Any], source: str = "") -> ServingConfig:
         known = {"ports", "control", "policy", "runtime", "capsules", "record"}
         extra = sorted(set(params) - known)
         if extra:
@@ -179,7 +197,7 @@ class ServingConfig:
                    record=RecordConfig.from_mapping(section_values(params, "record")), source=source)
 
     @classmethod
-    def from_file(cls, path: Path, node_name: str = "capsule_policy") -> "ServingConfig":
+    def from_file(cls, path: Path, node_name: str = "capsule_policy") -> ServingConfig:
         return cls.from_params(load_params_file(path, node_name), source=str(path))
 
 
@@ -190,11 +208,35 @@ def _is_name(name: str) -> bool:
 
 def default_config_path() -> Path:
     """config/policy.yaml of the installed package (or of the source tree)."""
-    try:
-        from ament_index_python.packages import get_package_share_directory
-        path = Path(get_package_share_directory("capsule_ros")) / "config" / "policy.yaml"
-        if path.is_file():
-            return path
-    except Exception:  # noqa: BLE001 - no ROS / not installed: fall back to the source tree
-        pass
-    return Path(__file__).resolve().parents[2] / "config" / "policy.yaml"
+    return share_file("config", "policy.yaml")
+
+
+def settings_reference() -> str:
+    """docs/configuration.md: every setting of every section, from the dataclasses
+    (``tools/config_reference.py`` writes it; a test keeps it current)."""
+    lines = ["# Configuration reference", "",
+             "Every parameter of `policy_node` (and of `capsule-ros demo` / `replay`, which read the same",
+             "parameter file), generated from the configuration dataclasses by `tools/config_reference.py`.",
+             "Read-only parameters shape the graph and the capsule fingerprint: they are set at start-up",
+             "(parameter file, launch arguments, `--ros-args -p`). The others can change at run time",
+             "(`ros2 param set`), validated the same way.", ""]
+    for prefix, cls in (("ports.<name>", PortConfig),) + SECTIONS:
+        lines += [f"## `{prefix}`", "", (cls.__doc__ or "").strip().splitlines()[0], "",
+                  "| parameter | default | allowed | read-only | meaning |", "| --- | --- | --- | --- | --- |"]
+        for f in cls.settings():
+            meta = f.metadata
+            allowed = []
+            if meta["choices"]:
+                allowed.append(" / ".join(f"`{c}`" for c in meta["choices"]))
+            if meta["low"] is not None or meta["high"] is not None:
+                allowed.append(f"[{meta['low'] if meta['low'] is not None else ''}, "
+                               f"{meta['high'] if meta['high'] is not None else ''}]")
+            if meta["pattern"]:
+                allowed.append(f"`{meta['pattern']}`")
+            default = field_default(f)
+            shown = list(default) if isinstance(default, tuple) else default
+            lines.append(f"| `{prefix}.{f.name}` | `{shown!r}` | {'; '.join(allowed) or '-'} | "
+                         f"{'yes' if meta['read_only'] else 'no'} | {meta['doc']} |")
+        lines.append("")
+    lines += ["`ports.names` (read-only) lists the ports; each has the `ports.<name>.*` parameters above.", ""]
+    return "\n".join(lines)

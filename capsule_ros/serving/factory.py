@@ -6,12 +6,12 @@ from typing import Optional
 
 import torch
 
+from capsule_ros.capsules.store import CapsuleStore
 from capsule_ros.errors import ConfigError
+from capsule_ros.policies.hybrid import HybridPolicy
 from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
 from capsule_ros.runtime.engine import PolicyRuntime
-from capsule_ros.runtime.hybrid import HybridPolicy
 from capsule_ros.runtime.weights import load_weights
-from capsule_ros.capsules.store import CapsuleStore
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.session import PolicySession
 

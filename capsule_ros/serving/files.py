@@ -8,8 +8,8 @@ evicted nor reused until the save ends, even if the capsule is dropped meanwhile
 ``write`` runs outside the lock: on a GPU it copies the slab into one pinned staging
 buffer (allocated at start, the capsule's size) on a low-priority stream (the control
 loop's stream is never waited on; one staging buffer, so saves of a GPU runtime take
-turns), on a CPU it writes straight from the slab; then the directory writes, fsyncs and renames the file. ``end`` runs under the
-lock again and gives the loan back.
+turns), on a CPU it writes straight from the slab; then the directory writes, fsyncs
+and renames the file. ``end`` runs under the lock again and gives the loan back.
 
 A drop from disk while a save is writing marks the save *dropped*; the directory asks
 right before it publishes the file, under its own lock, so a drop that answered success
@@ -93,8 +93,7 @@ class CapsuleReader:
                     yield Source(self.store.get(capsule_id))
                     return
                 if fetched is not None:
-                    self.raise_error(fetched)
-                    yield fetched.source
+                    yield self.raise_error(fetched)
                     return
         raise Busy(f"capsule {capsule_id!r} kept leaving memory while it was being read; try again")
 
@@ -102,12 +101,15 @@ class CapsuleReader:
         known = self.store.find(capsule_id)      # a dict lookup: safe without the lock
         return known is not None and known.payload is not None
 
-    def raise_error(self, fetched: Fetched) -> None:
-        """Under the lock: raise a read's error, if any (counting a foreign capsule)."""
+    def raise_error(self, fetched: Fetched) -> Source:
+        """Under the lock: raise a read's error, if any (counting a foreign capsule); else
+        return what it read."""
         if fetched.error is not None:
             if isinstance(fetched.error, FingerprintMismatch):
                 self.store.counters.invalidations += 1
             raise fetched.error
+        assert fetched.source is not None
+        return fetched.source
 
 
 @dataclass

@@ -39,7 +39,7 @@ class PortDrop(Exception):
 @dataclass
 class PortCounters:
     received: int = 0
-    dropped: Dict[str, int] = field(default_factory=lambda: {r: 0 for r in DROP_REASONS})
+    dropped: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     stale_steps: int = 0
     last_accept_ns: Optional[int] = None      # monotonic clock of the last accepted message
 
@@ -216,7 +216,7 @@ class PortAdapter:
         data = np.frombuffer(bytes(msg.data), dtype=np.uint8)
         if step < width * src_channels or data.size != step * height:
             raise PortDrop("shape", f"image data of {data.size} bytes does not match step {step} x {height} rows")
-        img = data.reshape(height, step)[:, :width * src_channels].reshape(height, width, src_channels)
+        img: np.ndarray = data.reshape(height, step)[:, :width * src_channels].reshape(height, width, src_channels)
         if encoding == "bgr8":
             img = img[:, :, ::-1]
         if src_channels != channels:

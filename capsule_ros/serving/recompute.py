@@ -12,7 +12,7 @@ deterministic, so the result is bit-identical.
 Three phases, so the control loop keeps stepping during the long part: ``plan`` under
 the session's boundary lock (check coverage, copy the root's bytes and the rows, reserve
 room), ``rebuild`` outside it, ``adopt`` under it again (the result becomes an in-memory
-capsule of the same id). ``release`` returns the reserved room when the rebuild failed.
+capsule of the same id). ``unreserve`` returns the reserved room when the rebuild failed.
 """
 from __future__ import annotations
 
@@ -107,6 +107,7 @@ class Recompute:
         """Under the lock: check the log can rebuild the capsule (else re-raise ``cause``
         with the reason) and take what the rebuild needs."""
         entry = self._ledger.get(capsule_id)
+        reason: Optional[str]
         if entry is None:
             reason = "this process did not make the capsule, so it has no input log for it"
         elif self.log.capacity == 0:
@@ -116,7 +117,7 @@ class Recompute:
         root = self.store.find(self.root_id)
         if reason is None and (root is None or root.payload is None):
             reason = f"the log root {self.root_id!r} is no longer in memory"
-        if reason is not None:
+        if reason is not None or entry is None:
             raise type(cause)(f"{cause}; no recompute fallback: {reason}") from cause
         known = self.store.find(capsule_id)
         room = self.store.reserve() if known is None or known.payload is None else None
@@ -140,7 +141,7 @@ class Recompute:
         """Under the lock: the rebuilt state as an in-memory capsule of the same id."""
         known = self.store.find(capsule_id)
         if known is not None and known.payload is not None:        # reappeared in memory meanwhile
-            self.release(plan)
+            self.unreserve(plan)
             capsule = known
         else:
             if known is not None:
@@ -169,16 +170,16 @@ class Recompute:
             self.rebuild(plan)
         except BaseException:
             with lock:
-                self.release(plan)
+                self.unreserve(plan)
             raise
         seconds = time.perf_counter() - start
         with at_boundary():
             return resume(self.adopt(capsule_id, plan, cause, seconds), seconds)
 
-    def release(self, plan: RebuildPlan) -> None:
+    def unreserve(self, plan: RebuildPlan) -> None:
         """Under the lock: return the plan's reserved room (the rebuild failed or was not needed)."""
         if plan.room is not None:
-            self.store.release(plan.room)
+            self.store.unreserve(plan.room)
 
     def _replica_runtime(self) -> PolicyRuntime:
         if self._replica is None:

@@ -99,7 +99,7 @@ class EventRecord:
 
 @dataclass(frozen=True)
 class ReenterResult:
-    capsule: Optional["Capsule"]       # None when resuming an interrupt without a capsule
+    capsule: Optional[Capsule]       # None when resuming an interrupt without a capsule
     rollback: bool
     fallback: bool
     fallback_reason: str
@@ -139,7 +139,7 @@ class SessionStatus:
     stamp_ns: int = 0
 
     @classmethod
-    def of(cls, session) -> "SessionStatus":
+    def of(cls, session) -> SessionStatus:
         """The picture of a ``PolicySession``; its caller holds the boundary lock."""
         from capsule_ros.capsules.store import Tier
         store, c = session.store, session.store.counters

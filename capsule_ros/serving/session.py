@@ -33,16 +33,35 @@ import numpy as np
 
 from capsule_ros.capsules.ids import check_capsule_id
 from capsule_ros.capsules.store import Capsule, CapsuleStore, Tier
-from capsule_ros.errors import (Busy, CapsuleIOError, CapsuleRosError, CorruptCapsule, FingerprintMismatch,
-                                InvalidArgument, NotFound, PermissionDenied, WrongState)
+from capsule_ros.errors import (
+    Busy,
+    CapsuleIOError,
+    CapsuleRosError,
+    CorruptCapsule,
+    FingerprintMismatch,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    WrongState,
+)
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.boundary import BoundaryLock
 from capsule_ros.serving.config import ControlConfig, PortConfig
 from capsule_ros.serving.files import CapsuleReader, CapsuleSaver, SaveFailed, SaveJob, Source
 from capsule_ros.serving.ports import PortAdapter, SensorInputs
 from capsule_ros.serving.recompute import Recompute
-from capsule_ros.serving.records import (ActionRecord, ActionSource, EpisodeState, EventKind, EventRecord, HoldMode,
-                                         ReenterResult, SessionCounters, SessionStatus, StepFault)
+from capsule_ros.serving.records import (
+    ActionRecord,
+    ActionSource,
+    EpisodeState,
+    EventKind,
+    EventRecord,
+    HoldMode,
+    ReenterResult,
+    SessionCounters,
+    SessionStatus,
+    StepFault,
+)
 from capsule_ros.serving.stepping import GuardedStep
 
 LOG = logging.getLogger(__name__)
@@ -148,26 +167,31 @@ class PolicySession:
             deadline = self.control.effective_deadline_s() if self.enforce_deadline else None
             result = self.stepper.run(self.step, deadline, forced_late=late)
             self.step = result.step
-            if result.fault != StepFault.NONE:
-                return self.safe_record(self._fault_mode(), stamp_ns, fault=result.fault, published=result.overran,
-                                        seconds=result.seconds)
-            self._last_applied = result.outputs.action
-            return ActionRecord(result.outputs.action, result.outputs.chunk, ActionSource.POLICY, self.episode_id,
-                                self.step, self.lineage, stamp_ns, result.seconds)
+            out = result.outputs
+            if result.fault != StepFault.NONE or out is None:
+                return self._fault_record(result.fault, stamp_ns, published=result.overran, seconds=result.seconds)
+            self._last_applied = out.action
+            return ActionRecord(out.action, out.chunk, ActionSource.POLICY, self.episode_id, self.step, self.lineage,
+                                stamp_ns, result.seconds)
 
     def _on_overrun(self) -> None:
         """The watchdog's thread, while a step overruns: publish the safe action now. It
         reports the step in progress, as the tick does after a late step (whose state is
         kept), so a recording does not depend on which of the two published it."""
         if self.on_safe_action is not None:
-            self.on_safe_action(self.safe_record(self._fault_mode(), fault=StepFault.LATE, published=True,
-                                                 step=self.step + 1))
+            self.on_safe_action(self._fault_record(StepFault.LATE, self.clock_ns(), published=True,
+                                                   step=self.step + 1))
 
-    def _fault_mode(self) -> HoldMode:
-        return HoldMode.HOLD_ZERO if self.control.deadline_action == "zero" else HoldMode.HOLD_LAST
+    def _fault_record(self, fault: StepFault, stamp_ns: int, **kwargs: Any) -> ActionRecord:
+        """The configured safe action (``control.deadline_action``: never silent) for a fault."""
+        mode = HoldMode.HOLD_ZERO if self.control.deadline_action == "zero" else HoldMode.HOLD_LAST
+        record = self.safe_record(mode, stamp_ns, fault=fault, **kwargs)
+        assert record is not None          # only HOLD_SILENT gives none
+        return record
 
     def safe_record(self, mode: HoldMode, stamp_ns: Optional[int] = None, *, fault: StepFault = StepFault.NONE,
-                    published: bool = False, step: Optional[int] = None, seconds: float = 0.0) -> Optional[ActionRecord]:
+                    published: bool = False, step: Optional[int] = None,
+                    seconds: float = 0.0) -> Optional[ActionRecord]:
         """The safe action of ``mode`` as a record (None when silent): zeros, or the last
         on-time policy action held. ``step`` is the state's step it reports (default: now)."""
         if mode == HoldMode.HOLD_SILENT:
@@ -208,7 +232,7 @@ class PolicySession:
             capsule = self._snapshot(label, pinned=pin)
             self.lineage = capsule.id
             self._emit(EventKind.COMMIT, capsule, detail=label)
-            job = self.saver.begin(capsule) if persist else None
+            job = self._saver().begin(capsule) if persist else None
         if job is not None:
             try:
                 self._write(job)
@@ -328,7 +352,8 @@ class PolicySession:
                 self.recompute.forget(capsule_id)    # gone for good: no recompute brings it back
             if capsule_id == self.interrupt_capsule_id:
                 self.interrupt_capsule_id = ""
-            self._emit(EventKind.DROP, capsule, capsule_id=capsule_id, detail="memory and disk" if from_disk else "memory")
+            self._emit(EventKind.DROP, capsule, capsule_id=capsule_id,
+                       detail="memory and disk" if from_disk else "memory")
         if from_disk and self.directory is not None:
             with contextlib.suppress(NotFound):      # also a file a save published just before the drop
                 self.directory.remove(capsule_id)
@@ -344,7 +369,7 @@ class PolicySession:
             if capsule is None or capsule.payload is None:
                 raise NotFound(f"no capsule {capsule_id!r} in memory" + (f" (only on disk: {capsule.path})"
                                                                          if capsule is not None else ""))
-            job = self.saver.begin(capsule)
+            job = self._saver().begin(capsule)
         return self._write(job)
 
     def load(self, capsule_id: str) -> Capsule:
@@ -355,8 +380,8 @@ class PolicySession:
         self._require_directory()
         fetched = self.reader.read(check_capsule_id(capsule_id))
         with self.at_boundary():
-            self.reader.raise_error(fetched)
-            capsule = self._in_store(fetched.source)
+            source = self.reader.raise_error(fetched)
+            capsule = self._in_store(source)
             self._emit(EventKind.LOAD, capsule, detail=capsule.path or "")
             return capsule
 
@@ -367,8 +392,12 @@ class PolicySession:
                              f"{' / '.join(s.name for s in states)})")
 
     def _require_directory(self) -> None:
-        if self.directory is None:
+        self._saver()
+
+    def _saver(self) -> CapsuleSaver:
+        if self.saver is None:
             raise CapsuleIOError("no capsule directory configured (capsules.directory)")
+        return self.saver
 
     def _snapshot(self, label: str, pinned: bool = False, held: bool = False) -> Capsule:
         capsule = self.store.snapshot(self.runtime, label=label, parent_id=self.lineage,
@@ -383,14 +412,15 @@ class PolicySession:
     def _write(self, job: SaveJob) -> Capsule:
         """Outside the lock: a save begun under it. Its loan always ends, under the lock,
         which it must not give up on (it waits behind at most one step)."""
+        saver = self._saver()
         try:
-            path = self.saver.write(job)
+            path = saver.write(job)
         except BaseException:
             with self._boundary:
-                self.saver.end(job)
+                saver.end(job)
             raise
         with self._boundary:
-            self.saver.end(job)
+            saver.end(job)
             job.capsule.path = str(path)
             self._emit(EventKind.SAVE, job.capsule, detail=job.capsule.path)
         return job.capsule
@@ -449,8 +479,9 @@ class PolicySession:
         COMMIT, INTERRUPT and SAVE, which carry their capsule's boundary."""
         if self.on_event is None:
             return
-        at_capsule = kind in (EventKind.COMMIT, EventKind.INTERRUPT, EventKind.SAVE) and capsule is not None
-        episode, step = (capsule.episode_id, capsule.step) if at_capsule else (self.episode_id, self.step)
+        episode, step = self.episode_id, self.step
+        if capsule is not None and kind in (EventKind.COMMIT, EventKind.INTERRUPT, EventKind.SAVE):
+            episode, step = capsule.episode_id, capsule.step
         event = EventRecord(kind, capsule_id if capsule_id is not None else (capsule.id if capsule else ""),
                             capsule.parent_id if capsule else "", episode, step, rollback, fallback, detail)
         try:

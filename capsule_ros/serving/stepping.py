@@ -70,16 +70,17 @@ class GuardedStep:
     def run(self, from_step: int, deadline_s: Optional[float], forced_late: bool = False) -> StepResult:
         """One step from state step ``from_step`` (``deadline_s`` None: no deadline;
         ``forced_late``: count it late whatever its time, e.g. a replay re-enacting a miss)."""
-        watched = deadline_s is not None and self._watchdog is not None
-        if watched:
-            self._watchdog.arm(deadline_s)
+        watchdog = self._watchdog if deadline_s is not None else None
+        if watchdog is not None and deadline_s is not None:
+            watchdog.arm(deadline_s)
         self.idle.clear()
         try:
-            return self._run(from_step, deadline_s, forced_late, watched)
+            return self._run(from_step, deadline_s, forced_late, watchdog)
         finally:
             self.idle.set()
 
-    def _run(self, from_step: int, deadline_s: Optional[float], forced_late: bool, watched: bool) -> StepResult:
+    def _run(self, from_step: int, deadline_s: Optional[float], forced_late: bool,
+             watchdog: Optional[DeadlineWatchdog]) -> StepResult:
         fault, out, start = StepFault.NONE, None, time.perf_counter()
         with self.inputs.lock:
             try:
@@ -95,9 +96,9 @@ class GuardedStep:
             if fault == StepFault.NONE or not self.runtime.guarded:
                 self.log_step(from_step, self.runtime.input_staging.numpy())
         seconds = time.perf_counter() - start
-        overran = self._watchdog.disarm() if watched else False
+        overran = watchdog.disarm() if watchdog is not None else False
         self.latency.record(seconds)
-        if fault != StepFault.NONE:
+        if fault != StepFault.NONE or out is None:
             return StepResult(out, fault, self._after_fault(fault, from_step), seconds, overran)
         self.counters.steps += 1
         if forced_late or overran or (deadline_s is not None and seconds > deadline_s):

@@ -37,10 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
+import lerobot
 import numpy as np
 import torch
-
-import lerobot
 from lerobot.configs.types import FeatureType, PolicyFeature
 from lerobot.policies.act.configuration_act import ACTConfig
 from lerobot.policies.act.modeling_act import ACTPolicy
@@ -254,7 +253,8 @@ def act_ensemble() -> Fixture:
             dim_model=64, n_heads=4, dim_feedforward=128, n_encoder_layers=1, n_decoder_layers=1,
             n_vae_encoder_layers=1, latent_dim=8, pretrained_backbone_weights=None, device="cpu"),
         stats={"observation.state": {"mean": _vec([0.0, 0.1, -0.1, 0.2]), "std": _vec([1.0, 0.7, 1.1, 0.9])},
-               "observation.environment_state": {"mean": _vec([0.05] * 7), "std": _vec([0.6, 0.8, 1.0, 1.2, 0.9, 1.1, 0.7])},
+               "observation.environment_state": {"mean": _vec([0.05] * 7),
+                                                 "std": _vec([0.6, 0.8, 1.0, 1.2, 0.9, 1.1, 0.7])},
                "action": {"mean": _vec([0.3, -0.2, 0.1]), "std": _vec([0.9, 1.4, 0.6])}})
 
 
@@ -267,7 +267,8 @@ def diffusion_ddpm() -> Fixture:
             input_features=feats, output_features=outs, n_obs_steps=2, horizon=16, n_action_steps=8,
             crop_shape=(42, 57), down_dims=(32, 64, 128), kernel_size=5, n_groups=8, diffusion_step_embed_dim=32,
             spatial_softmax_num_keypoints=16, noise_scheduler_type="DDPM", num_inference_steps=10, device="cpu"),
-        stats={"observation.state": {"min": _vec([-1.5, -1.0, -2.0, -1.2, 0.25]), "max": _vec([1.5, 1.2, 2.0, 0.8, 0.25])},
+        stats={"observation.state": {"min": _vec([-1.5, -1.0, -2.0, -1.2, 0.25]),
+                                     "max": _vec([1.5, 1.2, 2.0, 0.8, 0.25])},
                "observation.images.front": IMAGE_STATS,
                "action": {"min": _vec([-1.0, -2.0, 0.0, -0.5]), "max": _vec([1.0, 2.0, 3.0, 0.5])}})
 

@@ -20,8 +20,7 @@ from torch import nn
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot import act, diffusion
-from capsule_ros.policies.lerobot.checkpoint import (Checkpoint, load_model_weights, read_checkpoint,
-                                                     read_normalization)
+from capsule_ros.policies.lerobot.checkpoint import Checkpoint, load_model_weights, read_checkpoint, read_normalization
 from capsule_ros.policies.lerobot.features import bind_features
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy, check_vector_keys
 from capsule_ros.runtime.arena import BufferSpec

@@ -37,8 +37,14 @@ from torch import nn
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
-from capsule_ros.policies.lerobot.common import (RESNET_CHANNELS, FrozenBatchNorm2d, queue_pop_, queue_remaining,
-                                                 resnet_feature_size, resnet_trunk)
+from capsule_ros.policies.lerobot.common import (
+    RESNET_CHANNELS,
+    FrozenBatchNorm2d,
+    queue_pop_,
+    queue_remaining,
+    resnet_feature_size,
+    resnet_trunk,
+)
 from capsule_ros.policies.lerobot.features import BoundInput
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.runtime.arena import BufferKind, BufferSpec

@@ -123,16 +123,16 @@ class BasicBlock(nn.Module):
         return F.relu(out + identity)
 
 
-def resnet_trunk(name: str, norm: NormFactory) -> "OrderedDict[str, nn.Module]":
+def resnet_trunk(name: str, norm: NormFactory) -> OrderedDict[str, nn.Module]:
     """The children of a torchvision ResNet up to layer4 (no pooling, no fc), by their names:
     conv1, bn1, relu, maxpool, layer1..layer4. ACT keeps these names (IntermediateLayerGetter),
     Diffusion numbers them 0..7 (``nn.Sequential(*children)``)."""
     if name not in RESNET_BLOCKS:
         raise ConfigError(f"vision_backbone {name!r} is not supported; supported: {sorted(RESNET_BLOCKS)}")
-    children: "OrderedDict[str, nn.Module]" = OrderedDict(
+    children: OrderedDict[str, nn.Module] = OrderedDict(
         conv1=nn.Conv2d(3, 64, 7, 2, 3, bias=False), bn1=norm(64), relu=nn.ReLU(), maxpool=nn.MaxPool2d(3, 2, 1))
     inplanes = 64
-    for i, (planes, blocks) in enumerate(zip((64, 128, 256, 512), RESNET_BLOCKS[name])):
+    for i, (planes, blocks) in enumerate(zip((64, 128, 256, 512), RESNET_BLOCKS[name], strict=True)):
         stride = 1 if i == 0 else 2
         layer = [BasicBlock(inplanes, planes, stride, norm)]
         layer += [BasicBlock(planes, planes, 1, norm) for _ in range(blocks - 1)]

@@ -47,8 +47,13 @@ from torch import nn
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
-from capsule_ros.policies.lerobot.common import (RESNET_CHANNELS, queue_pop_, queue_remaining, resnet_feature_size,
-                                                 resnet_trunk)
+from capsule_ros.policies.lerobot.common import (
+    RESNET_CHANNELS,
+    queue_pop_,
+    queue_remaining,
+    resnet_feature_size,
+    resnet_trunk,
+)
 from capsule_ros.policies.lerobot.features import BoundInput
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.policies.lerobot.schedulers import NoiseScheduler, SchedulerConfig
@@ -191,7 +196,7 @@ class ConditionalUnet1d(nn.Module):
         def block(cin: int, cout: int) -> ResidualBlock:
             return ResidualBlock(cin, cout, cond_dim, kernel, groups, film)
 
-        in_out = [(checkpoint.action_dim, dims[0])] + list(zip(dims[:-1], dims[1:]))
+        in_out = [(checkpoint.action_dim, dims[0])] + list(zip(dims[:-1], dims[1:], strict=True))
         self.down_modules = nn.ModuleList(
             nn.ModuleList([block(cin, cout), block(cout, cout),
                            nn.Conv1d(cout, cout, 3, 2, 1) if i < len(in_out) - 1 else nn.Identity()])

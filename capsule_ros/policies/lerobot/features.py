@@ -23,8 +23,8 @@ from typing import Collection, List, Mapping, Tuple
 import torch
 
 from capsule_ros.errors import ConfigError
-from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_name
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint
+from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_name
 
 VISUAL, STATE, ENV = "VISUAL", "STATE", "ENV"
 

@@ -71,7 +71,7 @@ class SchedulerConfig:
     clip_sample_range: float
 
     @classmethod
-    def from_checkpoint(cls, field) -> "SchedulerConfig":
+    def from_checkpoint(cls, field) -> SchedulerConfig:
         kind = field("noise_scheduler_type", "DDPM")
         if kind not in SCHEDULERS:
             raise ConfigError(f"Diffusion noise_scheduler_type = {kind!r}: supported {list(SCHEDULERS)}")

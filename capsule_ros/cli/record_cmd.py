@@ -36,6 +36,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         import rclpy
         from rclpy.context import Context
         from rclpy.executors import SingleThreadedExecutor
+
         from capsule_ros.ros.client import CapsuleClient, ServiceError
     except ImportError as exc:
         print(f"capsule-ros record: needs ROS 2 and the built package ({exc})", file=sys.stderr)

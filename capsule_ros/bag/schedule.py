@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
-from capsule_ros.bag.reader import ActionInfo, RecordedEvent, Timeline, capsule_id_position
+from capsule_ros.bag.reader import ActionInfo, BagScan, RecordedEvent, capsule_id_position
 from capsule_ros.serving.records import ActionSource, EventKind
 
 BEFORE, AT, AFTER = -1, 0, 1
@@ -61,21 +61,21 @@ def _follows(action: ActionInfo, event: RecordedEvent) -> bool:
 
 
 class Scheduler:
-    """Computes the slot of every event of a timeline (see the module docstring)."""
+    """Computes the slot of every event of a scan (see the module docstring)."""
 
-    def __init__(self, timeline: Timeline, mode: str):
-        self.timeline = timeline
-        self.action_times = [a.time for a in timeline.actions]
-        self.event_times = [e.time for e in timeline.events]
+    def __init__(self, scan: BagScan, mode: str):
+        self.scan = scan
+        self.action_times = [a.time for a in scan.actions]
+        self.event_times = [e.time for e in scan.events]
         # when the replay steps: at trigger messages, or (timer mode) at recorded actions
-        self.ticks = timeline.trigger_times if mode == "trigger" else self.action_times
+        self.ticks = scan.trigger_times if mode == "trigger" else self.action_times
         self.mode = mode
 
     def schedule(self) -> List[Tuple[Slot, RecordedEvent]]:
         out: List[Tuple[Slot, RecordedEvent]] = []
         segment_start: Optional[RecordedEvent] = None
         previous = Slot(-1, BEFORE, -1)
-        for event in self.timeline.events:
+        for event in self.scan.events:
             own = Slot(event.time, AT, event.index)
             slot = own
             if event.kind == EventKind.COMMIT:
@@ -98,8 +98,8 @@ class Scheduler:
         since = segment_start.time if segment_start else -1
         boundary = None
         i = bisect.bisect_left(self.action_times, event.time) - 1
-        while i >= 0 and self.timeline.actions[i].time > since:
-            action = self.timeline.actions[i]
+        while i >= 0 and self.scan.actions[i].time > since:
+            action = self.scan.actions[i]
             if action.step == step and action.episode == episode:
                 boundary = action.time
                 break
@@ -117,7 +117,7 @@ class Scheduler:
     def _race_slot(self, event: RecordedEvent) -> Optional[Slot]:
         """Trigger mode: before the step of the last trigger when its action shows the
         event came first. Timer mode: after the next action when it shows the step came first."""
-        actions = self.timeline.actions
+        actions = self.scan.actions
         if self.mode == "trigger":
             tick = _last_before(self.ticks, event.time)
             if tick is None or self._event_between(tick, event.time, event):
@@ -133,7 +133,7 @@ class Scheduler:
         if i >= len(actions) or self._event_between(event.time, actions[i].time, event):
             return None
         action = actions[i]
-        sensor = _first_after(self.timeline.sensor_times, event.time)
+        sensor = _first_after(self.scan.sensor_times, event.time)
         if sensor is not None and sensor < action.time:
             return None                      # a sensor message came in between: the step was later
         return Slot(action.time, AFTER, event.index) if not _follows(action, event) else None
@@ -141,4 +141,4 @@ class Scheduler:
     def _event_between(self, start: int, end: int, event: RecordedEvent) -> bool:
         """Whether another event lies strictly between two times."""
         lo, hi = bisect.bisect_right(self.event_times, start), bisect.bisect_left(self.event_times, end)
-        return any(self.timeline.events[i] is not event for i in range(lo, hi))
+        return any(self.scan.events[i] is not event for i in range(lo, hi))

@@ -37,8 +37,18 @@ from torch import nn
 from capsule_ros.config import ConfigSection, dims, setting
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
-from capsule_ros.runtime.policy import (ACTION, CHUNK, EPISODE, POSITION, RNG, STEP, State,
-                                        StatefulPolicy, standard_specs)
+from capsule_ros.runtime.policy import (
+    ACTION,
+    CHUNK,
+    EPISODE,
+    POSITION,
+    RNG,
+    STEP,
+    State,
+    StatefulPolicy,
+    standard_specs,
+)
+from capsule_ros.runtime.rng import counter_normal
 
 CHUNK_ACC = "chunk.acc"
 CHUNK_WEIGHT = "chunk.weight"
@@ -503,14 +513,6 @@ class ObservationEncoder(nn.Module):
         return token
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """Integer hash on int64 tensors holding 32-bit values (no overflow: products < 2^59)."""
-    mask = 0xFFFFFFFF
-    x = ((x >> 16) ^ x) * 0x45D9F3B & mask
-    x = ((x >> 16) ^ x) * 0x45D9F3B & mask
-    return (x >> 16) ^ x
-
-
 class HybridPolicy(StatefulPolicy):
     """The reference policy (see the module docstring)."""
 
@@ -578,7 +580,7 @@ class HybridPolicy(StatefulPolicy):
         ensembled = acc / weight[:, None]
         action = ensembled[0]
         if self.cfg.action_noise_std > 0:
-            action = action + self.cfg.action_noise_std * self._gaussian(state[RNG], self.action_dim)
+            action = action + self.cfg.action_noise_std * counter_normal(state[RNG], (self.action_dim,))
         state[ACTION].copy_(action)
         state[CHUNK].copy_(ensembled)
         state[RNG][1:].add_(1)
@@ -612,11 +614,3 @@ class HybridPolicy(StatefulPolicy):
         raw = self.head(self.final_norm(x)).float()
         return (self.cfg.action_scale * torch.tanh(raw)).reshape(*x.shape[:-1], self.chunk_horizon, self.action_dim)
 
-    @staticmethod
-    def _gaussian(rng: torch.Tensor, n: int) -> torch.Tensor:
-        """n standard normals from (seed, counter) by hashing and Box-Muller, in-graph."""
-        idx = torch.arange(2 * n, device=rng.device, dtype=torch.int64)
-        h = _hash32((rng[0] ^ _hash32(rng[1] * 2 * n + idx + 0x9E3779B1)) & 0xFFFFFFFF)
-        u = (h.to(torch.float64) + 0.5) / 4294967296.0
-        u1, u2 = u[:n], u[n:]
-        return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).to(torch.float32)
