@@ -24,7 +24,7 @@ from capsule_ros.errors import ConfigError
 
 T = TypeVar("T", bound="ConfigSection")
 
-# Id alphabet of DESIGN.md section 2, shared by capsule ids and port / buffer names.
+# The capsule id alphabet (the node's external contract), shared by capsule ids and port / buffer names.
 ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
 NAME_PATTERN = r"[A-Za-z][A-Za-z0-9_]{0,63}"
 

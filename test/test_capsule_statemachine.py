@@ -1,4 +1,4 @@
-"""Stateful property test of the capsule lifecycle (issue 6).
+"""Stateful property test of the capsule lifecycle.
 
 A Hypothesis ``RuleBasedStateMachine`` drives a real ``PolicySession`` (small hybrid
 policy, KV ring of 16, token prefix), a real ``CapsuleStore`` of 2 device + 3 host slabs

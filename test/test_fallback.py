@@ -1,4 +1,4 @@
-"""The recompute fallback (issue 6), on the default policy (config/policy.yaml's shape,
+"""The recompute fallback, on the default policy (config/policy.yaml's shape,
 random weights: the shipped weights do not change the cost).
 
 - A corrupted capsule re-entered mid-episode is rebuilt from the timeline root and the

@@ -23,7 +23,7 @@ from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_policy
 
-TARGETS = {2048: 5.0, 16384: 40.0}       # minimum speedups (issue targets)
+TARGETS = {2048: 5.0, 16384: 40.0}       # minimum speedups (the targets docs/benchmarks.md reports against)
 QUICK = dict(d_model=256, layers="RRRARRRA", n_heads=4, n_kv_heads=2, head_dim=64, rec_heads=8, rec_head_dim=32,
              d_state=32, mlp_ratio=2.0, vocab_size=1024, dtype="float32", max_context=2048, scan_chunk=64)
 

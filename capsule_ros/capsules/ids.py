@@ -1,4 +1,4 @@
-"""Capsule ids: the alphabet of DESIGN.md ``[A-Za-z0-9][A-Za-z0-9_.-]{0,127}``.
+"""Capsule ids: the alphabet ``[A-Za-z0-9][A-Za-z0-9_.-]{0,127}`` of the node's contract.
 
 The alphabet has no path separators and cannot start with a dot, so an id is always a
 plain file name inside the capsule directory (no traversal); ``..`` is refused too.

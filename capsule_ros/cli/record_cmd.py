@@ -35,21 +35,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         import rclpy
         from rclpy.context import Context
-        from rclpy.executors import SingleThreadedExecutor
 
         from capsule_ros.ros.client import CapsuleClient, ServiceError
+        from capsule_ros.ros.spinning import SpunNode
     except ImportError as exc:
         print(f"capsule-ros record: needs ROS 2 and the built package ({exc})", file=sys.stderr)
         return 2
     out = os.path.abspath(os.path.expanduser(args.out)) if args.out else ""
     context = Context()
     rclpy.init(context=context)      # not the default context: no rclpy signal handlers, Ctrl-C is ours
-    node = rclpy.create_node("capsule_ros_record", context=context)
-    executor = SingleThreadedExecutor(context=context)
-    executor.add_node(node)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
-    client = CapsuleClient(node, args.node, server_wait_s=args.wait, call_timeout_s=10.0)
+    spun = SpunNode(rclpy, "capsule_ros_record", context=context)
+    client = CapsuleClient(spun.node, args.node, server_wait_s=args.wait, call_timeout_s=10.0)
     started = False
     try:
         response = client.record(True, out, args.storage)
@@ -75,9 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(response.bag_path)
         return 130
     finally:
-        executor.shutdown(timeout_sec=1.0)
-        spinner.join(timeout=2.0)
-        node.destroy_node()
+        spun.close()
         context.try_shutdown()
 
 

@@ -46,8 +46,9 @@ from capsule_ros.errors import (
 )
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.boundary import BoundaryLock
+from capsule_ros.serving.capsule_set import CapsuleSet
 from capsule_ros.serving.config import ControlConfig, PortConfig
-from capsule_ros.serving.files import CapsuleReader, CapsuleSaver, SaveFailed, SaveJob, Source
+from capsule_ros.serving.files import SaveFailed, Source
 from capsule_ros.serving.ports import PortAdapter, SensorInputs
 from capsule_ros.serving.recompute import Recompute
 from capsule_ros.serving.records import (
@@ -97,11 +98,10 @@ class PolicySession:
         self.inputs = SensorInputs(runtime.staging, dict(ports or {}))
         self.recompute = Recompute(runtime, store, control.input_log_steps)
         self.stepper = GuardedStep(runtime, self.inputs, self.counters, self.recompute.log_step)
-        self.saver = CapsuleSaver(directory, store, runtime.layout.schema(),
-                                  between_steps=lambda: self.stepper.idle.wait(SAVE_GAP_WAIT_S)) \
-            if directory is not None else None
-        self.reader = CapsuleReader(store, directory, runtime.layout.schema())
         self._boundary = BoundaryLock()
+        self.capsules = CapsuleSet(store, directory, runtime.layout.schema(), self.recompute, self._boundary,
+                                   self.at_boundary, self._emit, held=self._holds,
+                                   between_steps=lambda: self.stepper.idle.wait(SAVE_GAP_WAIT_S))
         self._next_episode = 1
         self._last_applied = np.zeros(runtime.policy.action_dim, dtype=np.float32)
         self._status: Optional[SessionStatus] = None
@@ -225,17 +225,16 @@ class PolicySession:
         Busy, CapsuleIOError (persist without a directory), all with nothing changed; and
         SaveFailed when the capsule was made but its file could not be written."""
         _check_label(label)
-        if persist:
-            self._require_directory()
+        saver = self.capsules.require_saver() if persist else None
         with self.at_boundary():
             self._require(EpisodeState.RUNNING, EpisodeState.INTERRUPTED, verb="commit")
             capsule = self._snapshot(label, pinned=pin)
             self.lineage = capsule.id
             self._emit(EventKind.COMMIT, capsule, detail=label)
-            job = self._saver().begin(capsule) if persist else None
+            job = saver.begin(capsule) if saver is not None else None
         if job is not None:
             try:
-                self._write(job)
+                self.capsules.write(job)
             except CapsuleRosError as exc:
                 raise SaveFailed(capsule, exc) from exc
         return capsule
@@ -248,7 +247,7 @@ class PolicySession:
         if not capsule_id:
             with self.at_boundary():
                 return self._start_episode(None)
-        with self.reader.at_boundary_with(check_capsule_id(capsule_id), self.at_boundary) as source:
+        with self.capsules.reader.at_boundary_with(check_capsule_id(capsule_id), self.at_boundary) as source:
             return self._start_episode(source)
 
     def interrupt(self, hold_mode: int = HoldMode.HOLD_LAST, commit: bool = True) -> Optional[Capsule]:
@@ -288,8 +287,8 @@ class PolicySession:
                 self._emit(EventKind.REENTER, None, detail="resume")
                 return ReenterResult(None, False, False, "", 0.0, 0.0)
         try:
-            with self.reader.at_boundary_with(check_capsule_id(capsule_id), self.at_boundary) as source:
-                capsule = self._in_store(source)
+            with self.capsules.reader.at_boundary_with(check_capsule_id(capsule_id), self.at_boundary) as source:
+                capsule = self.capsules.in_store(source)
                 seconds = self.store.restore(capsule.id, self.runtime,
                                              count_as=Tier.DISK if source.data is not None else None).seconds
                 return self._resume(capsule, "", seconds, 0.0)
@@ -313,77 +312,29 @@ class PolicySession:
                 capsule = self._snapshot(label)
                 self._emit(EventKind.FORK, capsule, detail=label)
                 return capsule
-        with self.reader.at_boundary_with(check_capsule_id(capsule_id), self.at_boundary) as source:
-            parent = self._in_store(source)
+        with self.capsules.reader.at_boundary_with(check_capsule_id(capsule_id), self.at_boundary) as source:
+            parent = self.capsules.in_store(source)
             capsule = self.store.fork(parent.id, label=label)
             self.recompute.remember(capsule, like=parent.id)
             self._emit(EventKind.FORK, capsule, detail=label)
             return capsule
 
+    # the capsule set (``capsule_ros.serving.capsule_set``): verbs that leave the live state alone
     def list_capsules(self, current_episode_only: bool = False) -> List[Capsule]:
         """Capsules in memory and in the capsule directory, newest first."""
-        with self.at_boundary():
-            capsules = {c.id: c for c in self.store.list()}
-            episode = self.episode_id
-        if self.directory is not None:
-            for capsule_id in self.directory.ids():
-                if capsule_id not in capsules:
-                    with contextlib.suppress(CapsuleRosError):
-                        capsules[capsule_id] = self.directory.describe(capsule_id)
-        out = sorted(capsules.values(), key=lambda c: c.stamp_ns, reverse=True)
-        return [c for c in out if c.episode_id == episode] if current_episode_only else out
+        return self.capsules.list(self.episode_id if current_episode_only else None)
 
     def drop(self, capsule_id: str, from_disk: bool = False) -> None:
-        """Forget a capsule from memory (and its file with ``from_disk``). Once this returns,
-        the capsule never comes back, even if a save of it was still writing. Raises
-        InvalidArgument, NotFound, WrongState (the held interrupt capsule) and Busy."""
-        check_capsule_id(capsule_id)
-        has_file = self.directory is not None and self.directory.exists(capsule_id)
-        with self.at_boundary():
-            if self.state == EpisodeState.INTERRUPTED and capsule_id == self.interrupt_capsule_id:
-                raise WrongState(f"capsule {capsule_id!r} is the interrupt capsule: re-enter or reset first")
-            saving = self.saver is not None and self.saver.is_saving(capsule_id)
-            if capsule_id not in self.store and not (from_disk and (has_file or saving)):
-                raise NotFound(f"no capsule {capsule_id!r}" + (" in memory or on disk" if from_disk else " in memory"))
-            capsule = self.store.drop(capsule_id) if capsule_id in self.store else None
-            if from_disk and self.saver is not None:
-                self.saver.cancel(capsule_id)
-            if from_disk or not has_file:
-                self.recompute.forget(capsule_id)    # gone for good: no recompute brings it back
-            if capsule_id == self.interrupt_capsule_id:
-                self.interrupt_capsule_id = ""
-            self._emit(EventKind.DROP, capsule, capsule_id=capsule_id,
-                       detail="memory and disk" if from_disk else "memory")
-        if from_disk and self.directory is not None:
-            with contextlib.suppress(NotFound):      # also a file a save published just before the drop
-                self.directory.remove(capsule_id)
+        """``CapsuleSet.drop``; the interrupt capsule is held while interrupted."""
+        self.capsules.drop(capsule_id, from_disk)
 
     def save(self, capsule_id: str) -> Capsule:
-        """Write an in-memory capsule to the capsule directory (atomic, verified) without
-        holding up the control loop. Raises InvalidArgument, NotFound (unknown, only on disk
-        already, or dropped while saving), Busy, CapsuleIOError, PermissionDenied."""
-        check_capsule_id(capsule_id)
-        self._require_directory()
-        with self.at_boundary():
-            capsule = self.store.find(capsule_id)
-            if capsule is None or capsule.payload is None:
-                raise NotFound(f"no capsule {capsule_id!r} in memory" + (f" (only on disk: {capsule.path})"
-                                                                         if capsule is not None else ""))
-            job = self._saver().begin(capsule)
-        return self._write(job)
+        """``CapsuleSet.save``."""
+        return self.capsules.save(capsule_id)
 
     def load(self, capsule_id: str) -> Capsule:
-        """Read and verify a capsule file into memory (the live state is not touched).
-        Raises NotFound, CorruptCapsule, FingerprintMismatch, PermissionDenied,
-        CapsuleIOError (the file's own problem, even when the capsule is in memory),
-        ResourceExhausted and Busy."""
-        self._require_directory()
-        fetched = self.reader.read(check_capsule_id(capsule_id))
-        with self.at_boundary():
-            source = self.reader.raise_error(fetched)
-            capsule = self._in_store(source)
-            self._emit(EventKind.LOAD, capsule, detail=capsule.path or "")
-            return capsule
+        """``CapsuleSet.load``."""
+        return self.capsules.load(capsule_id)
 
     # -- internals (under the lock unless said otherwise) ------------------------------------------
     def _require(self, *states: EpisodeState, verb: str) -> None:
@@ -391,39 +342,11 @@ class PolicySession:
             raise WrongState(f"cannot {verb} while {self.state.name} (allowed in "
                              f"{' / '.join(s.name for s in states)})")
 
-    def _require_directory(self) -> None:
-        self._saver()
-
-    def _saver(self) -> CapsuleSaver:
-        if self.saver is None:
-            raise CapsuleIOError("no capsule directory configured (capsules.directory)")
-        return self.saver
-
     def _snapshot(self, label: str, pinned: bool = False, held: bool = False) -> Capsule:
         capsule = self.store.snapshot(self.runtime, label=label, parent_id=self.lineage,
                                       episode_id=self.episode_id, step=self.step, pinned=pinned, held=held)
         self.recompute.remember(capsule)
         return capsule
-
-    def _in_store(self, source: Source) -> Capsule:
-        """The source's capsule in the store (adopting its file's bytes when read from disk)."""
-        return source.capsule if source.data is None else self.store.adopt(source.capsule, source.data)
-
-    def _write(self, job: SaveJob) -> Capsule:
-        """Outside the lock: a save begun under it. Its loan always ends, under the lock,
-        which it must not give up on (it waits behind at most one step)."""
-        saver = self._saver()
-        try:
-            path = saver.write(job)
-        except BaseException:
-            with self._boundary:
-                saver.end(job)
-            raise
-        with self._boundary:
-            saver.end(job)
-            job.capsule.path = str(path)
-            self._emit(EventKind.SAVE, job.capsule, detail=job.capsule.path)
-        return job.capsule
 
     def _start_episode(self, source: Optional[Source]) -> Tuple[int, Optional[Capsule]]:
         """The new episode's state (initial, or ``source``'s) and its root capsule."""
@@ -463,6 +386,10 @@ class PolicySession:
         self._emit(EventKind.REENTER, capsule, rollback=rollback, fallback=bool(fallback_reason),
                    detail=fallback_reason)
         return ReenterResult(capsule, rollback, bool(fallback_reason), fallback_reason, restore_s, recompute_s)
+
+    def _holds(self, capsule_id: str) -> bool:
+        """The interrupt capsule, while interrupted: a drop must not take it."""
+        return self.state == EpisodeState.INTERRUPTED and capsule_id == self.interrupt_capsule_id
 
     def _release_interrupt_capsule(self) -> None:
         if self.interrupt_capsule_id:
