@@ -56,7 +56,7 @@ def config_params(config: ServingConfig) -> Dict[str, Any]:
     for name, port in config.ports.items():
         ports[name] = _section_params(port)
     policy = _section_params(config.policy)
-    policy["hybrid"] = _section_params(config.hybrid)
+    policy[config.policy.kind] = _section_params(config.policy_settings)
     record = _section_params(config.record)
     record["enabled"] = False
     return {"ports": ports, "control": _section_params(config.control), "policy": policy,

@@ -30,9 +30,9 @@ QUICK = dict(d_model=256, layers="RRRARRRA", n_heads=4, n_kv_heads=2, head_dim=6
 
 def build(device: torch.device, quick: bool) -> PolicyRuntime:
     config = ServingConfig.from_file(config_path("reference_hybrid.yaml"))
-    hybrid = dataclasses.replace(config.hybrid, **QUICK) if quick else config.hybrid
+    hybrid = dataclasses.replace(config.policy_settings, **QUICK) if quick else config.policy_settings
     runtime_cfg = dataclasses.replace(config.runtime, device=str(device))
-    config = dataclasses.replace(config, hybrid=hybrid, runtime=runtime_cfg)
+    config = dataclasses.replace(config, policy_settings=hybrid, runtime=runtime_cfg)
     return PolicyRuntime(build_policy(config, device=device), runtime_cfg)
 
 

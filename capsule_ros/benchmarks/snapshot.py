@@ -37,9 +37,9 @@ CPU_TARGET = 1.5            # the default policy's within 1.5 x limit_us on a CP
 def state_layouts() -> Dict[str, ArenaLayout]:
     default = ServingConfig.from_file(config_path("policy.yaml"))
     reference = ServingConfig.from_file(config_path("reference_hybrid.yaml"))
-    out = {"default": ArenaLayout(hybrid_state_spec(default.hybrid, input_specs(default)))}
+    out = {"default": ArenaLayout(hybrid_state_spec(default.policy_settings, input_specs(default)))}
     for tokens in (2048, 16384):
-        cfg = dataclasses.replace(reference.hybrid, max_context=tokens)
+        cfg = dataclasses.replace(reference.policy_settings, max_context=tokens)
         out[f"hybrid-{tokens // 1024}k"] = ArenaLayout(hybrid_state_spec(cfg, input_specs(reference)))
     return out
 

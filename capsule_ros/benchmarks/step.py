@@ -48,11 +48,12 @@ def run(device_name: str = "auto", quick: bool = False) -> dict:
     reference = ServingConfig.from_file(config_path("reference_hybrid.yaml"))
     if quick or device.type == "cpu":
         # the 0.75 B bf16 reference is GPU-sized: on a CPU (or --quick) use its scaled-down variant
-        reference = dataclasses.replace(reference, hybrid=dataclasses.replace(reference.hybrid, **QUICK))
+        quick_shape = dataclasses.replace(reference.policy_settings, **QUICK)
+        reference = dataclasses.replace(reference, policy_settings=quick_shape)
     reps = 50 if quick else 300
     policies = []
-    for name, config in (("default", default), ("reference" + ("-quick" if reference.hybrid.d_model == 256 else ""),
-                                                  reference)):
+    scaled = reference.policy_settings.d_model == QUICK["d_model"]
+    for name, config in (("default", default), ("reference" + ("-quick" if scaled else ""), reference)):
         row = {"policy": name, "eager": measure(config, device, False, reps)}
         if device.type == "cuda":
             row["graph"] = measure(config, device, True, reps)

@@ -36,6 +36,7 @@ from torch import nn
 
 from capsule_ros.config import ConfigSection, dims, setting
 from capsule_ros.errors import ConfigError
+from capsule_ros.policies.registry import BuildContext, PolicyKind
 from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
 from capsule_ros.runtime.policy import (
     ACTION,
@@ -49,6 +50,7 @@ from capsule_ros.runtime.policy import (
     standard_specs,
 )
 from capsule_ros.runtime.rng import counter_normal
+from capsule_ros.runtime.weights import load_weights
 
 CHUNK_ACC = "chunk.acc"
 CHUNK_WEIGHT = "chunk.weight"
@@ -614,3 +616,21 @@ class HybridPolicy(StatefulPolicy):
         raw = self.head(self.final_norm(x)).float()
         return (self.cfg.action_scale * torch.tanh(raw)).reshape(*x.shape[:-1], self.chunk_horizon, self.action_dim)
 
+
+
+def _build(context: BuildContext) -> HybridPolicy:
+    """The hybrid for the configured ports, seeded (random weights are deterministic per
+    device kind) and built on the target device directly, then its weights file if any."""
+    device = torch.device(context.device)
+    assert isinstance(context.settings, HybridConfig)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+        torch.manual_seed(context.seed)
+        policy = HybridPolicy(context.settings, context.inputs)
+    if context.weights is not None:
+        load_weights(policy, context.weights)
+    return policy
+
+
+POLICY_KIND = PolicyKind("hybrid", HybridConfig, _build,
+                         "the reference hybrid: attention with a KV ring, linear-recurrent layers with a short "
+                         "causal convolution, an action-chunk head with temporal ensembling")

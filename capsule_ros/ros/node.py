@@ -357,7 +357,8 @@ class PolicyNode(Node):
         except CapsuleRosError as exc:
             return SetParametersResult(successful=False, reason=str(exc))
         rate_changed = (control.mode, control.rate_hz) != (self.config.control.mode, self.config.control.rate_hz)
-        self.config = ServingConfig(ports=ports, control=control, policy=self.config.policy, hybrid=self.config.hybrid,
+        self.config = ServingConfig(ports=ports, control=control, policy=self.config.policy,
+                                    policy_settings=self.config.policy_settings,
                                     runtime=self.config.runtime, capsules=self.config.capsules,
                                     record=self.config.record, source=self.config.source)
         self.session.control = control

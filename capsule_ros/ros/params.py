@@ -17,6 +17,7 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from capsule_ros.config import ConfigSection, field_default, unflatten
+from capsule_ros.policies.registry import kind_settings
 from capsule_ros.serving.config import SECTIONS, PortConfig
 
 _INT64 = (-(2**63), 2**63 - 1)
@@ -67,6 +68,8 @@ def declare_parameters(node: Node) -> Dict[str, Any]:
     flat: Dict[str, Any] = {}
     for prefix, cls in SECTIONS:
         flat.update(_declare_section(node, prefix, cls))
+    for prefix, cls in kind_settings(flat["policy.kind"]).items():     # the configured kind's own section
+        flat.update(_declare_section(node, prefix, cls))
     names_param = node.declare_parameter(
         "ports.names", Parameter.Type.STRING_ARRAY,
         ParameterDescriptor(description="names of the sensor ports; each has ports.<name>.* parameters",
@@ -78,13 +81,3 @@ def declare_parameters(node: Node) -> Dict[str, Any]:
     nested = unflatten(flat)
     # tuples come back as lists; ConfigSection.from_mapping coerces them.
     return nested
-
-
-def mutable_parameter_names() -> Dict[str, Tuple[str, str]]:
-    """{parameter name: (section, field)} of the parameters that may change at run time."""
-    out = {}
-    for prefix, cls in SECTIONS:
-        for f in cls.settings():
-            if not f.metadata["read_only"]:
-                out[f"{prefix}.{f.name}"] = (prefix, f.name)
-    return out

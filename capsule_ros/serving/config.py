@@ -24,7 +24,7 @@ from capsule_ros.config import (
 )
 from capsule_ros.errors import ConfigError
 from capsule_ros.paths import share_file
-from capsule_ros.policies.hybrid import HybridConfig
+from capsule_ros.policies.registry import kind_names, policy_kind
 from capsule_ros.runtime.engine import RuntimeConfig
 
 MESSAGE_TYPES = (
@@ -128,7 +128,9 @@ class PolicyConfig(ConfigSection):
 
     SECTION = "policy"
 
-    kind: str = setting("hybrid", "policy implementation", choices=("hybrid",), read_only=True)
+    kind: str = setting("hybrid", "policy implementation: a built-in kind or one another package registers "
+                        "(its settings are policy.<kind>.*; docs/configuration.md lists the built-in ones)",
+                        pattern=r"[a-z][a-z0-9_]{0,63}", read_only=True)
     weights: str = setting("builtin:arm_reach", "safetensors file, 'builtin:<name>' for a shipped policy, "
                            "or '' for random weights from init_seed", read_only=True)
     init_seed: int = setting(0, "seed of random weights when weights is ''", low=0, high=2**31 - 1, read_only=True)
@@ -150,9 +152,10 @@ class RecordConfig(ConfigSection):
 # PortConfig) and these. ROS parameters, docs/configuration.md and ServingConfig all come
 # from this table and the dataclasses' settings.
 SECTIONS: Tuple[Tuple[str, Type[ConfigSection]], ...] = (
-    ("control", ControlConfig), ("policy", PolicyConfig), ("policy.hybrid", HybridConfig),
-    ("runtime", RuntimeConfig), ("capsules", CapsuleStoreConfig), ("record", RecordConfig),
+    ("control", ControlConfig), ("policy", PolicyConfig), ("runtime", RuntimeConfig),
+    ("capsules", CapsuleStoreConfig), ("record", RecordConfig),
 )
+# ... and ``policy.<kind>``, the section of the configured policy kind (policies/registry.py).
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ class ServingConfig:
     ports: Dict[str, PortConfig]
     control: ControlConfig
     policy: PolicyConfig
-    hybrid: HybridConfig
+    policy_settings: ConfigSection          # the section policy.<policy.kind>
     runtime: RuntimeConfig
     capsules: CapsuleStoreConfig
     record: RecordConfig
@@ -190,8 +193,15 @@ class ServingConfig:
         if control.mode == "trigger" and control.trigger_port not in ports:
             raise ConfigError(f"control.trigger_port = {control.trigger_port!r}: not one of ports.names {list(names)}")
         policy_values = section_values(params, "policy")
-        hybrid = HybridConfig.from_mapping(policy_values.pop("hybrid", {}))
-        return cls(ports=ports, control=control, policy=PolicyConfig.from_mapping(policy_values), hybrid=hybrid,
+        kind_sections = {key: policy_values.pop(key) for key in list(policy_values)
+                         if isinstance(policy_values[key], Mapping)}
+        policy = PolicyConfig.from_mapping(policy_values)
+        others = sorted(set(kind_sections) - {policy.kind})
+        if others:
+            raise ConfigError(f"policy.{others[0]}: settings of another policy kind (policy.kind is {policy.kind!r})")
+        kind = policy_kind(policy.kind)
+        settings = kind.settings.from_mapping(kind_sections.get(policy.kind, {}), section=f"policy.{policy.kind}")
+        return cls(ports=ports, control=control, policy=policy, policy_settings=settings,
                    runtime=RuntimeConfig.from_mapping(section_values(params, "runtime")),
                    capsules=CapsuleStoreConfig.from_mapping(section_values(params, "capsules")),
                    record=RecordConfig.from_mapping(section_values(params, "record")), source=source)
@@ -220,7 +230,8 @@ def settings_reference() -> str:
              "Read-only parameters shape the graph and the capsule fingerprint: they are set at start-up",
              "(parameter file, launch arguments, `--ros-args -p`). The others can change at run time",
              "(`ros2 param set`), validated the same way.", ""]
-    for prefix, cls in (("ports.<name>", PortConfig),) + SECTIONS:
+    kinds = tuple((f"policy.{name}", policy_kind(name).settings) for name in kind_names())
+    for prefix, cls in (("ports.<name>", PortConfig),) + SECTIONS + kinds:
         lines += [f"## `{prefix}`", "", (cls.__doc__ or "").strip().splitlines()[0], "",
                   "| parameter | default | allowed | read-only | meaning |", "| --- | --- | --- | --- | --- |"]
         for f in cls.settings():

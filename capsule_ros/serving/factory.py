@@ -8,10 +8,10 @@ import torch
 
 from capsule_ros.capsules.store import CapsuleStore
 from capsule_ros.errors import ConfigError
-from capsule_ros.policies.hybrid import HybridPolicy
+from capsule_ros.policies.registry import BuildContext, policy_kind
 from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
 from capsule_ros.runtime.engine import PolicyRuntime
-from capsule_ros.runtime.weights import load_weights
+from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.session import PolicySession
 
@@ -38,20 +38,15 @@ def input_specs(config: ServingConfig):
 
 
 def build_policy(config: ServingConfig, weights: Optional[str] = None,
-                 device: Optional[torch.device] = None) -> HybridPolicy:
-    """The configured policy with its weights (``weights`` overrides policy.weights).
-
-    ``device`` builds the modules there directly (random initialisation of a large policy
-    is much faster on a GPU; the seed makes it deterministic per device kind)."""
+                 device: Optional[torch.device] = None) -> StatefulPolicy:
+    """The configured kind's policy for the configured ports (``weights`` overrides
+    policy.weights). ``device`` lets the kind build its modules there directly (random
+    initialisation of a large policy is much faster on a GPU)."""
     spec = config.policy.weights if weights is None else weights
-    device = torch.device(device or "cpu")
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
-        torch.manual_seed(config.policy.init_seed)
-        policy = HybridPolicy(config.hybrid, input_specs(config))
-    path = resolve_weights(spec)
-    if path is not None:
-        load_weights(policy, path)
-    return policy
+    context = BuildContext(settings=config.policy_settings, inputs=tuple(input_specs(config)), ports=config.ports,
+                           weights=resolve_weights(spec), seed=config.policy.init_seed,
+                           device=torch.device(device or "cpu"))
+    return policy_kind(config.policy.kind).build(context)
 
 
 def build_runtime(config: ServingConfig, weights: Optional[str] = None) -> PolicyRuntime:
