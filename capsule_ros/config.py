@@ -40,6 +40,14 @@ def setting(default: Any, doc: str, *, low: Optional[float] = None, high: Option
     return field(default=default, metadata=meta)
 
 
+def normalize_message_type(name: str) -> str:
+    """'sensor_msgs/JointState' -> 'sensor_msgs/msg/JointState'."""
+    parts = name.strip().split("/")
+    if len(parts) == 2:
+        parts = [parts[0], "msg", parts[1]]
+    return "/".join(parts)
+
+
 def field_default(f: dataclasses.Field) -> Any:
     """A dataclass field's default value (from ``default`` or ``default_factory``)."""
     if f.default is not dataclasses.MISSING:

@@ -18,6 +18,7 @@ threads give the concurrency the services need.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import importlib
 import logging
 import threading
@@ -28,7 +29,6 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.node import Node
-from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data, qos_profile_system_default
 from rclpy.serialization import serialize_message
 from rclpy.task import Future
 
@@ -37,11 +37,13 @@ from capsule_ros.config import flatten, unflatten
 from capsule_ros.errors import CapsuleRosError, ConfigError, ErrorCode
 from capsule_ros.msg import Action, CapsuleEvent, RuntimeStatus
 from capsule_ros.ros.messages import action_message, capsule_info, event_message
+from capsule_ros.ros.outputs import OutputPublisher, qos_profile
 from capsule_ros.ros.params import declare_parameters
 from capsule_ros.ros.status import DiagnosticsBuilder, runtime_status
 from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
 from capsule_ros.serving.factory import build_session
 from capsule_ros.serving.files import SaveFailed
+from capsule_ros.serving.outputs import OutputAdapter
 from capsule_ros.serving.ports import PortDrop, stamp_ns
 from capsule_ros.serving.records import ActionRecord, ActionSource, EventRecord, HoldMode
 
@@ -54,14 +56,9 @@ def message_class(type_name: str):
     return getattr(importlib.import_module(f"{package}.msg"), name)
 
 
-def qos_of(port: PortConfig) -> QoSProfile:
-    if port.qos == "sensor_data":
-        profile = QoSProfile(depth=port.depth, reliability=qos_profile_sensor_data.reliability,
-                             durability=qos_profile_sensor_data.durability, history=qos_profile_sensor_data.history)
-        return profile
-    if port.qos == "reliable":
-        return QoSProfile(depth=port.depth, reliability=ReliabilityPolicy.RELIABLE)
-    return qos_profile_system_default
+def control_period(control: ControlConfig) -> Optional[float]:
+    """Seconds between steps in timer mode; None in trigger mode."""
+    return 1.0 / control.rate_hz if control.mode == "timer" else None
 
 
 class PolicyNode(Node):
@@ -91,6 +88,9 @@ class PolicyNode(Node):
             self.get_logger().warning(f"moved {len(self.session.directory.recovered)} unfinished capsule save(s) "
                                       f"aside: {[str(p) for p in self.session.directory.recovered]}")
         self.session.clock_ns = lambda: self.get_clock().now().nanoseconds
+        action_dim = self.session.runtime.policy.action_dim
+        self._outputs = [OutputPublisher(self, OutputAdapter(name, output, action_dim, control_period(control)))
+                         for name, output in self.config.outputs.items()]
         self.session.start_watchdog(self._publish_action)   # a step over its deadline: the safe action at once
         self._last_warn: Dict[str, float] = {}
         self._diagnostics = DiagnosticsBuilder(self.get_fully_qualified_name())
@@ -131,8 +131,8 @@ class PolicyNode(Node):
 
         def on_message(msg) -> None:
             self._on_port_message(adapter_name, msg)
-        return self.create_subscription(message_class(port.type), port.topic, on_message, qos_of(port),
-                                        callback_group=self._control_group)
+        return self.create_subscription(message_class(port.type), port.topic, on_message,
+                                        qos_profile(port.qos, port.depth), callback_group=self._control_group)
 
     def _on_port_message(self, name: str, msg) -> None:
         if self.recorder is not None:
@@ -189,6 +189,10 @@ class PolicyNode(Node):
         with self._published_lock:
             self.action_pub.publish(msg)
             self._actions_published += 1
+            if self._outputs:
+                now_ns = self.get_clock().now().nanoseconds
+                for output in self._outputs:
+                    output.publish(record, now_ns)
         if self.recorder is not None:
             self.recorder.write_message(self.action_pub.topic_name, msg, self.get_clock().now().nanoseconds)
 
@@ -354,18 +358,19 @@ class PolicyNode(Node):
             ports = {n: PortConfig.from_mapping(v, section=f"ports.{n}") for n, v in nested["ports"].items()}
             if control.mode == "trigger" and control.trigger_port not in ports:
                 raise ConfigError(f"control.trigger_port = {control.trigger_port!r}: not a port")
+            time_steps = [output.adapter.time_step(control_period(control)) for output in self._outputs]
         except CapsuleRosError as exc:
             return SetParametersResult(successful=False, reason=str(exc))
         rate_changed = (control.mode, control.rate_hz) != (self.config.control.mode, self.config.control.rate_hz)
-        self.config = ServingConfig(ports=ports, control=control, policy=self.config.policy,
-                                    policy_settings=self.config.policy_settings,
-                                    runtime=self.config.runtime, capsules=self.config.capsules,
-                                    record=self.config.record, source=self.config.source)
+        self.config = dataclasses.replace(self.config, ports=ports, control=control)
         self.session.control = control
         for name, adapter in self.session.ports.items():
             adapter.config = ports[name]
         if rate_changed:
             self._configure_loop(control)
+            with self._published_lock:
+                for output, time_step in zip(self._outputs, time_steps, strict=True):
+                    output.adapter.time_step_s = time_step
         return SetParametersResult(successful=True)
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from rclpy.parameter import Parameter
 from capsule_ros.config import ConfigSection, field_default, unflatten
 from capsule_ros.policies.registry import kind_settings
 from capsule_ros.serving.config import SECTIONS, PortConfig
+from capsule_ros.serving.outputs import OutputConfig
 
 _INT64 = (-(2**63), 2**63 - 1)
 _ARRAY_TYPES = {str: Parameter.Type.STRING_ARRAY, int: Parameter.Type.INTEGER_ARRAY,
@@ -63,6 +64,20 @@ def _declare_section(node: Node, prefix: str, cls: Type[ConfigSection]) -> Dict[
     return {f"{prefix}.{f.name}": _declare(node, f"{prefix}.{f.name}", f, hints[f.name]) for f in cls.settings()}
 
 
+def _declare_named(node: Node, group: str, cls: Type[ConfigSection], what: str, required: bool) -> Dict[str, Any]:
+    """``<group>.names`` and, for each name, the ``<group>.<name>.*`` section."""
+    required_text = "at least one" if required else "none by default"
+    param = node.declare_parameter(
+        f"{group}.names", Parameter.Type.STRING_ARRAY,
+        ParameterDescriptor(description=f"names of {what} ({required_text}); each has {group}.<name>.* parameters",
+                            read_only=True))
+    names: List[str] = list(param.value or [])
+    flat: Dict[str, Any] = {f"{group}.names": names}
+    for name in names:
+        flat.update(_declare_section(node, f"{group}.{name}", cls))
+    return flat
+
+
 def declare_parameters(node: Node) -> Dict[str, Any]:
     """Declare every parameter; returns the nested mapping ServingConfig.from_params takes."""
     flat: Dict[str, Any] = {}
@@ -70,14 +85,9 @@ def declare_parameters(node: Node) -> Dict[str, Any]:
         flat.update(_declare_section(node, prefix, cls))
     for prefix, cls in kind_settings(flat["policy.kind"]).items():     # the configured kind's own section
         flat.update(_declare_section(node, prefix, cls))
-    names_param = node.declare_parameter(
-        "ports.names", Parameter.Type.STRING_ARRAY,
-        ParameterDescriptor(description="names of the sensor ports; each has ports.<name>.* parameters",
-                            read_only=True))
-    names: List[str] = list(names_param.value or [])
-    flat["ports.names"] = names
-    for name in names:
-        flat.update(_declare_section(node, f"ports.{name}", PortConfig))
+    flat.update(_declare_named(node, "ports", PortConfig, "the sensor ports", required=True))
+    flat.update(_declare_named(node, "outputs", OutputConfig, "the command outputs beside ~/action",
+                               required=False))
     nested = unflatten(flat)
     # tuples come back as lists; ConfigSection.from_mapping coerces them.
     return nested

@@ -8,9 +8,10 @@ because ROS parameters cannot be lists of mappings.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple, Type
+from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar
 
 from capsule_ros.capsules.config import CapsuleStoreConfig
 from capsule_ros.config import (
@@ -19,6 +20,7 @@ from capsule_ros.config import (
     dims,
     field_default,
     load_params_file,
+    normalize_message_type,
     section_values,
     setting,
 )
@@ -26,19 +28,14 @@ from capsule_ros.errors import ConfigError
 from capsule_ros.paths import share_file
 from capsule_ros.policies.registry import kind_names, policy_kind
 from capsule_ros.runtime.engine import RuntimeConfig
+from capsule_ros.serving.outputs import OutputConfig
+
+S = TypeVar("S", bound=ConfigSection)
 
 MESSAGE_TYPES = (
     "sensor_msgs/msg/JointState", "sensor_msgs/msg/Imu", "sensor_msgs/msg/Image",
     "geometry_msgs/msg/PoseStamped", "geometry_msgs/msg/PointStamped", "std_msgs/msg/Float32MultiArray",
 )
-
-
-def normalize_type(name: str) -> str:
-    """'sensor_msgs/JointState' -> 'sensor_msgs/msg/JointState'."""
-    parts = name.strip().split("/")
-    if len(parts) == 2:
-        parts = [parts[0], "msg", parts[1]]
-    return "/".join(parts)
 
 
 @dataclass(frozen=True)
@@ -67,7 +64,7 @@ class PortConfig(ConfigSection):
     @classmethod
     def normalize(cls, values: dict) -> dict:
         if isinstance(values.get("type"), str):
-            values = {**values, "type": normalize_type(values["type"])}
+            values = {**values, "type": normalize_message_type(values["type"])}
         return values
 
     def check(self) -> None:
@@ -163,6 +160,7 @@ class ServingConfig:
     """Everything the serving stack needs, validated."""
 
     ports: Dict[str, PortConfig]
+    outputs: Dict[str, OutputConfig]        # command topics beside ~/action (serving/outputs.py)
     control: ControlConfig
     policy: PolicyConfig
     policy_settings: ConfigSection          # the section policy.<policy.kind>
@@ -173,22 +171,13 @@ class ServingConfig:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], source: str = "") -> ServingConfig:
-        known = {"ports", "control", "policy", "runtime", "capsules", "record"}
+        known = {"ports", "outputs", "control", "policy", "runtime", "capsules", "record"}
         extra = sorted(set(params) - known)
         if extra:
             raise ConfigError(f"unknown parameter group(s) {extra}; known: {sorted(known)}")
-        port_params = section_values(params, "ports")
-        names = port_params.pop("names", [])
-        if not isinstance(names, (list, tuple)) or not names:
-            raise ConfigError("ports.names: must list at least one port name")
-        ports = {}
-        for name in names:
-            if not isinstance(name, str) or not _is_name(name):
-                raise ConfigError(f"ports.names: {name!r} must match {NAME_PATTERN}")
-            ports[name] = PortConfig.from_mapping(section_values(port_params, name), section=f"ports.{name}")
-        undeclared = sorted(set(port_params) - set(names))
-        if undeclared:
-            raise ConfigError(f"ports: {undeclared} configured but not listed in ports.names {list(names)}")
+        ports = named_sections(params, "ports", PortConfig, required=True)
+        outputs = named_sections(params, "outputs", OutputConfig, required=False)
+        names = list(ports)
         control = ControlConfig.from_mapping(section_values(params, "control"))
         if control.mode == "trigger" and control.trigger_port not in ports:
             raise ConfigError(f"control.trigger_port = {control.trigger_port!r}: not one of ports.names {list(names)}")
@@ -201,7 +190,7 @@ class ServingConfig:
             raise ConfigError(f"policy.{others[0]}: settings of another policy kind (policy.kind is {policy.kind!r})")
         kind = policy_kind(policy.kind)
         settings = kind.settings.from_mapping(kind_sections.get(policy.kind, {}), section=f"policy.{policy.kind}")
-        return cls(ports=ports, control=control, policy=policy, policy_settings=settings,
+        return cls(ports=ports, outputs=outputs, control=control, policy=policy, policy_settings=settings,
                    runtime=RuntimeConfig.from_mapping(section_values(params, "runtime")),
                    capsules=CapsuleStoreConfig.from_mapping(section_values(params, "capsules")),
                    record=RecordConfig.from_mapping(section_values(params, "record")), source=source)
@@ -211,9 +200,25 @@ class ServingConfig:
         return cls.from_params(load_params_file(path, node_name), source=str(path))
 
 
-def _is_name(name: str) -> bool:
-    import re
-    return re.fullmatch(NAME_PATTERN, name) is not None
+def named_sections(params: Mapping[str, Any], group: str, cls: Type[S], required: bool) -> Dict[str, S]:
+    """``<group>.names: [a, b]`` plus ``<group>.<name>.<field>`` (ROS parameters cannot be
+    lists of mappings) -> {name: section}."""
+    values = section_values(params, group)
+    names = values.pop("names", [])
+    if not isinstance(names, (list, tuple)) or (required and not names):
+        raise ConfigError(f"{group}.names: must list at least one name" if required
+                          else f"{group}.names: must be a list of names")
+    sections: Dict[str, S] = {}
+    for name in names:
+        if not isinstance(name, str) or re.fullmatch(NAME_PATTERN, name) is None:
+            raise ConfigError(f"{group}.names: {name!r} must match {NAME_PATTERN}")
+        if name in sections:
+            raise ConfigError(f"{group}.names: {name!r} listed twice")
+        sections[name] = cls.from_mapping(section_values(values, name), section=f"{group}.{name}")
+    undeclared = sorted(set(values) - set(names))
+    if undeclared:
+        raise ConfigError(f"{group}: {undeclared} configured but not listed in {group}.names {list(names)}")
+    return sections
 
 
 def default_config_path() -> Path:
@@ -231,7 +236,7 @@ def settings_reference() -> str:
              "(parameter file, launch arguments, `--ros-args -p`). The others can change at run time",
              "(`ros2 param set`), validated the same way.", ""]
     kinds = tuple((f"policy.{name}", policy_kind(name).settings) for name in kind_names())
-    for prefix, cls in (("ports.<name>", PortConfig),) + SECTIONS + kinds:
+    for prefix, cls in (("ports.<name>", PortConfig), ("outputs.<name>", OutputConfig)) + SECTIONS + kinds:
         lines += [f"## `{prefix}`", "", (cls.__doc__ or "").strip().splitlines()[0], "",
                   "| parameter | default | allowed | read-only | meaning |", "| --- | --- | --- | --- | --- |"]
         for f in cls.settings():
@@ -249,5 +254,7 @@ def settings_reference() -> str:
             lines.append(f"| `{prefix}.{f.name}` | `{shown!r}` | {'; '.join(allowed) or '-'} | "
                          f"{'yes' if meta['read_only'] else 'no'} | {meta['doc']} |")
         lines.append("")
-    lines += ["`ports.names` (read-only) lists the ports; each has the `ports.<name>.*` parameters above.", ""]
+    lines += ["`ports.names` (read-only) lists the ports; each has the `ports.<name>.*` parameters above.",
+              "`outputs.names` (read-only, default empty) lists the command outputs; each has the",
+              "`outputs.<name>.*` parameters above.", ""]
     return "\n".join(lines)
