@@ -314,3 +314,62 @@ def test_example_main_against_a_live_node(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "GraspWithRetries: FAILURE after 2 grasp attempt(s)" in out.stdout, out.stdout
     assert "rolled back to" in out.stdout and "not at the goal after 5 steps" in out.stdout
+
+
+def feeding(driver, period=0.02):
+    """Publish joint states every ``period`` in a thread (trigger mode: each one is a step)
+    until the returned event is set."""
+    import threading
+    stop = threading.Event()
+
+    def feed():
+        for values in observations(10_000, 11):
+            if stop.is_set():
+                return
+            driver.joints_pub.publish(driver.joint_msg(values))
+            time.sleep(period)
+    threading.Thread(target=feed, daemon=True).start()
+    return stop
+
+
+def test_run_policy_leaf_runs_a_budget_and_hands_its_capsule_to_reenter(env):
+    proc, client, driver = env
+    leaf = bt.RunPolicy(max_steps=5, reset=True, node_path=NODE, goal_timeout_s=5.0)   # a loaded CI machine
+    stop = feeding(driver)
+    try:
+        status, *_ = run(leaf, client)
+    finally:
+        stop.set()
+    assert status == Status.SUCCESS, (leaf.outcome, proc.log()[-2000:])
+    assert leaf.outcome.result.steps == 5 and bb(bt.INTERRUPT_KEY) == leaf.outcome.result.capsule.id
+    assert driver.latest_status().episode_state == 2                    # interrupted at the budget's end
+    status, *_ = run(bt.Reenter(capsule_key=bt.INTERRUPT_KEY, node_path=NODE), client)   # resumes from it
+    assert status == Status.SUCCESS and driver.latest_status().episode_state == 1
+
+
+def feedback_steps() -> int:
+    """Steps in the latest RunPolicy feedback on the blackboard (0 before the first)."""
+    feedback = py_trees.blackboard.Blackboard.storage.get(bt.FEEDBACK_KEY)
+    return 0 if feedback is None else feedback.steps
+
+
+def test_halting_the_run_policy_leaf_cancels_its_run(env):
+    from capsule_ros.msg import CapsuleEvent
+    proc, client, driver = env
+    leaf = bt.RunPolicy(node_path=NODE, goal_timeout_s=5.0)
+    py_trees.trees.setup(leaf, node=client.node)
+    ClientNode.drain(driver.events)
+    stop = feeding(driver)
+    try:
+        deadline = time.monotonic() + 20
+        while leaf._result_future is None or feedback_steps() < 3:               # accepted and stepping
+            leaf.tick_once()
+            assert leaf.status == Status.RUNNING and time.monotonic() < deadline, leaf.outcome
+            time.sleep(0.02)
+        leaf.stop(Status.INVALID)                                        # a parent halts the branch
+        interrupts = events_of(driver, CapsuleEvent.INTERRUPT, timeout=10)
+        assert interrupts[0].capsule_id
+        wait_for(lambda: driver.latest_status().episode_state == 2, timeout=10, what="the interrupted episode")
+    finally:
+        stop.set()
+    client.capsules.reenter()

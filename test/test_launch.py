@@ -226,6 +226,37 @@ def test_params_file_is_honoured_and_device_overrides_it_only_when_given(params_
     assert launched.exit_codes == {"policy_node": 0}
 
 
+# -- autostart:= ----------------------------------------------------------------------------------
+@launch_pytest.fixture
+def managed_launch(tmp_path):
+    return policy_launch(tmp_path, autostart="false")
+
+
+@pytest.mark.launch(fixture=managed_launch)
+def test_autostart_false_waits_for_the_lifecycle_services(managed_launch, rclpy_context):
+    """The node comes up unconfigured; `ros2 service call .../change_state` (what `ros2
+    lifecycle set` calls) configures and activates it."""
+    from capsule_ros.ros.client import LifecycleClient
+    _, launched = managed_launch
+    client = ClientNode(rclpy_context, "launch_managed_client")
+    lifecycle = LifecycleClient(client.node, "/capsule_policy", server_wait_s=START_TIMEOUT_S)
+    try:
+        assert lifecycle.state() == "unconfigured"
+        assert get_parameters(client, "/capsule_policy", "lifecycle.autostart") == [False]
+        for transition in ("configure", "activate"):
+            done = subprocess.run(["ros2", "service", "call", "/capsule_policy/change_state",
+                                   "lifecycle_msgs/srv/ChangeState", f"{{transition: {{label: {transition}}}}}"],
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0 and "success=True" in done.stdout, done.stdout + done.stderr
+        assert lifecycle.state() == "active"
+        wait_for_commit(client, "managed")
+    finally:
+        lifecycle.destroy()
+        client.close()
+    yield
+    assert launched.exit_codes == {"policy_node": 0}
+
+
 # -- Ctrl-C ---------------------------------------------------------------------------------------
 def test_ctrl_c_stops_ros2_launch_and_both_nodes_cleanly(tmp_path, rclpy_context):
     """`ros2 launch ... use_sim:=true` in its own process group, SIGINT to the whole group

@@ -3,6 +3,9 @@
 - :mod:`capsule_ros.bt.behaviours`: non-blocking service leaves (:class:`CapsuleServiceCall`
   and one thin class per verb) that fail with BehaviorTree.ROS2's error kinds and pass
   capsule ids through the blackboard.
+- :mod:`capsule_ros.bt.run_policy`: :class:`RunPolicy`, the leaf of the ``~/run_policy``
+  action (run until a budget, a cancel or a halt of the tree), with BehaviorTree.ROS2's
+  action error kinds.
 - :mod:`capsule_ros.bt.example`: "commit before the grasp; on failure re-enter the last
   good capsule and retry; give up after N tries" (``python -m capsule_ros.bt.example``).
 
@@ -33,8 +36,10 @@ from capsule_ros.bt.behaviours import (
                                        spin_in_background,
                                        tick_until_done,
 )
+from capsule_ros.bt.run_policy import FEEDBACK_KEY, ActionFailure, RunOutcome, RunPolicy
 
 __all__ = [
+    "ActionFailure", "FEEDBACK_KEY", "RunOutcome", "RunPolicy",
     "DEFAULT_CALL_TIMEOUT_S", "DEFAULT_NODE", "DEFAULT_SERVER_WAIT_S", "DISK_CALL_TIMEOUT_S", "FORK_KEY",
     "INTERRUPT_KEY", "LAST_GOOD_KEY", "OUTCOME_PREFIX", "CapsuleServiceCall", "Commit", "DropCapsule", "FailureKind",
     "Fork", "Interrupt", "InvalidRequest", "LoadCapsule", "Reenter", "Reset", "SaveCapsule", "ServiceOutcome",

@@ -154,6 +154,11 @@ class SlabPool:
     def free(self) -> int:
         return len(self._free)
 
+    def close(self) -> None:
+        """Drop every free slab (the store drops the capsules' slabs first)."""
+        self._free.clear()
+        self.capacity = 0
+
 
 class CapsuleStore:
     """Capsules of one runtime fingerprint (see the module docstring)."""
@@ -180,6 +185,16 @@ class CapsuleStore:
         self._pending_timings: List[Tuple[torch.cuda.Event, torch.cuda.Event, LatencyWindow]] = []
         LOG.info("capsule pools: %d device slab(s), %d host slab(s) of %d bytes",
                  self.pools[Tier.DEVICE].capacity, self.pools[Tier.HOST].capacity, nbytes)
+
+    def close(self) -> None:
+        """Forget every capsule in memory and free both pools (lifecycle ``cleanup``;
+        capsule files stay on disk). The store holds nothing afterwards."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        self._capsules.clear()
+        self._pending_timings.clear()
+        for pool in self.pools.values():
+            pool.close()
 
     # -- queries ------------------------------------------------------------------------------
     def __contains__(self, capsule_id: str) -> bool:

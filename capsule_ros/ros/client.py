@@ -48,6 +48,50 @@ SERVICES: Dict[str, Type] = {
 }
 
 
+def call_service(client, request: Any, server_wait_s: float, call_timeout_s: float) -> Any:
+    """Call ``client`` and wait for its response: ServiceUnavailable when the server is not
+    there within ``server_wait_s``, ServiceTimeout (the request dropped) after ``call_timeout_s``."""
+    if not client.service_is_ready() and not client.wait_for_service(timeout_sec=server_wait_s):
+        raise ServiceUnavailable(f"{client.srv_name} not available after {server_wait_s:.1f} s")
+    done = threading.Event()
+    future = client.call_async(request)
+    future.add_done_callback(lambda _f: done.set())
+    if not done.wait(call_timeout_s):
+        client.remove_pending_request(future)
+        raise ServiceTimeout(f"{client.srv_name}: no response within {call_timeout_s * 1e3:.0f} ms")
+    return future.result()
+
+
+class LifecycleClient:
+    """The standard lifecycle services of a managed node such as ``policy_node``
+    (``~/get_state``, ``~/change_state``), as ``ros2 lifecycle`` uses them."""
+
+    def __init__(self, node: Node, node_path: str = "/capsule_policy", *, server_wait_s: float = 5.0,
+                 call_timeout_s: float = 60.0):
+        from lifecycle_msgs.srv import ChangeState, GetState
+        self.node, self.node_path = node, node_path.rstrip("/")
+        self.server_wait_s, self.call_timeout_s = server_wait_s, call_timeout_s
+        self._get = node.create_client(GetState, f"{self.node_path}/get_state")
+        self._change = node.create_client(ChangeState, f"{self.node_path}/change_state")
+
+    def state(self) -> str:
+        """The current state's label: unconfigured, inactive, active, finalized..."""
+        from lifecycle_msgs.srv import GetState
+        return call_service(self._get, GetState.Request(), self.server_wait_s, self.call_timeout_s).current_state.label
+
+    def change(self, transition: str) -> bool:
+        """Run a transition by its label (configure, activate, deactivate, cleanup, shutdown);
+        whether it succeeded (a configure with a bad configuration does not)."""
+        from lifecycle_msgs.msg import Transition
+        from lifecycle_msgs.srv import ChangeState
+        request = ChangeState.Request(transition=Transition(label=transition))
+        return bool(call_service(self._change, request, self.server_wait_s, self.call_timeout_s).success)
+
+    def destroy(self) -> None:
+        self.node.destroy_client(self._get)
+        self.node.destroy_client(self._change)
+
+
 class CapsuleClient:
     """Calls the services of one policy node (``node_path`` like "/capsule_policy")."""
 
@@ -63,21 +107,11 @@ class CapsuleClient:
              call_timeout_s: Optional[float] = None, check: bool = True) -> Any:
         """Call service ``name``; returns the response (raises ServiceRefused on
         success=false when ``check``)."""
-        client = self._clients[name]
-        request = request if request is not None else SERVICES[name].Request()
-        wait = self.server_wait_s if server_wait_s is None else server_wait_s
-        if not client.service_is_ready() and not client.wait_for_service(timeout_sec=wait):
-            raise ServiceUnavailable(f"{client.srv_name} not available after {wait:.1f} s")
-        done = threading.Event()
-        future = client.call_async(request)
-        future.add_done_callback(lambda _f: done.set())
-        timeout = self.call_timeout_s if call_timeout_s is None else call_timeout_s
-        if not done.wait(timeout):
-            client.remove_pending_request(future)
-            raise ServiceTimeout(f"{client.srv_name}: no response within {timeout * 1e3:.0f} ms")
-        response = future.result()
+        response = call_service(self._clients[name], request if request is not None else SERVICES[name].Request(),
+                                self.server_wait_s if server_wait_s is None else server_wait_s,
+                                self.call_timeout_s if call_timeout_s is None else call_timeout_s)
         if check and not response.success:
-            raise ServiceRefused(client.srv_name, response.error_code, response.message)
+            raise ServiceRefused(self._clients[name].srv_name, response.error_code, response.message)
         return response
 
     def ready(self) -> bool:

@@ -67,10 +67,12 @@ def start_up_error(program: str, exc: BaseException) -> str:
     return f"{program}: cannot start ({type(exc).__name__}): {text}"
 
 
-def run_node(make_node: Callable[[], Node], program: str, argv: Optional[List[str]] = None) -> int:
+def run_node(make_node: Callable[[], Node], program: str, argv: Optional[List[str]] = None, *,
+             settle: bool = True) -> int:
     """Spin the node ``make_node()`` builds until SIGINT or SIGTERM; 0 on a clean exit,
     2 when it cannot start (a bad parameter, key file or weights file...): one line on
-    stderr, never a traceback."""
+    stderr, never a traceback. ``settle``: freeze start-up's objects for the garbage
+    collector once the node is built (a lifecycle node does it itself when it activates)."""
     stop = StopRequest()
     stop.install()                  # before init: a Ctrl-C while the node is built stops it cleanly
     rclpy.init(args=argv if argv is not None else sys.argv, signal_handler_options=SignalHandlerOptions.NO)
@@ -82,7 +84,8 @@ def run_node(make_node: Callable[[], Node], program: str, argv: Optional[List[st
         print(start_up_error(program, exc), file=sys.stderr)
         rclpy.try_shutdown()
         return 2
-    settle_after_start()                       # no multi-ms garbage collections during the loop
+    if settle:
+        settle_after_start()                   # no multi-ms garbage collections during the loop
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:

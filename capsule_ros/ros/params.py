@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Dict, List, Tuple, Type
+from typing import Any, Dict, Tuple, Type
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from capsule_ros.config import ConfigSection, field_default, unflatten
+from capsule_ros.errors import ConfigError
 from capsule_ros.policies.registry import kind_settings
 from capsule_ros.serving.config import SECTIONS, PortConfig
 from capsule_ros.serving.outputs import OutputConfig
@@ -64,30 +65,39 @@ def _declare_section(node: Node, prefix: str, cls: Type[ConfigSection]) -> Dict[
     return {f"{prefix}.{f.name}": _declare(node, f"{prefix}.{f.name}", f, hints[f.name]) for f in cls.settings()}
 
 
-def _declare_named(node: Node, group: str, cls: Type[ConfigSection], what: str, required: bool) -> Dict[str, Any]:
+def _declare_named(node: Node, group: str, cls: Type[ConfigSection], what: str, required: bool) -> None:
     """``<group>.names`` and, for each name, the ``<group>.<name>.*`` section."""
     required_text = "at least one" if required else "none by default"
     param = node.declare_parameter(
         f"{group}.names", Parameter.Type.STRING_ARRAY,
         ParameterDescriptor(description=f"names of {what} ({required_text}); each has {group}.<name>.* parameters",
                             read_only=True))
-    names: List[str] = list(param.value or [])
-    flat: Dict[str, Any] = {f"{group}.names": names}
-    for name in names:
-        flat.update(_declare_section(node, f"{group}.{name}", cls))
-    return flat
+    for name in list(param.value or []):
+        _declare_section(node, f"{group}.{name}", cls)
 
 
-def declare_parameters(node: Node) -> Dict[str, Any]:
-    """Declare every parameter; returns the nested mapping ServingConfig.from_params takes."""
+def declare_parameters(node: Node) -> None:
+    """Declare every parameter (values are validated by ``configure``, see parameter_values).
+    The section of the configured policy kind is declared when the kind is known; an
+    unknown kind is reported by ``configure``, like any other bad value."""
     flat: Dict[str, Any] = {}
     for prefix, cls in SECTIONS:
         flat.update(_declare_section(node, prefix, cls))
-    for prefix, cls in kind_settings(flat["policy.kind"]).items():     # the configured kind's own section
-        flat.update(_declare_section(node, prefix, cls))
-    flat.update(_declare_named(node, "ports", PortConfig, "the sensor ports", required=True))
-    flat.update(_declare_named(node, "outputs", OutputConfig, "the command outputs beside ~/action",
-                               required=False))
-    nested = unflatten(flat)
-    # tuples come back as lists; ConfigSection.from_mapping coerces them.
-    return nested
+    try:
+        kind_sections = kind_settings(flat["policy.kind"])
+    except ConfigError:
+        kind_sections = {}
+    for prefix, cls in kind_sections.items():
+        _declare_section(node, prefix, cls)
+    _declare_named(node, "ports", PortConfig, "the sensor ports", required=True)
+    _declare_named(node, "outputs", OutputConfig, "the command outputs beside ~/action", required=False)
+
+
+def parameter_values(node: Node) -> Dict[str, Any]:
+    """The node's current parameters as the nested mapping ServingConfig.from_params takes
+    (unset ones left out: their defaults apply; arrays come back as lists, which
+    ConfigSection.from_mapping coerces)."""
+    groups = {prefix for prefix, _ in SECTIONS} | {"ports", "outputs"}
+    flat = {name: param.value for name, param in node.get_parameters_by_prefix("").items()
+            if name.split(".", 1)[0] in groups and "." in name and param.value is not None}
+    return unflatten(flat)

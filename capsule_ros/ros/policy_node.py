@@ -10,8 +10,15 @@ from capsule_ros.ros.entry import run_node
 def main(argv: Optional[List[str]] = None) -> int:
     def make():
         from capsule_ros.ros.node import PolicyNode  # after rclpy.init: torch's import is slow
-        return PolicyNode()
-    return run_node(make, "policy_node", argv)
+        node = PolicyNode()
+        try:
+            node.start()                               # lifecycle.autostart: configure + activate
+        except BaseException:
+            node.close()
+            node.destroy_node()
+            raise
+        return node
+    return run_node(make, "policy_node", argv, settle=False)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,14 @@ turned a 3 ms sensor-to-action round trip into 30-60 ms on a 2-core machine.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
+from typing import Any, Callable
 
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
+from rclpy.task import Future
 
 
 class SpinThread:
@@ -52,3 +55,30 @@ def drain(q: queue.Queue) -> list:
             items.append(q.get_nowait())
         except queue.Empty:
             return items
+
+
+class Offload:
+    """Blocking work on worker threads, awaited by a coroutine callback (a service or an
+    action's execute): the executor's thread stays free for the control loop while the
+    work waits for a step boundary, a disk or a whole policy run."""
+
+    def __init__(self, node: Node, workers: int, name: str):
+        self._node = node
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a worker; its result (or exception) once done."""
+        done: Future = Future(executor=self._node.executor)
+        done.add_done_callback(lambda _f: None)        # completion wakes the executor to resume us
+
+        def work() -> None:
+            try:
+                done.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                done.set_exception(exc)
+        self._pool.submit(work)
+        return await done
+
+    def shutdown(self) -> None:
+        """Let running work finish; drop work not started yet."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

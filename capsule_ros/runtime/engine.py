@@ -88,6 +88,24 @@ def configure_torch(config: RuntimeConfig, device: torch.device) -> None:
         torch.set_num_threads(config.cpu_threads)
 
 
+def runtime_fingerprint(policy: StatefulPolicy, config: RuntimeConfig,
+                        inputs: Optional[Mapping[str, object]] = None) -> str:
+    """The fingerprint a PolicyRuntime of ``policy`` will have, computed without building
+    it (no arena, no device memory): the node's ``configure`` knows it before ``activate``."""
+    return compute_fingerprint(policy.architecture(), ArenaLayout(policy.state_spec()), weights_digest(policy),
+                               device_kind(config.resolve_device()), dict(inputs or {}))
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Collect what was just dropped (cycles included) and hand the CUDA caching
+    allocator's free blocks back to the driver, so other processes see the memory."""
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 class StepOutputs:
     """Host copies of one step's outputs (the caller owns them)."""
 
@@ -120,8 +138,7 @@ class PolicyRuntime:
         self.plan = GraphPlan(policy, self.arena, use_graphs=config.cuda_graphs, stream=self.stream,
                               debug_checks=config.debug_checks)
         self.inputs = dict(inputs or {})
-        self.fingerprint = _fingerprint or compute_fingerprint(
-            policy.architecture(), self.layout, weights_digest(policy), device_kind(self.device), self.inputs)
+        self.fingerprint = _fingerprint or runtime_fingerprint(policy, config, self.inputs)
         pin = self.device.type == "cuda"
         in_start, in_end = self.layout.byte_range(BufferKind.INPUT)
         self.input_staging = torch.zeros(in_end - in_start, dtype=torch.uint8, pin_memory=pin)
@@ -230,6 +247,18 @@ class PolicyRuntime:
 
     def _stream_ctx(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Release the arena, graphs, staging and weights (the node's lifecycle ``cleanup``);
+        on CUDA the device memory goes back to the driver. The runtime cannot step again."""
+        self.synchronize()
+        self.plan.close()
+        del self.plan, self.arena, self.policy, self._undo
+        del self._input_region, self._output_region, self._state_region
+        self._staging_views, self._out_views = {}, {}
+        del self.input_staging, self._out_host
+        self.stream = None
+        release_device_memory(self.device)
 
     # -- replica -------------------------------------------------------------------------------
     def replica(self) -> PolicyRuntime:

@@ -116,6 +116,13 @@ class GraphPlan:
     def captured(self) -> bool:
         return self._step_graph is not None
 
+    def close(self) -> None:
+        """Drop the captured graphs (their memory pool is freed with them)."""
+        self._step_graph = None
+        self._prefill_graphs.clear()
+        self._prefill_tokens.clear()
+        self._pool = None
+
     # -- run -------------------------------------------------------------------------------
     def _check_addresses(self) -> None:
         now = self.arena.addresses()

@@ -145,12 +145,23 @@ class RecordConfig(ConfigSection):
     storage: str = setting("mcap", "rosbag2 storage plugin", choices=("mcap", "sqlite3"))
 
 
+@dataclass(frozen=True)
+class LifecycleConfig(ConfigSection):
+    """The node's managed lifecycle (ros/node.py)."""
+
+    SECTION = "lifecycle"
+
+    autostart: bool = setting(True, "configure and activate at start-up, so `ros2 run` / `ros2 launch` serve with one "
+                              "command; false: wait unconfigured for a lifecycle manager (~/change_state)",
+                              read_only=True)
+
+
 # Every configuration section, by its parameter prefix: ``ports.<name>`` (one per port, see
 # PortConfig) and these. ROS parameters, docs/configuration.md and ServingConfig all come
 # from this table and the dataclasses' settings.
 SECTIONS: Tuple[Tuple[str, Type[ConfigSection]], ...] = (
     ("control", ControlConfig), ("policy", PolicyConfig), ("runtime", RuntimeConfig),
-    ("capsules", CapsuleStoreConfig), ("record", RecordConfig),
+    ("capsules", CapsuleStoreConfig), ("record", RecordConfig), ("lifecycle", LifecycleConfig),
 )
 # ... and ``policy.<kind>``, the section of the configured policy kind (policies/registry.py).
 
@@ -167,11 +178,12 @@ class ServingConfig:
     runtime: RuntimeConfig
     capsules: CapsuleStoreConfig
     record: RecordConfig
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     source: str = field(default="")
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], source: str = "") -> ServingConfig:
-        known = {"ports", "outputs", "control", "policy", "runtime", "capsules", "record"}
+        known = {"ports", "outputs", "control", "policy", "runtime", "capsules", "record", "lifecycle"}
         extra = sorted(set(params) - known)
         if extra:
             raise ConfigError(f"unknown parameter group(s) {extra}; known: {sorted(known)}")
@@ -193,7 +205,8 @@ class ServingConfig:
         return cls(ports=ports, outputs=outputs, control=control, policy=policy, policy_settings=settings,
                    runtime=RuntimeConfig.from_mapping(section_values(params, "runtime")),
                    capsules=CapsuleStoreConfig.from_mapping(section_values(params, "capsules")),
-                   record=RecordConfig.from_mapping(section_values(params, "record")), source=source)
+                   record=RecordConfig.from_mapping(section_values(params, "record")),
+                   lifecycle=LifecycleConfig.from_mapping(section_values(params, "lifecycle")), source=source)
 
     @classmethod
     def from_file(cls, path: Path, node_name: str = "capsule_policy") -> ServingConfig:

@@ -1,8 +1,9 @@
 """Build the policy and its runtime from a ServingConfig."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -10,7 +11,7 @@ from capsule_ros.capsules.store import CapsuleStore
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.registry import BuildContext, policy_kind
 from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
-from capsule_ros.runtime.engine import PolicyRuntime
+from capsule_ros.runtime.engine import PolicyRuntime, runtime_fingerprint
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.session import PolicySession
@@ -51,8 +52,11 @@ def build_policy(config: ServingConfig, weights: Optional[str] = None,
 
 def build_runtime(config: ServingConfig, weights: Optional[str] = None) -> PolicyRuntime:
     """The configured policy's runtime; its fingerprint covers what fills each input."""
-    return PolicyRuntime(build_policy(config, weights), config.runtime,
-                         inputs={name: port.binding() for name, port in config.ports.items()})
+    return PolicyRuntime(build_policy(config, weights), config.runtime, inputs=port_bindings(config))
+
+
+def port_bindings(config: ServingConfig) -> Dict[str, dict]:
+    return {name: port.binding() for name, port in config.ports.items()}
 
 
 def capsule_directory_path(template: str, node_name: str) -> Path:
@@ -62,11 +66,24 @@ def capsule_directory_path(template: str, node_name: str) -> Path:
     return Path(template.replace("{node}", node_name.strip("/").replace("/", ".") or "capsule_policy")).expanduser()
 
 
-def build_session(config: ServingConfig, *, weights: Optional[str] = None, on_event=None,
-                  runtime: Optional[PolicyRuntime] = None, node_name: str = "capsule_policy") -> PolicySession:
-    """Runtime + capsule store + capsule directory + session, started when configured."""
-    runtime = runtime or build_runtime(config, weights)
-    store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
+@dataclass
+class PreparedServing:
+    """What can be known and checked before any device memory is used (the node's
+    lifecycle ``configure``): the validated configuration, the policy with its weights on
+    the CPU, the fingerprint its runtime will have, and the open capsule directory."""
+
+    config: ServingConfig
+    policy: StatefulPolicy
+    fingerprint: str
+    directory: Any = None            # CapsuleDirectory, or None when capsules.directory is ''
+
+
+def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None,
+                    node_name: str = "capsule_policy") -> PreparedServing:
+    """Build the policy on the CPU (weights read and checked), compute the fingerprint and
+    open the capsule directory (which moves unfinished saves aside)."""
+    policy = build_policy(config, weights)
+    fingerprint = runtime_fingerprint(policy, config.runtime, port_bindings(config))
     directory = None
     if config.capsules.directory:
         from capsule_ros.capsules.directory import CapsuleDirectory
@@ -74,8 +91,25 @@ def build_session(config: ServingConfig, *, weights: Optional[str] = None, on_ev
                                      key_file=config.capsules.key_file,
                                      chunk_bytes=int(config.capsules.chunk_mb * 2**20),
                                      max_file_bytes=int(config.capsules.max_file_mb * 2**20))
-    session = PolicySession(runtime, store, config.control, directory=directory, ports=config.ports,
+    return PreparedServing(config, policy, fingerprint, directory)
+
+
+def start_session(prepared: PreparedServing, *, on_event=None) -> PolicySession:
+    """The runtime on its device (arena, graph capture, warm-up), the capsule store and the
+    session over them (the node's lifecycle ``activate``); episode 1 starts when
+    ``control.autostart``."""
+    config = prepared.config
+    runtime = PolicyRuntime(prepared.policy, config.runtime, inputs=port_bindings(config),
+                            _fingerprint=prepared.fingerprint)
+    store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
+    session = PolicySession(runtime, store, config.control, directory=prepared.directory, ports=config.ports,
                             prefix=config.policy.prefix, on_event=on_event)
     if config.control.autostart:
         session.reset()
     return session
+
+
+def build_session(config: ServingConfig, *, weights: Optional[str] = None, on_event=None,
+                  node_name: str = "capsule_policy") -> PolicySession:
+    """Configure and start in one call (the demo, replays, benchmarks)."""
+    return start_session(prepare_serving(config, weights=weights, node_name=node_name), on_event=on_event)

@@ -15,3 +15,10 @@ def settle_after_start() -> None:
     """Call once the long-lived objects exist (after start-up, before the control loop)."""
     gc.collect()
     gc.freeze()
+
+
+def unsettle() -> None:
+    """Undo ``settle_after_start`` before dropping what start-up made (the node's lifecycle
+    ``cleanup``): frozen objects are never collected, so cycles among them would leak."""
+    gc.unfreeze()
+    gc.collect()

@@ -181,6 +181,14 @@ class Recompute:
         if plan.room is not None:
             self.store.unreserve(plan.room)
 
+    def close(self) -> None:
+        """Release the replica runtime (if one was made) and forget the log and ledger."""
+        with self._replica_lock:
+            if self._replica is not None:
+                self._replica.close()
+                self._replica = None
+        self._ledger.clear()
+
     def _replica_runtime(self) -> PolicyRuntime:
         if self._replica is None:
             self._replica = self.runtime.replica()

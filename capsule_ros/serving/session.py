@@ -151,6 +151,17 @@ class PolicySession:
         """Stop the watchdog thread."""
         self.stepper.close()
 
+    def release(self, timeout_s: float = 30.0) -> None:
+        """Close, then free the runtime, its replica and the capsule store at a boundary (the
+        node's lifecycle ``cleanup``): device memory goes back to the driver and the session
+        cannot run again. Capsule files stay on disk."""
+        self.close()
+        with self.at_boundary(timeout_s):
+            self.state = EpisodeState.IDLE
+            self.recompute.close()
+            self.store.close()
+            self.runtime.close()
+
     def tick(self, stamp_ns: Optional[int] = None, *, late: bool = False) -> Optional[ActionRecord]:
         """One control period. RUNNING: a guarded step on the staged inputs (``late`` forces a
         deadline miss, e.g. a replay re-enacting one); INTERRUPTED: the hold mode's safe
@@ -250,15 +261,17 @@ class PolicySession:
         with self.capsules.reader.at_boundary_with(check_capsule_id(capsule_id), self.at_boundary) as source:
             return self._start_episode(source)
 
-    def interrupt(self, hold_mode: int = HoldMode.HOLD_LAST, commit: bool = True) -> Optional[Capsule]:
+    def interrupt(self, hold_mode: int = HoldMode.HOLD_LAST, commit: bool = True, *,
+                  timeout_s: Optional[float] = None) -> Optional[Capsule]:
         """Stop acting at this boundary; optionally commit the boundary capsule (held until
         re-entered or replaced). Raises InvalidArgument (hold mode), WrongState (not
-        RUNNING), ResourceExhausted (commit without room) and Busy."""
+        RUNNING), ResourceExhausted (commit without room) and Busy (no boundary within
+        ``timeout_s``, default control.service_timeout_ms)."""
         try:
             mode = HoldMode(hold_mode)
         except ValueError:
             raise InvalidArgument(f"hold_mode {hold_mode!r}: must be one of {[m.value for m in HoldMode]}") from None
-        with self.at_boundary():
+        with self.at_boundary(timeout_s):
             self._require(EpisodeState.RUNNING, verb="interrupt")
             capsule = self._snapshot("interrupt", held=True) if commit else None
             self._release_interrupt_capsule()

@@ -1,0 +1,157 @@
+"""policy_node as a managed node: every transition driven through the standard lifecycle
+services (~/change_state, ~/get_state) from this process, against the installed
+executable in its own process; the library's Python logging reaching /rosout."""
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+import numpy as np
+import pytest
+from harness import ClientNode, start_policy_node, wait_for
+from test_node import Driver, action_bytes, observations
+
+from capsule_ros.errors import ErrorCode
+
+pytestmark = pytest.mark.ros
+
+
+def unique_ns(prefix: str) -> str:
+    return f"/{prefix}{os.getpid() % 1000}{int(time.monotonic() * 1000) % 100000}"
+
+
+@pytest.fixture
+def managed(tmp_path, rclpy_context):
+    """A node that starts unconfigured (lifecycle.autostart false), with a bad
+    control.trigger_port that configure must refuse until it is fixed."""
+    from capsule_ros.ros.client import LifecycleClient
+    ns = unique_ns("life")
+    proc = start_policy_node(tmp_path, {"policy": {"weights": ""}, "lifecycle": {"autostart": False},
+                                        "control": {"deadline_ms": 5000.0, "trigger_port": "gripper"},
+                                        "ports": {"joints": {"qos": "reliable", "depth": 100}}},
+                             namespace=ns)
+    client = ClientNode(rclpy_context, f"life_client_{ns.strip('/')}", node_path=f"{ns}/capsule_policy")
+    lifecycle = LifecycleClient(client.node, f"{ns}/capsule_policy", server_wait_s=60.0)
+    yield proc, client, lifecycle, ns
+    lifecycle.destroy()
+    client.close()
+    assert proc.stop() == 0, proc.log()
+
+
+def set_string_param(client: ClientNode, node_path: str, name: str, value: str) -> bool:
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+    service = client.node.create_client(SetParameters, f"{node_path}/set_parameters")
+    assert service.wait_for_service(timeout_sec=10)
+    future = service.call_async(SetParameters.Request(parameters=[Parameter(
+        name=name, value=ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value))]))
+    wait_for(future.done, timeout=10, what="set_parameters")
+    client.node.destroy_client(service)
+    return future.result().results[0].successful
+
+
+def test_the_full_lifecycle_from_another_process(managed):
+    from capsule_ros.msg import CapsuleEvent
+    from capsule_ros.ros.client import ServiceRefused
+    proc, client, lifecycle, ns = managed
+    node_path = f"{ns}/capsule_policy"
+    assert lifecycle.state() == "unconfigured"
+    with pytest.raises(ServiceRefused) as refused:                   # nothing to act on yet
+        client.capsules.commit()
+    assert refused.value.error_code == ErrorCode.WRONG_STATE
+
+    # a bad configuration fails configure, with its reason in the log; fixed, it passes
+    assert lifecycle.change("configure") is False
+    assert lifecycle.state() == "unconfigured"
+    wait_for(lambda: "control.trigger_port = 'gripper'" in proc.log(), timeout=10, what="the reason in the log")
+    assert set_string_param(client, node_path, "control.trigger_port", "joints")
+    assert lifecycle.change("configure") is True
+    assert lifecycle.state() == "inactive"
+    with pytest.raises(ServiceRefused) as refused:
+        client.capsules.list_capsules()
+    assert refused.value.error_code == ErrorCode.WRONG_STATE
+
+    assert lifecycle.change("activate") is True
+    driver = Driver(client, ns)
+    driver.send_goal()
+    wait_for(lambda: any(p.name == "goal" and p.received for p in driver.latest_status().ports), timeout=30,
+             what="the goal")
+    driver.run(observations(3, 1))
+    anchor = client.capsules.commit(label="before the pause").capsule
+    obs = observations(10, 2)
+    before = driver.run(obs[:5])
+
+    assert lifecycle.change("deactivate") is True                   # a safe action, a capsule, no steps
+    safe = driver.actions.get(timeout=10)
+    assert safe.source == safe.SOURCE_HOLD and list(safe.values) == list(before[-1].values)
+    events = ClientNode.drain(driver.events)
+    interrupts = [e for e in events if e.kind == CapsuleEvent.INTERRUPT]
+    assert len(interrupts) == 1 and interrupts[0].capsule_id, events
+    assert lifecycle.state() == "inactive"
+    assert driver.latest_status().lifecycle_state == "inactive"
+    with pytest.raises(ServiceRefused) as refused:
+        client.capsules.commit()
+    assert refused.value.error_code == ErrorCode.WRONG_STATE
+    driver.joints_pub.publish(driver.joint_msg(obs[5]))
+    with pytest.raises(queue.Empty):                                # an inactive node does not step
+        driver.actions.get(timeout=1.0)
+
+    assert lifecycle.change("activate") is True                     # resumes from the deactivate's capsule
+    after = driver.run(obs[5:])
+    assert [a.step for a in after] == list(range(before[-1].step + 1, before[-1].step + 6))
+    client.capsules.reenter(anchor.id)                              # the same inputs without the pause
+    assert action_bytes(driver.run(obs)) == action_bytes(before + after)
+
+    assert lifecycle.change("deactivate") is True
+    assert lifecycle.change("cleanup") is True                      # the runtime is released
+    assert lifecycle.state() == "unconfigured"
+    assert lifecycle.change("configure") is True and lifecycle.change("activate") is True
+    status = driver.latest_status(timeout=10)
+    assert (status.lifecycle_state, status.episode_id, status.step) == ("active", 1, 0)
+    assert lifecycle.change("shutdown") is True
+    assert lifecycle.state() == "finalized"
+
+
+def test_library_logging_reaches_rosout(tmp_path, rclpy_context):
+    """The runtime logs its arena and the capsule pools with Python logging; a ROS user
+    sees them on /rosout under the node's logger."""
+    from rcl_interfaces.msg import Log
+    from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+    ns = unique_ns("logs")
+    client = ClientNode(rclpy_context, f"log_client_{ns.strip('/')}", node_path=f"{ns}/capsule_policy")
+    logs = client.subscribe(Log, "/rosout", QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE,
+                                                       durability=DurabilityPolicy.TRANSIENT_LOCAL))
+    proc = start_policy_node(tmp_path, {"policy": {"weights": ""}}, namespace=ns)
+    try:
+        seen = []
+
+        def library_lines():
+            seen.extend(m for m in ClientNode.drain(logs) if m.name == f"{ns.strip('/')}.capsule_policy")
+            return [m.msg for m in seen if m.msg.startswith(("[runtime.engine]", "[capsules.store]"))]
+        wait_for(lambda: len(library_lines()) >= 2, timeout=60, what="the runtime's and the store's log lines")
+        assert any("arena" in line for line in library_lines()), library_lines()
+        assert any("capsule pools" in line for line in library_lines()), library_lines()
+        assert sum(line.count("runtime on") for line in proc.log().splitlines()) == 1, "printed twice"
+    finally:
+        client.close()
+        assert proc.stop() == 0, proc.log()
+
+
+def test_cleanup_releases_the_runtime_and_a_new_configure_starts_fresh(managed):
+    proc, client, lifecycle, ns = managed
+    assert set_string_param(client, f"{ns}/capsule_policy", "control.trigger_port", "joints")
+    assert lifecycle.change("configure") and lifecycle.change("activate")
+    driver = Driver(client, ns)
+    driver.send_goal()
+    wait_for(lambda: any(p.name == "goal" and p.received for p in driver.latest_status().ports), timeout=30,
+             what="the goal")
+    first = driver.run(observations(4, 7))
+    committed = client.capsules.commit(label="kept in memory").capsule
+    assert lifecycle.change("deactivate") and lifecycle.change("cleanup")
+    assert lifecycle.change("configure") and lifecycle.change("activate")
+    assert [c.id for c in client.capsules.list_capsules().capsules if c.id == committed.id] == [], \
+        "a capsule in memory outlived cleanup"
+    driver.send_goal()
+    again = driver.run(observations(4, 7))                          # the same policy from its initial state
+    assert np.array_equal(np.asarray([a.values for a in again]), np.asarray([a.values for a in first]))
