@@ -2,7 +2,7 @@
 # Run the CUDA tests and GPU benchmarks on a GPU machine without ROS, from a checkout:
 #   bash bench/run_gpu.sh [OUT_DIR] [TASK ...]
 # TASKs: tests, or a benchmark name (snapshot step reenter commits ...); default: tests and
-# snapshot step reenter commits. Writes pytest output and one JSON per benchmark to OUT_DIR
+# snapshot step reenter commits lifecycle. Writes pytest output and one JSON per benchmark to OUT_DIR
 # (default: bench/results/<date>). Needs torch with CUDA, numpy, pyyaml, rich, safetensors
 # and pytest + hypothesis for the tests; no ROS (CAPSULE_ROS_WITHOUT_ROS=1 proves it).
 set -uo pipefail
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 OUT="${1:-bench/results/$(date -u +%Y-%m-%d)}"
 shift || true
 TASKS=("$@")
-[[ ${#TASKS[@]} -eq 0 ]] && TASKS=(tests snapshot step reenter commits)
+[[ ${#TASKS[@]} -eq 0 ]] && TASKS=(tests snapshot step reenter commits lifecycle)
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CAPSULE_ROS_WITHOUT_ROS=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1

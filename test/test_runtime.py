@@ -255,3 +255,36 @@ def test_session_rollback_and_recompute_fallback_are_bit_identical(device, tmp_p
     result = session.reenter(capsule.id)
     assert result.fallback and result.recompute_seconds > 0 and "checksum" in result.fallback_reason
     assert first_divergence(feed(obs[20:]), original) is None
+
+
+@pytest.mark.cuda
+def test_cleanup_returns_the_gpu_memory(tmp_path):
+    """The node's lifecycle without ROS, three times over: activate (arena, capture,
+    capsule store) takes device memory; cleanup (``release``) gives all of it back to the
+    driver, so a configure/activate/cleanup loop does not grow."""
+    import dataclasses
+
+    from runtime_fixtures import default_config
+
+    from capsule_ros.runtime.engine import release_device_memory
+    from capsule_ros.serving.factory import prepare_serving, start_session
+    config = default_config(tmp_path)
+    config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device="cuda"))
+    device = torch.device("cuda")
+    release_device_memory(device)
+    before_allocated, before_reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    free_before = torch.cuda.mem_get_info(device)[0]
+    for _ in range(3):
+        session = start_session(prepare_serving(config))
+        for row in observations(5, 31):
+            session.write_input("joints", row[:4])
+            session.write_input("goal", row[4:])
+            assert session.tick() is not None
+        session.commit()
+        assert torch.cuda.memory_allocated(device) > before_allocated      # it did take memory
+        session.release()
+        del session
+        release_device_memory(device)
+        assert torch.cuda.memory_allocated(device) == before_allocated
+        assert torch.cuda.memory_reserved(device) == before_reserved
+    assert abs(torch.cuda.mem_get_info(device)[0] - free_before) < 64 * 2**20   # the driver got it back

@@ -215,13 +215,14 @@ class PolicyNode(LifecycleNode):
         elif self._resume_on_activate:
             self.session.reenter("")
         self._resume_on_activate = False
-        self._subscribe_ports(config)
-        self._configure_loop(config.control)
-        self._active = True
         if not self._settled:
             settle_after_start()                       # no multi-ms garbage collections during the loop
             self._settled = True
         session = self.session
+        session.warm_up()                              # the first active step is not a cold one
+        self._subscribe_ports(config)
+        self._configure_loop(config.control)
+        self._active = True
         self.get_logger().info(
             f"serving on {session.runtime.device} ({'CUDA graph' if session.runtime.plan.captured else 'eager'}),"
             f" {config.control.mode} mode, episode {session.episode_id} {session.state.name}")

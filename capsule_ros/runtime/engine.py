@@ -164,6 +164,19 @@ class PolicyRuntime:
         LOG.info("runtime on %s: arena %d bytes in %d buffers, graphs=%s, fingerprint %s",
                  self.device, self.layout.nbytes, len(self.layout), self.plan.captured, self.fingerprint[:12])
 
+    def warm_step_path(self, runs: int = 2) -> None:
+        """Run the served step path (inputs in, guard copy, step or graph replay, outputs
+        out) and put the arena back byte for byte. Right before stepping starts, it makes the
+        first step not a cold one: no first touch of the guard copy or host buffers, no first
+        launch of the captured graph, the weights back in the CPU caches after start-up
+        allocated the capsule store."""
+        saved = self.arena.storage.clone()
+        for _ in range(runs):
+            self.load_inputs()
+            self.step()
+            self.read_outputs()
+        self.load_state(saved)
+
     # -- state ------------------------------------------------------------------------------
     def reset(self, episode: int, seed: Optional[int] = None) -> None:
         """Write the policy's initial state (eagerly) for a new episode."""

@@ -106,6 +106,7 @@ def start_session(prepared: PreparedServing, *, on_event=None) -> PolicySession:
                             prefix=config.policy.prefix, on_event=on_event)
     if config.control.autostart:
         session.reset()
+    session.warm_up()
     return session
 
 

@@ -147,6 +147,12 @@ class PolicySession:
         self.on_safe_action = on_safe_action
         self.stepper.start_watchdog(self._on_overrun)
 
+    def warm_up(self) -> None:
+        """Run the step path and put the state back exactly (``PolicyRuntime.warm_step_path``),
+        at a boundary; call it right before stepping starts."""
+        with self._boundary:
+            self.runtime.warm_step_path()
+
     def close(self) -> None:
         """Stop the watchdog thread."""
         self.stepper.close()
