@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from capsule_ros.benchmarks.common import config_path, emit, environment, print_table, resolve_device
+from capsule_ros.runtime.engine import StreamKeeper
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import prepare_serving, start_session
 
@@ -44,8 +45,8 @@ def _tick(session) -> float:
     return time.perf_counter() - start
 
 
-def _cycle(config: ServingConfig) -> dict:
-    session = start_session(prepare_serving(config))
+def _cycle(config: ServingConfig, streams: StreamKeeper) -> dict:
+    session = start_session(prepare_serving(config), streams=streams)
     try:
         first = _tick(session)
         steady = np.array([_tick(session) for _ in range(STEADY_TICKS)])
@@ -65,7 +66,8 @@ def run(device_name: str = "cpu", quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="capsule-bench-lifecycle-") as tmp:
         config = _config(device, Path(tmp) / "capsules")
         baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        results = [_cycle(config) for _ in range(cycles)]
+        streams = StreamKeeper()                 # as the node keeps one across its activations
+        results = [_cycle(config, streams) for _ in range(cycles)]
     firsts = np.array([r["first_ms"] for r in results])
     p50 = float(np.median([r["steady_p50_ms"] for r in results]))
     median_ratio = float(np.median(firsts) / p50)

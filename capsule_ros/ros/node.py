@@ -60,7 +60,7 @@ from capsule_ros.ros.params import declare_parameters, parameter_values
 from capsule_ros.ros.run_policy import RunPolicyServer
 from capsule_ros.ros.spinning import Offload
 from capsule_ros.ros.status import DiagnosticsBuilder, runtime_status
-from capsule_ros.runtime.engine import release_device_memory
+from capsule_ros.runtime.engine import StreamKeeper, release_device_memory
 from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
 from capsule_ros.serving.factory import PreparedServing, prepare_serving, start_session
 from capsule_ros.serving.outputs import OutputAdapter
@@ -99,6 +99,7 @@ class PolicyNode(LifecycleNode):
         self._active = False
         self._resume_on_activate = False
         self._settled = False
+        self._streams = StreamKeeper()             # one CUDA stream across activations (StreamKeeper says why)
         self._raise_transition_errors = False
         self._control_group = MutuallyExclusiveCallbackGroup()
         # services may run side by side (a slow save must not hold up a commit); the session's
@@ -200,7 +201,7 @@ class PolicyNode(LifecycleNode):
         assert config is not None
         if self.session is None:
             assert self._prepared is not None
-            session = start_session(self._prepared, on_event=self._on_event)
+            session = start_session(self._prepared, on_event=self._on_event, streams=self._streams)
             session.clock_ns = lambda: self.get_clock().now().nanoseconds
             action_dim = session.runtime.policy.action_dim
             period = control_period(config.control)

@@ -106,6 +106,30 @@ def release_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+class StreamKeeper:
+    """The CUDA streams of runtimes that come and go (the node's lifecycle, a benchmark's
+    cycles): one per device and role, reused by every runtime made with this keeper.
+
+    Why: cuBLAS keeps a workspace (32 MiB here) for every stream it has ever run on, and
+    ``torch.cuda.empty_cache`` does not free it; a fresh stream per activation would leave
+    one behind each cycle. Freeing all workspaces instead would pull them from under CUDA
+    graphs that other runtimes in the process have captured. The owner outlives the
+    runtimes (the node holds one); a runtime made without a keeper gets its own.
+    """
+
+    def __init__(self) -> None:
+        self._streams: Dict[tuple, torch.cuda.Stream] = {}
+
+    def get(self, device: torch.device, role: str = "step") -> Optional[torch.cuda.Stream]:
+        """The stream for ``role`` on ``device`` (None on a CPU)."""
+        if device.type != "cuda":
+            return None
+        key = (device, role)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device)
+        return self._streams[key]
+
+
 class StepOutputs:
     """Host copies of one step's outputs (the caller owns them)."""
 
@@ -120,9 +144,11 @@ class PolicyRuntime:
     """A policy, its arena and its graph plan (see module docstring)."""
 
     def __init__(self, policy: StatefulPolicy, config: RuntimeConfig = RuntimeConfig(), *,
-                 inputs: Optional[Mapping[str, object]] = None, _fingerprint: Optional[str] = None):
+                 inputs: Optional[Mapping[str, object]] = None, streams: Optional[StreamKeeper] = None,
+                 stream_role: str = "step", _fingerprint: Optional[str] = None):
         """``inputs``: input buffer name -> what fills it (part of the fingerprint; the
-        node passes each port's binding). Raises PolicyStepError (a ConfigError) when the
+        node passes each port's binding). ``streams``: where the CUDA stream comes from
+        (``StreamKeeper``; ``stream_role`` names which of its streams). Raises PolicyStepError (a ConfigError) when the
         policy's step cannot run on its declared inputs."""
         self.config = config
         self.device = config.resolve_device()
@@ -134,7 +160,8 @@ class PolicyRuntime:
             self.policy.compile_kernels(True)
         self.layout = ArenaLayout(policy.state_spec())
         self.arena = StateArena(self.layout, self.device)
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._streams = streams or StreamKeeper()
+        self.stream = self._streams.get(self.device, stream_role)
         self.plan = GraphPlan(policy, self.arena, use_graphs=config.cuda_graphs, stream=self.stream,
                               debug_checks=config.debug_checks)
         self.inputs = dict(inputs or {})
@@ -163,19 +190,6 @@ class PolicyRuntime:
         self.plan.prepare()
         LOG.info("runtime on %s: arena %d bytes in %d buffers, graphs=%s, fingerprint %s",
                  self.device, self.layout.nbytes, len(self.layout), self.plan.captured, self.fingerprint[:12])
-
-    def warm_step_path(self, runs: int = 2) -> None:
-        """Run the served step path (inputs in, guard copy, step or graph replay, outputs
-        out) and put the arena back byte for byte. Right before stepping starts, it makes the
-        first step not a cold one: no first touch of the guard copy or host buffers, no first
-        launch of the captured graph, the weights back in the CPU caches after start-up
-        allocated the capsule store."""
-        saved = self.arena.storage.clone()
-        for _ in range(runs):
-            self.load_inputs()
-            self.step()
-            self.read_outputs()
-        self.load_state(saved)
 
     # -- state ------------------------------------------------------------------------------
     def reset(self, episode: int, seed: Optional[int] = None) -> None:
@@ -280,5 +294,6 @@ class PolicyRuntime:
         Both share the fingerprint, so capsules move freely between them; they never share
         state, so the two branches cannot affect each other.
         """
-        return PolicyRuntime(self.policy, self.config, inputs=self.inputs, _fingerprint=self.fingerprint)
+        return PolicyRuntime(self.policy, self.config, inputs=self.inputs, streams=self._streams,
+                             stream_role="replica", _fingerprint=self.fingerprint)
 

@@ -11,7 +11,7 @@ from capsule_ros.capsules.store import CapsuleStore
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.registry import BuildContext, policy_kind
 from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
-from capsule_ros.runtime.engine import PolicyRuntime, runtime_fingerprint
+from capsule_ros.runtime.engine import PolicyRuntime, StreamKeeper, runtime_fingerprint
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.session import PolicySession
@@ -94,12 +94,14 @@ def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None,
     return PreparedServing(config, policy, fingerprint, directory)
 
 
-def start_session(prepared: PreparedServing, *, on_event=None) -> PolicySession:
+def start_session(prepared: PreparedServing, *, on_event=None,
+                  streams: Optional[StreamKeeper] = None) -> PolicySession:
     """The runtime on its device (arena, graph capture, warm-up), the capsule store and the
     session over them (the node's lifecycle ``activate``); episode 1 starts when
-    ``control.autostart``."""
+    ``control.autostart``. ``streams``: pass the same keeper to every activation of one
+    owner (``StreamKeeper`` says why)."""
     config = prepared.config
-    runtime = PolicyRuntime(prepared.policy, config.runtime, inputs=port_bindings(config),
+    runtime = PolicyRuntime(prepared.policy, config.runtime, inputs=port_bindings(config), streams=streams,
                             _fingerprint=prepared.fingerprint)
     store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
     session = PolicySession(runtime, store, config.control, directory=prepared.directory, ports=config.ports,
