@@ -174,13 +174,20 @@ def test_namespace_puts_services_and_topics_under_it(namespaced_launch, rclpy_co
     try:
         wait_for_commit(client, "robot1")
         wait_for_actions(client, "/robot1/capsule_policy/action", 20)
-        services = {name for name, _ in client.node.get_service_names_and_types()}
-        assert {"/robot1/capsule_policy/commit", "/robot1/capsule_policy/reenter", "/robot1/arm_sim/reset"} <= services
-        assert not any(name.startswith(("/capsule_policy/", "/arm_sim/")) for name in services)
-        topics = {name for name, _ in client.node.get_topic_names_and_types()}
-        assert {"/robot1/capsule_policy/action", "/robot1/capsule_policy/status", "/robot1/arm/joint_states",
-                "/robot1/arm/goal"} <= topics
-        assert not {"/capsule_policy/action", "/arm/joint_states"} & topics
+        graph = client.node
+        nodes = set(graph.get_node_names_and_namespaces())
+        assert {("capsule_policy", "/robot1"), ("arm_sim", "/robot1")} <= nodes, nodes
+        # each launched node's own names (other tests' nodes on this ROS domain cannot blur this)
+        names = set()
+        for name in ("capsule_policy", "arm_sim"):
+            for query in (graph.get_service_names_and_types_by_node, graph.get_publisher_names_and_types_by_node,
+                          graph.get_subscriber_names_and_types_by_node):
+                names |= {topic for topic, _ in query(name, "/robot1")}
+        assert {"/robot1/capsule_policy/commit", "/robot1/capsule_policy/reenter", "/robot1/arm_sim/reset",
+                "/robot1/capsule_policy/action", "/robot1/capsule_policy/status", "/robot1/arm/joint_states",
+                "/robot1/arm/goal"} <= names, names
+        global_by_convention = {"/rosout", "/parameter_events", "/diagnostics"}
+        assert all(n.startswith("/robot1/") for n in names - global_by_convention), sorted(names)
     finally:
         client.close()
     yield

@@ -11,12 +11,15 @@ response future, so never call from a callback of the same single-threaded execu
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Dict, Optional, Type
 
 from rclpy.node import Node
 
 from capsule_ros import srv
 from capsule_ros.errors import ErrorCode
+
+QUERY_RESEND_S = 2.0          # an unanswered idempotent query is sent again after this long
 
 
 class ServiceError(Exception):
@@ -48,18 +51,27 @@ SERVICES: Dict[str, Type] = {
 }
 
 
-def call_service(client, request: Any, server_wait_s: float, call_timeout_s: float) -> Any:
+def call_service(client, request: Any, server_wait_s: float, call_timeout_s: float, *,
+                 resend_s: Optional[float] = None) -> Any:
     """Call ``client`` and wait for its response: ServiceUnavailable when the server is not
-    there within ``server_wait_s``, ServiceTimeout (the request dropped) after ``call_timeout_s``."""
+    there within ``server_wait_s``, ServiceTimeout (the request dropped) after ``call_timeout_s``.
+
+    ``resend_s`` (idempotent queries only): send the request again when no response came
+    within that long. A server that has only just been discovered can miss a request (its
+    reply path to this client not yet matched); a query may safely ask twice."""
     if not client.service_is_ready() and not client.wait_for_service(timeout_sec=server_wait_s):
         raise ServiceUnavailable(f"{client.srv_name} not available after {server_wait_s:.1f} s")
-    done = threading.Event()
-    future = client.call_async(request)
-    future.add_done_callback(lambda _f: done.set())
-    if not done.wait(call_timeout_s):
+    deadline = time.monotonic() + call_timeout_s
+    while True:
+        done = threading.Event()
+        future = client.call_async(request)
+        future.add_done_callback(lambda _f, done=done: done.set())
+        left = deadline - time.monotonic()
+        if done.wait(left if resend_s is None else min(resend_s, max(left, 0.0))):
+            return future.result()
         client.remove_pending_request(future)
-        raise ServiceTimeout(f"{client.srv_name}: no response within {call_timeout_s * 1e3:.0f} ms")
-    return future.result()
+        if time.monotonic() >= deadline:
+            raise ServiceTimeout(f"{client.srv_name}: no response within {call_timeout_s * 1e3:.0f} ms")
 
 
 class LifecycleClient:
@@ -77,7 +89,8 @@ class LifecycleClient:
     def state(self) -> str:
         """The current state's label: unconfigured, inactive, active, finalized..."""
         from lifecycle_msgs.srv import GetState
-        return call_service(self._get, GetState.Request(), self.server_wait_s, self.call_timeout_s).current_state.label
+        return call_service(self._get, GetState.Request(), self.server_wait_s, self.call_timeout_s,
+                            resend_s=QUERY_RESEND_S).current_state.label
 
     def change(self, transition: str) -> bool:
         """Run a transition by its label (configure, activate, deactivate, cleanup, shutdown);
