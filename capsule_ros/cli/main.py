@@ -1,4 +1,4 @@
-"""`capsule-ros`: the command line (demo, replay, record, inspect, bench).
+"""`capsule-ros`: the command line (demo, replay, record, inspect, export, bench).
 
 Subcommands import what they need lazily, so `capsule-ros bench snapshot` runs on a
 machine without ROS and `--help` is instant.
@@ -20,6 +20,7 @@ DELEGATED = {
     "replay": ("capsule_ros.cli.replay_cmd", "replay a rosbag step by step and verify the actions"),
     "record": ("capsule_ros.cli.record_cmd", "record the node's topics into a rosbag2"),
     "inspect": ("capsule_ros.cli.inspect_cmd", "print and verify a capsule file"),
+    "export": ("capsule_ros.cli.export_cmd", "trace a policy module into a .pt2 program (policy.kind: exported)"),
 }
 
 

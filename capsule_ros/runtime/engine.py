@@ -28,6 +28,7 @@ import torch
 from capsule_ros.config import ConfigSection, setting
 from capsule_ros.errors import InvalidArgument
 from capsule_ros.runtime.arena import STATE_KINDS, ArenaLayout, BufferKind, StateArena
+from capsule_ros.runtime.contract import check_state_contract
 from capsule_ros.runtime.fingerprint import compute_fingerprint, device_kind, weights_digest
 from capsule_ros.runtime.plan import GraphPlan
 from capsule_ros.runtime.policy import ACTION, CHUNK, EPISODE, POSITION, STEP, StatefulPolicy
@@ -53,6 +54,12 @@ class RuntimeConfig(ConfigSection):
     seed: int = setting(0, "seed of the policy's counter-based RNG at reset", low=0, high=2**31 - 1)
     guard_steps: bool = setting(True, "keep the state before each step (one on-device copy) so a step that "
                                 "fails or outputs non-finite values is undone", read_only=True)
+    state_check: bool = setting(True, "at start, check that the policy keeps no state outside its declared buffers: "
+                                "steps repeated from a snapshot must give the same bits (five extra steps; skipped "
+                                "when deterministic is off)", read_only=True)
+    graph_fallback: str = setting("off", "when the step cannot be captured as a CUDA graph: off (start-up fails, "
+                                  "naming the problem) or eager (run it without a graph, slower, with a warning)",
+                                  choices=("off", "eager"), read_only=True)
 
     def compile_enabled(self, device: torch.device) -> bool:
         if self.compile == "auto":
@@ -105,7 +112,9 @@ class PolicyRuntime:
                  inputs: Optional[Mapping[str, object]] = None, _fingerprint: Optional[str] = None):
         """``inputs``: input buffer name -> what fills it (part of the fingerprint; the
         node passes each port's binding). Raises PolicyStepError (a ConfigError) when the
-        policy's step cannot run on its declared inputs."""
+        policy's step cannot run on its declared inputs or cannot be captured, and
+        PolicyStateError when it keeps state outside its buffers (``runtime.state_check``;
+        a replica, whose policy was checked, skips it)."""
         self.config = config
         self.device = config.resolve_device()
         configure_torch(config, self.device)
@@ -118,7 +127,7 @@ class PolicyRuntime:
         self.arena = StateArena(self.layout, self.device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.plan = GraphPlan(policy, self.arena, use_graphs=config.cuda_graphs, stream=self.stream,
-                              debug_checks=config.debug_checks)
+                              debug_checks=config.debug_checks, eager_fallback=config.graph_fallback == "eager")
         self.inputs = dict(inputs or {})
         self.fingerprint = _fingerprint or compute_fingerprint(
             policy.architecture(), self.layout, weights_digest(policy), device_kind(self.device), self.inputs)
@@ -144,6 +153,9 @@ class PolicyRuntime:
         self._undo = torch.empty_like(self._state_region) if config.guard_steps else None
         self.reset(episode=0)
         self.plan.prepare()
+        replica = _fingerprint is not None                  # its policy was checked with the original
+        if config.state_check and config.deterministic and not replica:
+            check_state_contract(self)
         LOG.info("runtime on %s: arena %d bytes in %d buffers, graphs=%s, fingerprint %s",
                  self.device, self.layout.nbytes, len(self.layout), self.plan.captured, self.fingerprint[:12])
 
