@@ -18,7 +18,8 @@ A module keeps the interface when it has
 Such a module trains as usual (any batch size) and exports as it is: ``export_module``
 checks the interface, runs the module eagerly (twice, to find a forward that is not a
 pure function), traces it with ``torch.export`` at batch size 1 on the CPU (the runtime
-moves the program to its device), checks that the program writes nothing in place, runs
+moves the program to its device), makes the graph functional and checks that it writes
+no buffer in place, runs
 program and module side by side for a few steps to report whether they agree bit for bit,
 and writes the ``.pt2`` atomically with the metadata (``capsule_ros.policies.exported``).
 """
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from capsule_ros.errors import ConfigError
-from capsule_ros.policies.exported import METADATA_FILE, ProgramInterface
+from capsule_ros.policies.exported import METADATA_FILE, ProgramInterface, functional
 from capsule_ros.runtime.arena import BufferSpec, dtype_name
 
 
@@ -169,10 +170,12 @@ def export_module(module: nn.Module, path: Path, *, check_steps: int = 8,
     except Exception as exc:  # noqa: BLE001 - torch.export's own reason, shortened to one line
         reason = " ".join(str(exc).split())[:500]
         raise InterfaceError(f"torch.export cannot trace {where}: {type(exc).__name__}: {reason}") from None
+    program = functional(program)
     signature = program.graph_signature
-    if signature.buffers_to_mutate:
-        raise InterfaceError(f"{where}.forward writes its buffer(s) {sorted(signature.buffers_to_mutate.values())}: "
-                             "state kept between steps must be declared in state and returned as new state")
+    if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
+        written = sorted({*signature.buffers_to_mutate.values(), *signature.user_inputs_to_mutate.values()})
+        raise InterfaceError(f"{where}.forward writes {written} in place: state kept between steps must be "
+                             "declared in state and returned as new state")
     mismatch = _compare(program, module, interface, check_steps)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.part.pt2")       # torch.export.save wants a .pt2 name

@@ -242,8 +242,19 @@ def read_program(path: Path, where: str) -> Tuple[torch.export.ExportedProgram, 
     except Exception as exc:  # noqa: BLE001 - a file torch cannot read: say so in one line
         raise ProgramError(f"{where}: torch.export.load fails ({type(exc).__name__}: {exc}); the file may come "
                            f"from another torch version (this is {torch.__version__}): export it again") from None
+    program = functional(program)
     _check_signature(program, interface, where)
     return program, interface, hashlib.sha256(data).hexdigest()
+
+
+def functional(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """The program with every in-place operation made functional: torch.export's default
+    graph keeps in-place writes (a buffer updated with ``add_``), and only a functional
+    graph lists what it writes in its signature (``buffers_to_mutate``). No operation is
+    decomposed (an empty table), so the arithmetic stays the module's."""
+    mutable = any(node.op == "call_function" and getattr(getattr(node.target, "_schema", None), "is_mutable", False)
+                  for node in program.graph.nodes)
+    return program.run_decompositions({}) if mutable else program
 
 
 def _check_signature(program: torch.export.ExportedProgram, interface: ProgramInterface, where: str) -> None:
@@ -258,13 +269,14 @@ def _check_signature(program: torch.export.ExportedProgram, interface: ProgramIn
     expected = [*interface.inputs, *interface.state]
     got = [placeholders[name].meta.get("val") for name in signature.user_inputs]
     outputs = len(signature.user_outputs)
-    mismatched = [f"{spec.name}: program {None if val is None else (dtype_name(val.dtype), list(val.shape))}"
+    mismatched = [f"{spec.name} is {'?' if val is None else f'{dtype_name(val.dtype)}{list(val.shape)}'} in the "
+                  f"program, {dtype_name(spec.dtype)}{[1, *spec.shape]} in the metadata"
                   for spec, val in zip(expected, got, strict=False)
                   if val is None or tuple(val.shape) != (1, *spec.shape) or val.dtype != spec.dtype]
     if len(got) != len(expected) or outputs != 2 + len(interface.state) or mismatched:
         raise ProgramError(f"{where}: the program takes {len(got)} tensors and returns {outputs}, its metadata "
                            f"says {len(expected)} and {2 + len(interface.state)} ({interface.describe()})"
-                           + (f"; mismatched: {mismatched}" if mismatched else "") + ": export it again")
+                           + (f"; mismatched: {'; '.join(mismatched)}" if mismatched else "") + ": export it again")
 
 
 def bind_inputs(interface: ProgramInterface, ports: Sequence[BufferSpec], where: str) -> None:
