@@ -169,7 +169,7 @@ def _spec_from_json(entry: Mapping[str, Any], kind: BufferKind) -> BufferSpec:
 
 def _raw_bytes(tensor: torch.Tensor) -> bytes:
     t = tensor.detach().contiguous().cpu()
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 # --- reading a .pt2 -----------------------------------------------------------------------------
