@@ -340,3 +340,12 @@ def test_graph_captured_exported_step_equals_the_exported_module_run_eagerly_on_
             action, chunk, *state = eager.program(joints, goal, *state)
             assert served[t][0].tobytes() == action[0].cpu().numpy().tobytes(), t
             assert served[t][1].tobytes() == chunk[0].cpu().numpy().tobytes(), t
+
+
+def test_bench_step_exported_times_the_served_program_against_the_eager_module():
+    """`capsule-ros bench step --policy exported --quick` on the CPU (on a GPU it also times the CUDA graph)."""
+    from capsule_ros.benchmarks.step import run_exported
+    result = run_exported(torch.device("cpu"), True, "capsule_gru_policy.export:module")
+    assert result["program"]["equals_module_bit_for_bit"] and result["exported_graph"] is None
+    assert result["exported_eager"]["graph_captured"] is False
+    assert result["speedup"] == result["eager_module"]["gpu_ms"]["p50"] / result["exported_eager"]["gpu_ms"]["p50"]
