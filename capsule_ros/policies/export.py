@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
@@ -178,9 +179,12 @@ def export_module(module: nn.Module, path: Path, *, check_steps: int = 8,
                              "declared in state and returned as new state")
     mismatch = _compare(program, module, interface, check_steps)
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.part.pt2")       # torch.export.save wants a .pt2 name
-    torch.export.save(program, tmp, extra_files={METADATA_FILE: interface.to_json(source or {})})
-    os.replace(tmp, path)
+    # written beside the target under its own name (torch names the archive's root folder
+    # after the file), then renamed into place
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+        staged = Path(tmp) / path.name
+        torch.export.save(program, staged, extra_files={METADATA_FILE: interface.to_json(source or {})})
+        os.replace(staged, path)
     data = path.read_bytes()
     return ExportReport(path, hashlib.sha256(data).hexdigest(), len(data), interface, check_steps, mismatch)
 
