@@ -7,13 +7,15 @@ and ``policy.kind: exported`` (a torch.export program written by ``capsule-ros e
   ``gru_chunk`` kind, and capsules roll it back bit-identically;
 - ports that do not fit a program are refused from its metadata, naming the mismatch;
 - a program file that torch would unpickle arbitrary objects from is refused without
-  running them; a file whose program and metadata disagree is refused;
+  running them; a file whose program and metadata disagree is refused, and so is metadata
+  that breaks the export rules (batch 1, ``seed`` for ``rng`` only, 64 MiB of initial values);
 - modules that break the export interface are refused by ``capsule-ros export`` with one
   line that says what to change; initial values and the seeded RNG rule are kept;
 - on a GPU the graph-captured exported step equals the exported module run eagerly.
 """
 from __future__ import annotations
 
+import base64
 import json
 import pickle
 import zipfile
@@ -218,6 +220,31 @@ def test_a_program_whose_metadata_does_not_describe_it_is_refused(tmp_path, prog
         ExportedConfig.from_mapping({}, section="policy.exported")
 
 
+def test_metadata_that_breaks_the_export_rules_is_refused_when_the_program_is_loaded(tmp_path, program):
+    with zipfile.ZipFile(program) as z:
+        original = json.loads(z.read(next(n for n in z.namelist() if n.endswith("extra/capsule_ros.json"))))
+    assert [e["name"] for e in original["state"]] == ["gru.h", "queue.actions", "queue.index", "rng"]
+    half = 2**25 + 4                                   # two buffers of just over 32 MiB: 64 MiB + 8 in all
+    big = [{"name": f"big{i}", "shape": [half // 4], "dtype": "float32", "kind": "meta", "init": "values",
+            "values": base64.b64encode(bytes(half)).decode()} for i in (1, 2)]
+    cases = {
+        "batch": ({"batch": 2}, r"batch 2, expected 'capsule_ros.exported' version 1 batch 1"),
+        "rng not seeded": ({"state": [*original["state"][:3], {**original["state"][3], "init": "zeros"}]},
+                           r"state 'rng': init 'zeros' \(one of .*'seed' for 'rng' only, and always\)"),
+        "seeded buffer": ({"state": [{**original["state"][0], "init": "seed"}, *original["state"][1:]]},
+                          r"state 'gru.h': init 'seed'"),
+        "initial values": ({"state": [*original["state"], *big]},
+                           rf"state 'big2': {half} bytes of initial values for {half} bytes \({2 * half} stored "
+                           rf"in all, at most {2**26}\)"),
+    }
+    for name, (change, expect) in cases.items():
+        bad = rewrite(program, tmp_path / f"{name.replace(' ', '_')}.pt2",
+                      replace={"extra/capsule_ros.json": json.dumps({**original, **change}).encode()})
+        with pytest.raises(ProgramError, match=rf"its capsule_ros metadata is not valid .*{expect}"):
+            ExportedPolicy.from_file(bad)
+        bad.unlink()
+
+
 # -- the export interface --------------------------------------------------------------------------
 
 class Accumulator(nn.Module):
@@ -288,6 +315,18 @@ class ReservedName(Accumulator):
         return {**super().initial_state(), "action": torch.zeros(2)}
 
 
+class LargeInitialState(Accumulator):
+    """Non-zero initial values over the 64 MiB the metadata stores (16 Mi + 1 float32 ones, and bias)."""
+
+    state = [*Accumulator.state, BufferSpec("table", (2**24 + 1,), torch.float32, BufferKind.META)]
+
+    def initial_state(self):
+        return {**super().initial_state(), "table": torch.ones(2**24 + 1)}
+
+    def forward(self, x, total, bias, rng, table):
+        return (*super().forward(x, total, bias, rng), table)
+
+
 @pytest.mark.parametrize("broken, expect", [
     (NoInterface, r"lacks \['inputs', 'state', 'action_dim', 'chunk_horizon', 'initial_state'\]"),
     (WrongChunk, r"returns chunk as float32\[1, 2\]; it must be float32\[1, 1, 2\]"),
@@ -295,6 +334,7 @@ class ReservedName(Accumulator):
     (PythonCounter, r"gave other outputs when called again .* keeps state outside its declared state"),
     (BufferCounter, r"forward writes \['calls'\] in place: state kept between steps must be declared"),
     (ReservedName, r"name 'action' is a standard buffer the runtime writes"),
+    (LargeInitialState, r"initial_state\(\) has 67108876 bytes of non-zero values; at most 67108864 are stored"),
 ])
 def test_modules_that_break_the_export_interface_are_refused_in_one_line(tmp_path, capsys, broken, expect):
     from capsule_ros.cli.main import main

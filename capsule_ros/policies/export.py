@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from capsule_ros.errors import ConfigError
-from capsule_ros.policies.exported import METADATA_FILE, ProgramInterface, functional
+from capsule_ros.policies.exported import MAX_INITIAL_BYTES, METADATA_FILE, ProgramInterface, functional
 from capsule_ros.runtime.arena import BufferSpec, dtype_name
 
 
@@ -103,6 +103,10 @@ def interface_of(module: nn.Module) -> ProgramInterface:
                                  f"{dtype_name(spec.dtype)}{list(spec.shape)}")
         if spec.name != "rng" and bool(value.ne(0).any()):
             values[spec.name] = value.detach().cpu().clone()
+    stored = sum(spec.nbytes for spec in interface.state if spec.name in values)
+    if stored > MAX_INITIAL_BYTES:
+        raise InterfaceError(f"{where}.initial_state() has {stored} bytes of non-zero values; at most "
+                             f"{MAX_INITIAL_BYTES} are stored in the program's metadata (start large buffers at zero)")
     return ProgramInterface(interface.inputs, interface.state, interface.action_dim, interface.chunk_horizon, values)
 
 

@@ -58,7 +58,7 @@ METADATA_FILE = "capsule_ros.json"       # in the archive's extra/ directory
 FORMAT = "capsule_ros.exported"
 VERSION = 1
 INIT_RULES = ("zeros", "seed", "values")  # a state buffer at reset: zeros, (seed, 0) for rng, stored values
-MAX_INITIAL_BYTES = 64 * 2**20            # stored initial values (the rest start at zero)
+MAX_INITIAL_BYTES = 64 * 2**20            # stored initial values, all buffers together (the rest start at 0)
 RESERVED = (STEP, POSITION, EPISODE, ACTION, CHUNK)   # standard buffers the runtime writes
 
 
@@ -128,20 +128,23 @@ class ProgramInterface:
         """Parse and validate a metadata file; ProgramError naming ``where`` otherwise."""
         try:
             meta = json.loads(text)
-            if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-                raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r}, expected "
-                                 f"{FORMAT!r} version {VERSION}")
+            if meta.get("format") != FORMAT or meta.get("version") != VERSION or meta.get("batch") != 1:
+                raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r} batch "
+                                 f"{meta.get('batch')!r}, expected {FORMAT!r} version {VERSION} batch 1")
             inputs = tuple(_spec_from_json(e, BufferKind.INPUT) for e in meta["inputs"])
-            state, initial = [], {}
+            state, initial, stored = [], {}, 0
             for entry in meta["state"]:
                 spec = _spec_from_json(entry, BufferKind(entry["kind"]))
-                if entry["init"] not in INIT_RULES:
-                    raise ValueError(f"state {spec.name!r}: init {entry['init']!r} is not one of {INIT_RULES}")
+                if entry["init"] not in INIT_RULES or (entry["init"] == "seed") != (spec.name == RNG):
+                    raise ValueError(f"state {spec.name!r}: init {entry['init']!r} (one of {INIT_RULES}; 'seed' "
+                                     f"for {RNG!r} only, and always)")
                 if entry["init"] == "values":
                     raw = base64.b64decode(entry["values"], validate=True)
-                    if len(raw) != spec.nbytes or len(raw) > MAX_INITIAL_BYTES:
+                    stored += len(raw)
+                    if len(raw) != spec.nbytes or stored > MAX_INITIAL_BYTES:
                         raise ValueError(f"state {spec.name!r}: {len(raw)} bytes of initial values for "
-                                         f"{spec.nbytes} bytes")
+                                         f"{spec.nbytes} bytes ({stored} stored in all, at most "
+                                         f"{MAX_INITIAL_BYTES})")
                     initial[spec.name] = torch.frombuffer(bytearray(raw), dtype=spec.dtype).reshape(spec.shape)
                 state.append(spec)
             interface = cls(inputs, tuple(state), meta["action_dim"], meta["chunk_horizon"], initial)
