@@ -176,4 +176,24 @@ else
   echo "$BUILD_HASH" > "$STAMPS/build"
 fi
 
+# --- 6b --------------------------------------------------------------------------------
+# The example policy package (examples/gru_policy, policy.kind gru_chunk), installed like a
+# user's own package: a normal pip install of its directory, registered by entry point.
+STEP="6b install the example policy package examples/gru_policy"
+EXAMPLE_HASH="$( (cat "$STAMPS/requirements"
+                  find examples/gru_policy -type f \( -name '*.py' -o -name '*.toml' -o -name '*.md' \) \
+                       -not -path '*/build/*' -not -path '*.egg-info/*' | LC_ALL=C sort | xargs cat) \
+                 | sha256sum | cut -d' ' -f1)"
+if [[ "$(cat "$STAMPS/example-policy" 2>/dev/null)" == "$EXAMPLE_HASH" ]]; then
+  say "$STEP: up to date"
+else
+  say "$STEP"
+  # --no-deps: capsule_ros and torch are installed already; --no-build-isolation --no-index:
+  # built with the venv's setuptools, nothing fetched
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation \
+      --no-index "$ROOT/examples/gru_policy"
+  rm -rf examples/gru_policy/build examples/gru_policy/*.egg-info
+  echo "$EXAMPLE_HASH" > "$STAMPS/example-policy"
+fi
+
 say "ready: . scripts/env.sh  (then: capsule-ros --help, policy_node, pytest test/)"

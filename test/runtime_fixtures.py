@@ -92,3 +92,41 @@ def feed(session, obs: np.ndarray, **tick) -> list:
         session.write_input("goal", row[4:])
         out.append(session.tick(**tick))
     return out
+
+
+# -- the example policy package (examples/gru_policy: ./setup.sh installs it) --------------------
+
+GRU_PARAMS = REPO / "examples" / "gru_policy" / "config" / "gru_chunk.yaml"
+GRU_FACTORY = {"action_scale": 2.0}     # capsule_gru_policy.export:module arguments equal to GRU_PARAMS' policy
+
+
+def gru_params(tmp_path: Path, program: Optional[Path] = None) -> Dict[str, Any]:
+    """examples/gru_policy/config/gru_chunk.yaml on the CPU with a private capsule directory
+    and no step deadline; with ``program``, the same ports served by policy.kind exported."""
+    params = load_params_file(GRU_PARAMS)
+    if program is not None:
+        params["policy"] = {"kind": "exported", "weights": "", "exported": {"program": str(program)}}
+    params["runtime"]["device"] = "cpu"
+    params["capsules"]["directory"] = str(tmp_path / "capsules")
+    params["control"]["deadline_ms"] = 0.0
+    return params
+
+
+def gru_config(tmp_path: Path, program: Optional[Path] = None):
+    from capsule_ros.serving.config import ServingConfig
+    return ServingConfig.from_params(gru_params(tmp_path, program))
+
+
+def eager_gru(obs: np.ndarray, **factory) -> list:
+    """(action, chunk) float32 arrays of the example's module run eagerly on ``obs`` (joints,
+    goal) from its initial state, the state threaded from step to step: the reference the
+    served policies must equal bit for bit."""
+    from capsule_gru_policy.export import module
+    net = module(**{**GRU_FACTORY, **factory}).eval()
+    state = [value[None] for value in net.initial_state().values()]
+    out = []
+    with torch.no_grad():
+        for row in obs:
+            action, chunk, *state = net(torch.from_numpy(row[None, :4]), torch.from_numpy(row[None, 4:]), *state)
+            out.append((action[0].numpy().copy(), chunk[0].numpy().copy()))
+    return out

@@ -71,12 +71,20 @@ def test_setup_is_idempotent():
     out = _setup()
     elapsed = time.monotonic() - start
     assert out.returncode == 0, out.stdout + out.stderr
-    steps = [line for line in out.stdout.splitlines() if re.search(r"\[setup\] [1-6]/6", line)]
-    assert {re.search(r"([1-6])/6", line).group(1) for line in steps} == set("123456"), out.stdout
+    steps = [line for line in out.stdout.splitlines() if re.search(r"\[setup\] ([1-6]/6|6b) ", line)]
+    assert {re.search(r"([1-6])/6|(6b)", line).group(0) for line in steps} == {*(f"{i}/6" for i in range(1, 7)),
+                                                                                 "6b"}, out.stdout
     assert all(re.search(r"(exists|up to date|done before|\(Python|skipped \(|not requested)", line)
                for line in steps), out.stdout
     assert [_tree_fingerprint(path) for path in built] == before
     assert elapsed < 30, f"a second set-up took {elapsed:.1f} s"
+
+
+def test_the_configuration_reference_is_current():
+    """docs/configuration.md is what tools/config_reference.py writes from the dataclasses."""
+    from capsule_ros.serving.config import settings_reference
+    assert (REPO / "docs" / "configuration.md").read_text() == settings_reference(), \
+        "docs/configuration.md is stale: run .venv/bin/python tools/config_reference.py"
 
 
 @pytest.mark.ros
@@ -118,7 +126,8 @@ def test_policy_node_serves_every_service_and_exits_on_sigint(tmp_path, rclpy_co
 
 # ROS-free test modules: what runs on a GPU machine, which has no ROS 2.
 ROS_FREE_TESTS = ("test_runtime.py", "test_store.py", "test_fallback.py", "test_session_safety.py",
-                  "test_capsule_file.py", "test_capsule_statemachine.py", "test_lerobot_parity.py", "test_sim_arm.py")
+                  "test_capsule_file.py", "test_capsule_statemachine.py", "test_lerobot_parity.py", "test_sim_arm.py",
+                  "test_policy_contract.py", "test_exported.py")
 
 
 def test_ros_free_tests_run_without_ros():

@@ -246,7 +246,8 @@ def _start_up(tmp_path, params: dict, extra_args=()) -> subprocess.CompletedProc
                            "--params-file", str(overlay), *extra_args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("case", ["bad_value", "bad_type", "loose_key_file", "missing_weights", "small_image"])
+@pytest.mark.parametrize("case", ["bad_value", "bad_type", "loose_key_file", "missing_weights", "small_image",
+                                  "unknown_kind"])
 def test_start_up_errors_end_with_one_line_and_exit_2(tmp_path, case):
     capsules = {"directory": str(tmp_path / "capsules")}
     if case == "bad_value":
@@ -258,6 +259,9 @@ def test_start_up_errors_end_with_one_line_and_exit_2(tmp_path, case):
         key.write_bytes(os.urandom(32))
         os.chmod(key, 0o644)
         params, expect = {"capsules": {**capsules, "key_file": str(key)}}, "chmod 600"
+    elif case == "unknown_kind":
+        params, expect = {"policy": {"kind": "gru"}, "capsules": capsules}, \
+            "policy.kind = 'gru': no such policy; known: ['hybrid', 'exported', 'gru_chunk']"
     elif case == "missing_weights":
         params, expect = {"policy": {"weights": str(tmp_path / "nowhere.safetensors")}, "capsules": capsules}, \
             "nowhere.safetensors"

@@ -1,4 +1,4 @@
-"""`capsule-ros`: the command line (demo, replay, record, inspect, bench).
+"""`capsule-ros`: the command line (demo, replay, record, inspect, export, bench).
 
 Subcommands import what they need lazily, so `capsule-ros bench snapshot` runs on a
 machine without ROS and `--help` is instant.
@@ -11,6 +11,8 @@ from typing import List, Optional
 
 
 def _bench(args) -> int:
+    if args.policy != "builtin" and args.which != "step":
+        raise SystemExit(f"capsule-ros bench {args.which}: --policy {args.policy} is an option of bench step only")
     module = __import__(f"capsule_ros.benchmarks.{args.which}", fromlist=["main"])
     return module.main(args)
 
@@ -20,6 +22,7 @@ DELEGATED = {
     "replay": ("capsule_ros.cli.replay_cmd", "replay a rosbag step by step and verify the actions"),
     "record": ("capsule_ros.cli.record_cmd", "record the node's topics into a rosbag2"),
     "inspect": ("capsule_ros.cli.inspect_cmd", "print and verify a capsule file"),
+    "export": ("capsule_ros.cli.export_cmd", "trace a policy module into a .pt2 program (policy.kind: exported)"),
 }
 
 
@@ -34,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on a 2-core CPU")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bench.add_argument("--prefixes", type=int, nargs="*", help="reenter: prefix lengths in tokens")
+    bench.add_argument("--policy", choices=("builtin", "exported"), default="builtin",
+                       help="step: the built-in policies, or an exported program against its eager module")
+    bench.add_argument("--module", default="capsule_gru_policy.export:module",
+                       help="step --policy exported: package.module:factory of the module to export "
+                            "(default: %(default)s, the example package)")
     bench.set_defaults(func=_bench)
 
     for name, (_, text) in DELEGATED.items():

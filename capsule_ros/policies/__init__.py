@@ -4,6 +4,7 @@ and the shipped weights of the built-in policies (``*.safetensors`` + ``*.json``
 from capsule_ros._lazy import lazy_exports  # noqa: E402
 
 _EXPORTS = {
+    "ExportedPolicy": "capsule_ros.policies.exported",
     "HybridPolicy": "capsule_ros.policies.hybrid",
     "HybridConfig": "capsule_ros.policies.hybrid",
 }

@@ -56,6 +56,7 @@ class PolicyKind:
 # Built-in kinds: name -> "module:attribute" of their PolicyKind (imported when used).
 BUILTIN = {
     "hybrid": "capsule_ros.policies.hybrid:POLICY_KIND",
+    "exported": "capsule_ros.policies.exported:POLICY_KIND",
 }
 
 

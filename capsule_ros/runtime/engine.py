@@ -28,6 +28,7 @@ import torch
 from capsule_ros.config import ConfigSection, setting
 from capsule_ros.errors import InvalidArgument
 from capsule_ros.runtime.arena import STATE_KINDS, ArenaLayout, BufferKind, StateArena
+from capsule_ros.runtime.contract import check_state_contract
 from capsule_ros.runtime.fingerprint import compute_fingerprint, device_kind, weights_digest
 from capsule_ros.runtime.plan import GraphPlan
 from capsule_ros.runtime.policy import ACTION, CHUNK, EPISODE, POSITION, STEP, StatefulPolicy
@@ -53,6 +54,12 @@ class RuntimeConfig(ConfigSection):
     seed: int = setting(0, "seed of the policy's counter-based RNG at reset", low=0, high=2**31 - 1)
     guard_steps: bool = setting(True, "keep the state before each step (one on-device copy) so a step that "
                                 "fails or outputs non-finite values is undone", read_only=True)
+    state_check: bool = setting(True, "at start, check that the policy keeps no state outside its declared buffers: "
+                                "steps repeated from a snapshot must give the same bits (five extra steps; skipped "
+                                "when deterministic is off)", read_only=True)
+    graph_fallback: str = setting("off", "when the step cannot be captured as a CUDA graph: off (start-up fails, "
+                                  "naming the problem) or eager (run it without a graph, slower, with a warning)",
+                                  choices=("off", "eager"), read_only=True)
 
     def compile_enabled(self, device: torch.device) -> bool:
         if self.compile == "auto":
@@ -145,11 +152,14 @@ class PolicyRuntime:
 
     def __init__(self, policy: StatefulPolicy, config: RuntimeConfig = RuntimeConfig(), *,
                  inputs: Optional[Mapping[str, object]] = None, streams: Optional[StreamKeeper] = None,
-                 stream_role: str = "step", _fingerprint: Optional[str] = None):
+                 stream_role: str = "step", policy_checked: bool = False, _fingerprint: Optional[str] = None):
         """``inputs``: input buffer name -> what fills it (part of the fingerprint; the
         node passes each port's binding). ``streams``: where the CUDA stream comes from
-        (``StreamKeeper``; ``stream_role`` names which of its streams). Raises PolicyStepError (a ConfigError) when the
-        policy's step cannot run on its declared inputs."""
+        (``StreamKeeper``; ``stream_role`` names which of its streams). Raises
+        PolicyStepError (a ConfigError) when the policy's step cannot run on its declared
+        inputs or cannot be captured, and PolicyStateError when it keeps state outside its
+        buffers (``runtime.state_check``; skipped with ``policy_checked``, for a replica whose
+        policy passed it with the original)."""
         self.config = config
         self.device = config.resolve_device()
         configure_torch(config, self.device)
@@ -163,7 +173,7 @@ class PolicyRuntime:
         self._streams = streams or StreamKeeper()
         self.stream = self._streams.get(self.device, stream_role)
         self.plan = GraphPlan(policy, self.arena, use_graphs=config.cuda_graphs, stream=self.stream,
-                              debug_checks=config.debug_checks)
+                              debug_checks=config.debug_checks, eager_fallback=config.graph_fallback == "eager")
         self.inputs = dict(inputs or {})
         self.fingerprint = _fingerprint or runtime_fingerprint(policy, config, self.inputs)
         pin = self.device.type == "cuda"
@@ -188,6 +198,8 @@ class PolicyRuntime:
         self._undo = torch.empty_like(self._state_region) if config.guard_steps else None
         self.reset(episode=0)
         self.plan.prepare()
+        if config.state_check and config.deterministic and not policy_checked:
+            check_state_contract(self)
         LOG.info("runtime on %s: arena %d bytes in %d buffers, graphs=%s, fingerprint %s",
                  self.device, self.layout.nbytes, len(self.layout), self.plan.captured, self.fingerprint[:12])
 
@@ -295,5 +307,5 @@ class PolicyRuntime:
         state, so the two branches cannot affect each other.
         """
         return PolicyRuntime(self.policy, self.config, inputs=self.inputs, streams=self._streams,
-                             stream_role="replica", _fingerprint=self.fingerprint)
+                             stream_role="replica", policy_checked=True, _fingerprint=self.fingerprint)
 

@@ -17,6 +17,11 @@ version counters or view tracking; in-place writes to the arena are allowed ther
 Warm-up and capture execute the step for real, so the arena's bytes are saved before and
 put back after: preparing leaves the live state exactly as it was.
 
+A step that cannot be captured (it synchronises with the host, e.g. ``.item()``, or
+branches in Python on tensor values) fails start-up with a PolicyStepError that names
+the problem, unless ``eager_fallback`` (``runtime.graph_fallback: eager``) is set: then
+the plan runs the step eagerly, like on a CPU, and logs a warning.
+
 Debug check (``debug_checks=True``): before each replay the arena's view addresses are
 compared with those recorded at capture; a graph replayed over moved buffers would read
 and write freed memory, so a mismatch raises instead.
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -48,10 +53,12 @@ class GraphPlan:
     """Runs ``policy.step`` / ``policy.prefill`` over ``arena`` (see module docstring)."""
 
     def __init__(self, policy: StatefulPolicy, arena: StateArena, *, use_graphs: bool,
-                 stream: Optional[torch.cuda.Stream], debug_checks: bool = False, warmup_steps: int = 3):
+                 stream: Optional[torch.cuda.Stream], debug_checks: bool = False, warmup_steps: int = 3,
+                 eager_fallback: bool = False):
         self.policy = policy
         self.arena = arena
         self.use_graphs = bool(use_graphs and arena.device.type == "cuda")
+        self.eager_fallback = eager_fallback
         self.stream = stream
         self.debug_checks = debug_checks
         self.warmup_steps = warmup_steps
@@ -73,23 +80,48 @@ class GraphPlan:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def _capture(self, fn) -> torch.cuda.CUDAGraph:
-        """Warm up ``fn`` then capture it; the arena is restored to its bytes before."""
+    def _capture(self, fn) -> Optional[torch.cuda.CUDAGraph]:
+        """Warm up ``fn`` then capture it; the arena is restored to its bytes before. None
+        when the capture fails and the eager fallback is allowed (the plan is then eager)."""
         saved = self.arena.storage.clone()
-        with torch.inference_mode(), self._stream_ctx():
-            self._warm_up(fn)
-            assert self.stream is not None                      # graphs are captured on CUDA only
-            free_before = torch.cuda.mem_get_info(self.arena.device)[0]
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self.stream):
-                fn()
-            self.arena.storage.copy_(saved)
+        assert self.stream is not None                          # graphs are captured on CUDA only
+        try:
+            with torch.inference_mode(), self._stream_ctx():
+                self._warm_up(fn)
+                free_before = torch.cuda.mem_get_info(self.arena.device)[0]
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph, pool=self._pool, stream=self.stream):
+                        fn()
+                except Exception as exc:  # noqa: BLE001 - any capture failure: say what and how to go on
+                    self._capture_failed(exc)
+                    return None
+                free_after = torch.cuda.mem_get_info(self.arena.device)[0]
+        finally:
+            with self._stream_ctx():
+                self.arena.storage.copy_(saved)
             self.stream.synchronize()
-            free_after = torch.cuda.mem_get_info(self.arena.device)[0]
         LOG.info("captured CUDA graph (%d warm-up runs); graph pool grew by %.1f MiB",
                  self.warmup_steps, (free_before - free_after) / 2**20)
         self._addresses = self.arena.addresses()
         return graph
+
+    def _capture_failed(self, exc: Exception) -> None:
+        """A step that cannot be captured: PolicyStepError naming the cause, or (eager
+        fallback) a warning and an eager plan."""
+        causes: List[str] = []
+        cause: Optional[BaseException] = exc
+        while cause is not None and len(causes) < 3:        # the original error first (capture_end raises again)
+            causes.insert(0, f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}")
+            cause = cause.__cause__ or cause.__context__
+        problem = f"the policy's step cannot be captured as a CUDA graph ({'; then '.join(causes)})"
+        if not self.eager_fallback:
+            raise PolicyStepError(f"{problem}; make the step capturable (no .item() or other host synchronisation, "
+                                  "no Python control flow on tensor values, no new persistent tensors: "
+                                  "docs/bring-your-own-policy.md) or set runtime.graph_fallback: eager to run it "
+                                  "without a graph (slower)") from exc
+        LOG.warning("%s; runtime.graph_fallback is eager: the step runs without a CUDA graph (slower)", problem)
+        self.use_graphs = False
 
     def prepare(self) -> None:
         """Warm the step up (and check it runs at all), then capture it on CUDA; the arena
@@ -152,8 +184,13 @@ class GraphPlan:
             if length not in self._prefill_graphs:
                 static = torch.zeros(length, dtype=torch.int64, device=self.arena.device)
                 static.copy_(tokens)
+                graph = self._capture(lambda: self.policy.prefill(self.arena.views, static))
+                if graph is None:                              # not capturable, eager fallback allowed
+                    with torch.inference_mode():
+                        self.policy.prefill(self.arena.views, tokens)
+                    return
                 self._prefill_tokens[length] = static
-                self._prefill_graphs[length] = self._capture(lambda: self.policy.prefill(self.arena.views, static))
+                self._prefill_graphs[length] = graph
             self._prefill_tokens[length].copy_(tokens, non_blocking=True)
             if self.debug_checks:
                 self._check_addresses()

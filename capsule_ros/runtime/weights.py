@@ -35,7 +35,7 @@ def save_weights(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Opti
     offset = 0
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
         blobs.append(raw)
         offset += len(raw)

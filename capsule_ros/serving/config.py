@@ -26,7 +26,7 @@ from capsule_ros.config import (
 )
 from capsule_ros.errors import ConfigError
 from capsule_ros.paths import share_file
-from capsule_ros.policies.registry import kind_names, policy_kind
+from capsule_ros.policies.registry import BUILTIN, policy_kind
 from capsule_ros.runtime.engine import RuntimeConfig
 from capsule_ros.serving.outputs import OutputConfig
 
@@ -248,7 +248,8 @@ def settings_reference() -> str:
              "Read-only parameters shape the graph and the capsule fingerprint: they are set at start-up",
              "(parameter file, launch arguments, `--ros-args -p`). The others can change at run time",
              "(`ros2 param set`), validated the same way.", ""]
-    kinds = tuple((f"policy.{name}", policy_kind(name).settings) for name in kind_names())
+    # the built-in kinds only: the reference must not depend on which packages are installed
+    kinds = tuple((f"policy.{name}", policy_kind(name).settings) for name in BUILTIN)
     for prefix, cls in (("ports.<name>", PortConfig), ("outputs.<name>", OutputConfig)) + SECTIONS + kinds:
         lines += [f"## `{prefix}`", "", (cls.__doc__ or "").strip().splitlines()[0], "",
                   "| parameter | default | allowed | read-only | meaning |", "| --- | --- | --- | --- | --- |"]

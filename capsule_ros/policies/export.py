@@ -1,0 +1,212 @@
+"""The export interface, and ``export_module``: a user's ``nn.Module`` to the ``.pt2``
+program ``policy.kind: exported`` serves (``capsule-ros export`` is its command line).
+
+A module keeps the interface when it has
+
+- ``inputs``: a sequence of ``BufferSpec`` (kind input), one per node port it reads:
+  name, shape without the batch dimension, dtype;
+- ``state``: a sequence of ``BufferSpec`` (kinds recurrent, kv, conv, chunk, meta):
+  everything the policy carries from one step to the next. A buffer named ``rng``,
+  int64[2], is the runtime's counter-based generator (seed, counter), seeded at every
+  reset (``capsule_ros.runtime.rng.counter_normal`` draws from it);
+- ``action_dim`` and ``chunk_horizon`` (ints), and ``initial_state()``: name -> tensor,
+  the state of a new episode (shapes without the batch dimension);
+- ``forward(*inputs, *state) -> (action [B, A], chunk [B, H, A], *new_state)``, batch
+  first, in the order of ``inputs`` then ``state``: a pure function that writes none of
+  its arguments and keeps nothing between calls.
+
+Such a module trains as usual (any batch size) and exports as it is: ``export_module``
+checks the interface, runs the module eagerly (twice, to find a forward that is not a
+pure function), traces it with ``torch.export`` at batch size 1 on the CPU (the runtime
+moves the program to its device), makes the graph functional and checks that it writes
+no buffer in place, runs
+program and module side by side for a few steps to report whether they agree bit for bit,
+and writes the ``.pt2`` atomically with the metadata (``capsule_ros.policies.exported``).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from capsule_ros.errors import ConfigError
+from capsule_ros.policies.exported import MAX_INITIAL_BYTES, METADATA_FILE, ProgramInterface, functional
+from capsule_ros.runtime.arena import BufferSpec, dtype_name
+
+
+class InterfaceError(ConfigError):
+    """The module does not keep the export interface; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What ``export_module`` wrote."""
+
+    path: Path
+    sha256: str
+    nbytes: int
+    interface: ProgramInterface
+    checked_steps: int
+    mismatch: Optional[str]      # None: the program's outputs equal the module's bit for bit
+
+    def summary(self) -> str:
+        agreement = (f"the program's outputs equal the module's bit for bit over {self.checked_steps} steps"
+                     if self.mismatch is None else f"NOTE: the program differs from the module: {self.mismatch}")
+        return (f"wrote {self.path} ({self.nbytes / 1024:.0f} KiB, sha256 {self.sha256[:16]}): "
+                f"{self.interface.describe()}; {agreement}")
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """``package.module:attribute`` -> the attribute (a module class or a factory function)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise InterfaceError(f"--module {spec!r}: must be package.module:factory")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise InterfaceError(f"--module {spec!r}: {type(exc).__name__}: {exc}") from None
+
+
+def interface_of(module: nn.Module) -> ProgramInterface:
+    """The module's export interface, checked; InterfaceError naming what is missing or wrong."""
+    where = f"module {type(module).__name__}"
+    missing = [name for name in ("inputs", "state", "action_dim", "chunk_horizon", "initial_state")
+               if not hasattr(module, name)]
+    if missing:
+        raise InterfaceError(f"{where} lacks {missing} of the export interface (docs/bring-your-own-policy.md)")
+    specs = {}
+    for name in ("inputs", "state"):
+        value = getattr(module, name)
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) \
+                or not all(isinstance(s, BufferSpec) for s in value):
+            raise InterfaceError(f"{where}.{name} must be a sequence of capsule_ros BufferSpec")
+        specs[name] = tuple(value)
+    initial = module.initial_state()
+    if not isinstance(initial, Mapping) or set(initial) != {s.name for s in specs["state"]}:
+        raise InterfaceError(f"{where}.initial_state() must map every state name {[s.name for s in specs['state']]} "
+                             f"to a tensor, got {sorted(initial) if isinstance(initial, Mapping) else type(initial)}")
+    interface = ProgramInterface(specs["inputs"], specs["state"], module.action_dim, module.chunk_horizon, {})
+    interface.check(InterfaceError, where)
+    values = {}
+    for spec in interface.state:
+        value = initial[spec.name]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
+            shown = f"{dtype_name(value.dtype)}{list(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
+            raise InterfaceError(f"{where}.initial_state()[{spec.name!r}] is {shown}, its state spec says "
+                                 f"{dtype_name(spec.dtype)}{list(spec.shape)}")
+        if spec.name != "rng" and bool(value.ne(0).any()):
+            values[spec.name] = value.detach().cpu().clone()
+    stored = sum(spec.nbytes for spec in interface.state if spec.name in values)
+    if stored > MAX_INITIAL_BYTES:
+        raise InterfaceError(f"{where}.initial_state() has {stored} bytes of non-zero values; at most "
+                             f"{MAX_INITIAL_BYTES} are stored in the program's metadata (start large buffers at zero)")
+    return ProgramInterface(interface.inputs, interface.state, interface.action_dim, interface.chunk_horizon, values)
+
+
+def _random_inputs(interface: ProgramInterface, generator: torch.Generator) -> List[torch.Tensor]:
+    """One step's inputs with a batch of one: normals for floats, bytes for uint8, 0/1 otherwise."""
+    out = []
+    for spec in interface.inputs:
+        shape = (1, *spec.shape)
+        if spec.dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=generator).to(spec.dtype))
+        else:
+            high = 256 if spec.dtype == torch.uint8 else 2
+            out.append(torch.randint(0, high, shape, generator=generator, dtype=spec.dtype))
+    return out
+
+
+def _initial(interface: ProgramInterface, module: nn.Module) -> List[torch.Tensor]:
+    """The initial state with a batch of one (rng seeded with 0, as the runtime would)."""
+    initial = module.initial_state()
+    state = [initial[s.name].detach().cpu().clone()[None] for s in interface.state]
+    for spec, value in zip(interface.state, state, strict=True):
+        if spec.name == "rng":
+            value.zero_()
+    return state
+
+
+def _check_outputs(interface: ProgramInterface, outputs: Any, where: str) -> Tuple[torch.Tensor, ...]:
+    """The outputs of one forward must be (action, chunk, *new_state) of the right shapes and dtypes."""
+    expected = [("action", (1, interface.action_dim), torch.float32),
+                ("chunk", (1, interface.chunk_horizon, interface.action_dim), torch.float32),
+                *((f"new state {s.name!r}", (1, *s.shape), s.dtype) for s in interface.state)]
+    if not isinstance(outputs, (tuple, list)) or len(outputs) != len(expected):
+        count = len(outputs) if isinstance(outputs, (tuple, list)) else type(outputs).__name__
+        raise InterfaceError(f"{where} returns {count}; it must return a tuple (action, chunk, *new_state) of "
+                             f"{len(expected)} tensors")
+    for (what, shape, dtype), value in zip(expected, outputs, strict=True):
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.dtype != dtype:
+            shown = f"{dtype_name(value.dtype)}{list(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
+            raise InterfaceError(f"{where} returns {what} as {shown}; it must be {dtype_name(dtype)}{list(shape)}")
+    return tuple(outputs)
+
+
+def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def export_module(module: nn.Module, path: Path, *, check_steps: int = 8,
+                  source: Optional[Mapping[str, Any]] = None) -> ExportReport:
+    """Export ``module`` to ``path`` (see the module docstring)."""
+    where = f"module {type(module).__name__}"
+    module = module.cpu().eval()
+    interface = interface_of(module)
+    generator = torch.Generator().manual_seed(0)
+    args = [*_random_inputs(interface, generator), *_initial(interface, module)]
+    with torch.no_grad():
+        originals = [a.clone() for a in args]
+        first = _check_outputs(interface, module(*args), f"{where}.forward")
+        if not _same(args, originals):
+            raise InterfaceError(f"{where}.forward writes its arguments in place; it must return the new state "
+                                 "instead")
+        if not _same(_check_outputs(interface, module(*args), f"{where}.forward"), first):
+            raise InterfaceError(f"{where}.forward gave other outputs when called again with the same arguments: it "
+                                 "keeps state outside its declared state (return it as new state instead)")
+    try:
+        program = torch.export.export(module, tuple(args))
+    except Exception as exc:  # noqa: BLE001 - torch.export's own reason, shortened to one line
+        reason = " ".join(str(exc).split())[:500]
+        raise InterfaceError(f"torch.export cannot trace {where}: {type(exc).__name__}: {reason}") from None
+    program = functional(program)
+    signature = program.graph_signature
+    if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
+        written = sorted({*signature.buffers_to_mutate.values(), *signature.user_inputs_to_mutate.values()})
+        raise InterfaceError(f"{where}.forward writes {written} in place: state kept between steps must be "
+                             "declared in state and returned as new state")
+    mismatch = _compare(program, module, interface, check_steps)
+    path = Path(path)
+    # written beside the target under its own name (torch names the archive's root folder
+    # after the file), then renamed into place
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+        staged = Path(tmp) / path.name
+        torch.export.save(program, staged, extra_files={METADATA_FILE: interface.to_json(source or {})})
+        os.replace(staged, path)
+    data = path.read_bytes()
+    return ExportReport(path, hashlib.sha256(data).hexdigest(), len(data), interface, check_steps, mismatch)
+
+
+def _compare(program: torch.export.ExportedProgram, module: nn.Module, interface: ProgramInterface,
+             steps: int) -> Optional[str]:
+    """Run the program and the module side by side from the initial state on seeded random
+    inputs; None when every output agrees bit for bit, else where and by how much not."""
+    traced = program.module()
+    generator = torch.Generator().manual_seed(1)
+    state_a = state_b = _initial(interface, module)
+    with torch.no_grad():
+        for step in range(steps):
+            inputs = _random_inputs(interface, generator)
+            out_a = module(*inputs, *state_a)
+            out_b = traced(*inputs, *state_b)
+            if not _same(out_a, out_b):
+                worst = max(float((x.double() - y.double()).abs().max()) for x, y in zip(out_a, out_b, strict=True))
+                return f"at step {step + 1} by at most {worst:.3g}"
+            state_a, state_b = list(out_a[2:]), list(out_b[2:])
+    return None

@@ -1,0 +1,405 @@
+"""``policy.kind: exported``: a ``torch.export`` program (``.pt2``, written by
+``capsule-ros export``) served like any policy, with no Python model code.
+
+The program keeps the export interface (``capsule_ros.policies.export``): batch first,
+traced at batch size 1,
+
+    program(*inputs, *state) -> (action [1, A], chunk [1, H, A], *new_state)
+
+and the archive carries ``METADATA_FILE`` (torch.export.save's ``extra_files``): the
+inputs and the state buffers (name, shape without the batch dimension, dtype, kind, and
+how each starts an episode), ``action_dim`` and ``chunk_horizon``. Served:
+
+- the inputs bind to the node's ports by name, shape and dtype, checked from the
+  metadata alone before the program is loaded, with errors that name the mismatch;
+- the state lives in the arena: each step calls the program on views of the buffers and
+  copies the new state back in place, so a capsule is still one copy of the arena, and
+  the step (program and copies) is captured as one CUDA graph on a GPU;
+- the capsule fingerprint covers the file's SHA-256 (``architecture()``).
+
+No arbitrary unpickling. ``torch.export.load`` (torch 2.13) reads plain tensors as raw
+bytes, but hands three kinds of payload to the full unpickler: tensor subclasses and
+custom or opaque objects among the weights and constants, and the sample inputs when
+the restricted (weights-only) unpickler refuses them. ``read_program`` refuses a file
+with any of the first kind and loads the sample inputs with the restricted unpickler
+itself first, so torch's fallback to the full one never runs; the file is read once, so
+what was checked is what is loaded.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Type
+
+import torch
+
+from capsule_ros.config import ConfigSection, setting
+from capsule_ros.errors import ConfigError
+from capsule_ros.policies.registry import BuildContext, PolicyKind
+from capsule_ros.runtime.arena import STATE_KINDS, BufferKind, BufferSpec, dtype_from_name, dtype_name
+from capsule_ros.runtime.policy import (
+    ACTION,
+    CHUNK,
+    EPISODE,
+    POSITION,
+    RNG,
+    STEP,
+    State,
+    StatefulPolicy,
+    standard_specs,
+)
+
+METADATA_FILE = "capsule_ros.json"       # in the archive's extra/ directory
+FORMAT = "capsule_ros.exported"
+VERSION = 1
+INIT_RULES = ("zeros", "seed", "values")  # a state buffer at reset: zeros, (seed, 0) for rng, stored values
+MAX_INITIAL_BYTES = 64 * 2**20            # stored initial values, all buffers together (the rest start at 0)
+RESERVED = (STEP, POSITION, EPISODE, ACTION, CHUNK)   # standard buffers the runtime writes
+
+
+class ProgramError(ConfigError):
+    """An exported program that cannot be served; the message names the file and what to change."""
+
+
+@dataclass(frozen=True)
+class ProgramInterface:
+    """What a program takes and returns (shapes without the batch dimension) and how its
+    state starts an episode: ``initial`` holds the buffers that do not start at zero
+    (``rng``, the counter-based generator, is seeded by the runtime instead)."""
+
+    inputs: Tuple[BufferSpec, ...]
+    state: Tuple[BufferSpec, ...]
+    action_dim: int
+    chunk_horizon: int
+    initial: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    def check(self, error: Type[ConfigError], where: str) -> None:
+        """Raise ``error`` naming ``where`` when the interface breaks a rule of the module docstring."""
+        problems = []
+        for value, name in ((self.action_dim, "action_dim"), (self.chunk_horizon, "chunk_horizon")):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name} = {value!r} must be a positive int")
+        if not self.inputs:
+            problems.append("inputs is empty (one entry per port the policy reads)")
+        problems += [f"input {s.name!r} has kind {s.kind.value} (must be input)" for s in self.inputs
+                     if s.kind != BufferKind.INPUT]
+        problems += [f"state {s.name!r} has kind {s.kind.value} (must be one of {[k.value for k in STATE_KINDS]})"
+                     for s in self.state if s.kind not in STATE_KINDS]
+        names = [s.name for s in (*self.inputs, *self.state)]
+        problems += [f"name {n!r} is used twice" for n in sorted({n for n in names if names.count(n) > 1})]
+        problems += [f"name {n!r} is a standard buffer the runtime writes ({list(RESERVED)})" for n in names
+                     if n in RESERVED]
+        rng = [s for s in self.state if s.name == RNG]
+        if rng and (rng[0].shape != (2,) or rng[0].dtype != torch.int64):
+            problems.append(f"state {RNG!r} is the counter-based generator: it must be int64[2], not "
+                            f"{dtype_name(rng[0].dtype)}{list(rng[0].shape)}")
+        if any(s.name == RNG for s in self.inputs):
+            problems.append(f"{RNG!r} must be state, not an input")
+        for name, value in self.initial.items():
+            spec = next((s for s in self.state if s.name == name), None)
+            if spec is None or tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
+                problems.append(f"initial value of {name!r} ({dtype_name(value.dtype)}{list(value.shape)}) does not "
+                                "fit a state buffer")
+        if problems:
+            raise error(f"{where}: {'; '.join(problems)}")
+
+    def init_rule(self, name: str) -> str:
+        return "seed" if name == RNG else "values" if name in self.initial else "zeros"
+
+    # -- the metadata file ---------------------------------------------------------------------
+    def to_json(self, source: Mapping[str, Any]) -> str:
+        state = []
+        for spec in self.state:
+            entry = {**_spec_json(spec), "kind": spec.kind.value, "init": self.init_rule(spec.name)}
+            if entry["init"] == "values":
+                entry["values"] = base64.b64encode(_raw_bytes(self.initial[spec.name])).decode()
+            state.append(entry)
+        return json.dumps({"format": FORMAT, "version": VERSION, "batch": 1, "action_dim": self.action_dim,
+                           "chunk_horizon": self.chunk_horizon, "inputs": [_spec_json(s) for s in self.inputs],
+                           "state": state, "source": dict(source), "torch": torch.__version__}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> ProgramInterface:
+        """Parse and validate a metadata file; ProgramError naming ``where`` otherwise."""
+        try:
+            meta = json.loads(text)
+            if meta.get("format") != FORMAT or meta.get("version") != VERSION or meta.get("batch") != 1:
+                raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r} batch "
+                                 f"{meta.get('batch')!r}, expected {FORMAT!r} version {VERSION} batch 1")
+            inputs = tuple(_spec_from_json(e, BufferKind.INPUT) for e in meta["inputs"])
+            state, initial, stored = [], {}, 0
+            for entry in meta["state"]:
+                spec = _spec_from_json(entry, BufferKind(entry["kind"]))
+                if entry["init"] not in INIT_RULES or (entry["init"] == "seed") != (spec.name == RNG):
+                    raise ValueError(f"state {spec.name!r}: init {entry['init']!r} (one of {INIT_RULES}; 'seed' "
+                                     f"for {RNG!r} only, and always)")
+                if entry["init"] == "values":
+                    raw = base64.b64decode(entry["values"], validate=True)
+                    stored += len(raw)
+                    if len(raw) != spec.nbytes or stored > MAX_INITIAL_BYTES:
+                        raise ValueError(f"state {spec.name!r}: {len(raw)} bytes of initial values for "
+                                         f"{spec.nbytes} bytes ({stored} stored in all, at most "
+                                         f"{MAX_INITIAL_BYTES})")
+                    initial[spec.name] = torch.frombuffer(bytearray(raw), dtype=spec.dtype).reshape(spec.shape)
+                state.append(spec)
+            interface = cls(inputs, tuple(state), meta["action_dim"], meta["chunk_horizon"], initial)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProgramError(f"{where}: its capsule_ros metadata is not valid ({type(exc).__name__}: {exc}); "
+                               "write the file with `capsule-ros export`") from None
+        interface.check(ProgramError, where)
+        return interface
+
+    def describe(self) -> str:
+        def show(specs):
+            return ", ".join(f"{s.name} {dtype_name(s.dtype)}{list(s.shape)}" for s in specs)
+        return (f"inputs {show(self.inputs)}; state {show(self.state)}; action_dim {self.action_dim}, "
+                f"chunk_horizon {self.chunk_horizon}")
+
+
+def _spec_json(spec: BufferSpec) -> dict:
+    return {"name": spec.name, "shape": list(spec.shape), "dtype": dtype_name(spec.dtype)}
+
+
+def _spec_from_json(entry: Mapping[str, Any], kind: BufferKind) -> BufferSpec:
+    return BufferSpec(str(entry["name"]), tuple(int(d) for d in entry["shape"]), dtype_from_name(entry["dtype"]),
+                      kind)
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    t = tensor.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+# --- reading a .pt2 -----------------------------------------------------------------------------
+
+class _Archive:
+    """The members of a PT2 archive by their path under its one root directory."""
+
+    def __init__(self, source: Any, where: str):
+        self.where = where
+        try:
+            self.zip = zipfile.ZipFile(source)
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise ProgramError(f"{where}: not a .pt2 archive ({exc})") from None
+        names = self.zip.namelist()
+        roots = {name.split("/", 1)[0] for name in names}
+        if len(roots) != 1 or any("/" not in name for name in names):
+            raise ProgramError(f"{where}: not a .pt2 archive of torch.export.save (entries outside one root folder)")
+        root = roots.pop()
+        self.members = {name[len(root) + 1:]: name for name in names}
+
+    def read(self, member: str) -> bytes:
+        if member not in self.members:
+            raise ProgramError(f"{self.where}: the archive has no {member!r}; write it with `capsule-ros export`")
+        return self.zip.read(self.members[member])
+
+
+def read_interface(path: Path, where: str) -> ProgramInterface:
+    """The interface in a .pt2's metadata, reading nothing else of the file."""
+    if not path.is_file():
+        raise ProgramError(f"{where}: no such file {path}")
+    return ProgramInterface.from_json(_Archive(path, where).read(f"extra/{METADATA_FILE}").decode(), where)
+
+
+def _check_payloads(archive: _Archive) -> None:
+    """Refuse what torch.export.load would unpickle with the full unpickler (module docstring)."""
+    where = archive.where
+    if archive.read("archive_format").decode().strip() != "pt2":
+        raise ProgramError(f"{where}: not a .pt2 archive of torch.export.save")
+    models = sorted(m for m in archive.members if m.startswith("models/"))
+    if models != ["models/model.json"]:
+        raise ProgramError(f"{where}: holds {models}; capsule_ros serves one exported program ('model')")
+    compiled = sorted(m for m in archive.members if m.startswith(("data/aotinductor/", "data/executorch/",
+                                                                  "data/mtia", "xl_model_weights/")))
+    legacy = [m for m in ("data/weights/model.pt", "data/constants/model.pt") if m in archive.members]
+    if compiled or legacy:
+        raise ProgramError(f"{where}: holds {compiled + legacy}, which torch.export.load would unpickle or run; "
+                           "export the program again with `capsule-ros export` (plain tensors only)")
+    for member, kind in (("data/weights/model_weights_config.json", "weight"),
+                         ("data/constants/model_constants_config.json", "constant")):
+        for name, payload in json.loads(archive.read(member))["config"].items():
+            if payload.get("use_pickle", True) or (kind == "constant" and
+                                                   not str(payload.get("path_name", "")).startswith("tensor_")):
+                raise ProgramError(f"{where}: {kind} {name!r} is stored as a pickled object (a tensor subclass or "
+                                   "a custom object), which capsule_ros does not load; export plain tensors")
+    try:
+        torch.load(io.BytesIO(archive.read("data/sample_inputs/model.pt")), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - anything the restricted unpickler refuses
+        raise ProgramError(f"{where}: its sample inputs are not plain tensors ({type(exc).__name__}); torch would "
+                           "load them with the full unpickler, capsule_ros does not") from None
+
+
+def read_program(path: Path, where: str) -> Tuple[torch.export.ExportedProgram, ProgramInterface, str]:
+    """(program, interface, SHA-256 of the file) from a .pt2, checked as the module docstring says."""
+    data = path.read_bytes()
+    archive = _Archive(io.BytesIO(data), where)
+    interface = ProgramInterface.from_json(archive.read(f"extra/{METADATA_FILE}").decode(), where)
+    _check_payloads(archive)
+    try:
+        program = torch.export.load(io.BytesIO(data))
+    except Exception as exc:  # noqa: BLE001 - a file torch cannot read: say so in one line
+        raise ProgramError(f"{where}: torch.export.load fails ({type(exc).__name__}: {exc}); the file may come "
+                           f"from another torch version (this is {torch.__version__}): export it again") from None
+    program = functional(program)
+    _check_signature(program, interface, where)
+    return program, interface, hashlib.sha256(data).hexdigest()
+
+
+def functional(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """The program with every in-place operation made functional: torch.export's default
+    graph keeps in-place writes (a buffer updated with ``add_``), and only a functional
+    graph lists what it writes in its signature (``buffers_to_mutate``). No operation is
+    decomposed (an empty table), so the arithmetic stays the module's."""
+    mutable = any(node.op == "call_function" and getattr(getattr(node.target, "_schema", None), "is_mutable", False)
+                  for node in program.graph.nodes)
+    return program.run_decompositions({}) if mutable else program
+
+
+def _check_signature(program: torch.export.ExportedProgram, interface: ProgramInterface, where: str) -> None:
+    """The program's own signature must be the one its metadata describes, and it must keep
+    nothing between calls (no buffer or input written in place)."""
+    signature = program.graph_signature
+    if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
+        raise ProgramError(f"{where}: the program writes {sorted(signature.buffers_to_mutate)} "
+                           f"{sorted(signature.user_inputs_to_mutate)} in place: state kept between steps must be "
+                           "returned as new_state, not written into buffers or inputs")
+    placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    expected = [*interface.inputs, *interface.state]
+    got = [placeholders[name].meta.get("val") for name in signature.user_inputs]
+    outputs = len(signature.user_outputs)
+    mismatched = [f"{spec.name} is {'?' if val is None else f'{dtype_name(val.dtype)}{list(val.shape)}'} in the "
+                  f"program, {dtype_name(spec.dtype)}{[1, *spec.shape]} in the metadata"
+                  for spec, val in zip(expected, got, strict=False)
+                  if val is None or tuple(val.shape) != (1, *spec.shape) or val.dtype != spec.dtype]
+    if len(got) != len(expected) or outputs != 2 + len(interface.state) or mismatched:
+        raise ProgramError(f"{where}: the program takes {len(got)} tensors and returns {outputs}, its metadata "
+                           f"says {len(expected)} and {2 + len(interface.state)} ({interface.describe()})"
+                           + (f"; mismatched: {'; '.join(mismatched)}" if mismatched else "") + ": export it again")
+
+
+def bind_inputs(interface: ProgramInterface, ports: Sequence[BufferSpec], where: str) -> None:
+    """The node's ports must be the program's inputs: same names, shapes and dtypes."""
+    wanted = {s.name: s for s in interface.inputs}
+    given = {s.name: s for s in ports}
+    problems = [f"no port for its input {name!r} {dtype_name(s.dtype)}{list(s.shape)} (add it to ports.names)"
+                for name, s in wanted.items() if name not in given]
+    problems += [f"port {name!r} is not one of its inputs (remove it from ports.names)" for name in given
+                 if name not in wanted]
+    problems += [f"ports.{name} is {dtype_name(given[name].dtype)}{list(given[name].shape)}, its input {name!r} is "
+                 f"{dtype_name(s.dtype)}{list(s.shape)} (set ports.{name}.shape / dtype to match)"
+                 for name, s in wanted.items() if name in given and (given[name].shape, given[name].dtype)
+                 != (s.shape, s.dtype)]
+    if problems:
+        raise ProgramError(f"{where} does not fit the ports: {'; '.join(problems)}")
+
+
+# --- the policy ---------------------------------------------------------------------------------
+
+class ExportedPolicy(StatefulPolicy):
+    """An exported program over the arena (see the module docstring)."""
+
+    def __init__(self, program: torch.export.ExportedProgram, interface: ProgramInterface, sha256: str):
+        super().__init__()
+        self.interface, self.sha256 = interface, sha256
+        self.action_dim, self.chunk_horizon = interface.action_dim, interface.chunk_horizon
+        self._exported = program
+        self._device = torch.device("cpu")
+        self.program = program.module()
+        self._arguments = [s.name for s in (*interface.inputs, *interface.state)]
+        self._state_names = [s.name for s in interface.state]
+
+    @classmethod
+    def from_file(cls, path: Path, inputs: Optional[Sequence[BufferSpec]] = None,
+                  where: Optional[str] = None) -> ExportedPolicy:
+        """The policy of a .pt2; ``inputs`` (the ports) are checked against its metadata
+        before the program is loaded."""
+        path = Path(path).expanduser()
+        where = where or f"exported program {path}"
+        interface = read_interface(path, where)
+        if inputs is not None:
+            bind_inputs(interface, inputs, where)
+        return cls(*read_program(path, where))
+
+    def to(self, *args, **kwargs):
+        """Move to a device like any module, and the program's graph with it: a traced
+        graph names devices (e.g. of ``arange``), which torch.export's device pass rewrites."""
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None and torch.device(device) != self._device:
+            from torch.export.passes import move_to_device_pass
+            self._exported = move_to_device_pass(self._exported, torch.device(device))
+            self.program = self._exported.module()
+            self._device = torch.device(device)
+        return super().to(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        """Only this wrapper's flag: a traced program has no modes (torch refuses train())."""
+        self.training = mode
+        return self
+
+    def architecture(self) -> dict:
+        return {"policy": "exported", "program_sha256": self.sha256, "action_dim": self.action_dim,
+                "chunk_horizon": self.chunk_horizon,
+                "inputs": [_spec_json(s) for s in self.interface.inputs],
+                "state": [{**_spec_json(s), "kind": s.kind.value} for s in self.interface.state]}
+
+    def state_spec(self) -> List[BufferSpec]:
+        own = [s for s in self.interface.state if s.name != RNG]     # rng is the standard buffer
+        return [*self.interface.inputs, *own, *standard_specs(self.action_dim, self.chunk_horizon)]
+
+    def init_state(self, state: State, *, episode: int, seed: int) -> None:
+        inputs = {s.name for s in self.interface.inputs}
+        for name, view in state.items():
+            if name not in inputs:
+                view.zero_()
+        for name, value in self.interface.initial.items():
+            state[name].copy_(value)
+        state[EPISODE].fill_(episode)
+        state[RNG][0] = seed & 0xFFFFFFFF
+
+    def step(self, state: State) -> None:
+        action, chunk, *new_state = self.program(*(state[name].unsqueeze(0) for name in self._arguments))
+        arena = state[ACTION].untyped_storage().data_ptr()
+        # an output that is a view of the arena (a state passed through) is read before any write
+        new_state = [v.clone() if v.untyped_storage().data_ptr() == arena else v for v in new_state]
+        for name, value in zip(self._state_names, new_state, strict=True):
+            state[name].copy_(value[0])
+        state[ACTION].copy_(action[0])
+        state[CHUNK].copy_(chunk[0])
+        state[STEP].add_(1)
+        state[POSITION].add_(1)
+
+
+# --- the kind -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExportedConfig(ConfigSection):
+    """A torch.export program written by `capsule-ros export` (docs/bring-your-own-policy.md)."""
+
+    SECTION = "policy.exported"
+
+    program: str = setting("", "the .pt2 file `capsule-ros export` wrote; its inputs must be the ports (names, "
+                           "shapes, dtypes); its SHA-256 is part of the capsule fingerprint", read_only=True)
+
+    def check(self) -> None:
+        if not self.program:
+            raise ConfigError(f"{self.SECTION}.program: must name a .pt2 file written by `capsule-ros export`")
+
+
+def _build(context: BuildContext) -> ExportedPolicy:
+    settings = context.settings
+    assert isinstance(settings, ExportedConfig)
+    if context.weights is not None:
+        raise ConfigError(f"policy.weights names {context.weights}: an exported program carries its own weights; "
+                          "set policy.weights: '' with policy.kind: exported")
+    return ExportedPolicy.from_file(Path(settings.program), context.inputs,
+                                    where=f"policy.exported.program = {settings.program!r}")
+
+
+POLICY_KIND = PolicyKind("exported", ExportedConfig, _build,
+                         "a torch.export program (.pt2) written by `capsule-ros export`; its state lives in the arena")
+

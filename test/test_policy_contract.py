@@ -1,0 +1,160 @@
+"""The StatefulPolicy contract, checked at start-up where it can be:
+
+- a policy that keeps state outside its declared buffers (a Python counter, a tensor
+  attribute it updates in place) is refused with a ConfigError naming the policy and the
+  buffers whose values did not repeat from a snapshot (``runtime.state_check``); a policy
+  that keeps the contract passes and its arena keeps its initial bytes; with the check
+  off such a policy is served (the documented opt-out);
+- on a GPU, a step that cannot be captured as a CUDA graph (``.item()``) fails start-up
+  with a PolicyStepError saying how to fix it, and ``runtime.graph_fallback: eager``
+  serves it eagerly with a warning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
+import torch
+from runtime_fixtures import arena_bytes, default_config, gru_config, make_policy
+
+from capsule_ros.errors import ConfigError
+from capsule_ros.runtime.arena import BufferKind, BufferSpec
+from capsule_ros.runtime.contract import PolicyStateError
+from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
+from capsule_ros.runtime.plan import PolicyStepError
+from capsule_ros.runtime.policy import ACTION, STEP, StatefulPolicy, standard_specs
+from capsule_ros.serving.factory import build_policy
+
+torch.set_num_threads(1)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+class _Scaler(StatefulPolicy):
+    """action = x * gain: keeps the contract (its only state is the standard buffers)."""
+
+    action_dim, chunk_horizon = 2, 1
+
+    def state_spec(self):
+        return [BufferSpec("x", (2,), torch.float32, BufferKind.INPUT), *standard_specs(2, 1)]
+
+    def init_state(self, state, *, episode, seed):
+        for name, view in state.items():
+            if name != "x":
+                view.zero_()
+
+    def gain(self, state) -> torch.Tensor:
+        return torch.ones((), device=state["x"].device)
+
+    def step(self, state):
+        state[ACTION].copy_(state["x"] * self.gain(state))
+        state[STEP].add_(1)
+
+    def architecture(self):
+        return {"policy": type(self).__name__.strip("_").lower()}
+
+
+class _PythonCounter(_Scaler):
+    """Counts its steps in a Python attribute: a restored capsule cannot bring it back."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def gain(self, state):
+        self.calls += 1
+        return torch.full((), float(self.calls), device=state["x"].device)
+
+
+class _HiddenTensor(_Scaler):
+    """Counts its steps in a tensor attribute it updates in place: capturable, and a CUDA
+    graph replays the update, but it is outside the arena."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def gain(self, state):
+        self.calls.add_(1)
+        return self.calls
+
+
+class _Item(_Scaler):
+    """Reads a value back to the host in its step: runs eagerly, cannot be captured."""
+
+    def gain(self, state):
+        return torch.full((), 1.0 + float(state["x"].abs().max().item()), device=state["x"].device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy, hidden", [(_PythonCounter, "a Python counter"), (_HiddenTensor, "a tensor")])
+def test_state_outside_the_declared_buffers_is_refused_at_start_naming_it(device, policy, hidden):
+    with pytest.raises(PolicyStateError) as refused:
+        PolicyRuntime(policy(), RuntimeConfig(device=device))
+    message = str(refused.value)
+    assert isinstance(refused.value, ConfigError), "the node must exit 2 with one line"
+    assert message.startswith(f"policy {policy.__name__.strip('_').lower()} keeps state outside its declared "
+                              "buffers"), message
+    assert "['action'] after repeated step 1" in message and "runtime.state_check: false" in message, message
+
+
+def test_policies_that_keep_the_contract_pass_and_keep_their_initial_arena(tmp_path):
+    for config in (default_config(tmp_path / "default"), gru_config(tmp_path / "gru")):
+        checked = PolicyRuntime(build_policy(config), config.runtime)
+        unchecked = PolicyRuntime(build_policy(config), dataclasses.replace(config.runtime, state_check=False))
+        assert arena_bytes(checked) == arena_bytes(unchecked)
+    scaler = PolicyRuntime(_Scaler(), RuntimeConfig())
+    assert scaler.read_outputs().step == 0
+
+
+def test_with_the_check_off_such_a_policy_is_served():
+    runtime = PolicyRuntime(_PythonCounter(), RuntimeConfig(state_check=False))
+    runtime.staging["x"][:] = [1.0, 2.0]
+    runtime.load_inputs()
+    runtime.step()
+    assert runtime.read_outputs().action.tolist() == [1.0 * runtime.policy.calls, 2.0 * runtime.policy.calls]
+
+
+def test_the_check_costs_a_few_steps_of_the_reference_policy():
+    """Five steps and three arena copies: measured against the step itself."""
+    import time
+    policy = make_policy()
+    runtime = PolicyRuntime(policy, RuntimeConfig(state_check=False))
+    start = time.perf_counter()
+    for _ in range(20):
+        runtime.step()
+    step = (time.perf_counter() - start) / 20
+    from capsule_ros.runtime.contract import check_state_contract
+    costs = []
+    for _ in range(3):                      # the best of three: a busy shared CPU stalls single runs
+        start = time.perf_counter()
+        check_state_contract(runtime)
+        costs.append(time.perf_counter() - start)
+    cost = min(costs)
+    print(f"\nstate check {cost * 1e3:.1f} ms = {cost / step:.1f} steps of {step * 1e3:.2f} ms")
+    assert cost < 20 * step, f"the check took {cost / step:.1f} steps"
+
+
+# -- steps that cannot be captured -------------------------------------------------------------
+
+@pytest.mark.cuda
+def test_a_step_that_cannot_be_captured_fails_start_up_saying_how_to_go_on():
+    with pytest.raises(PolicyStepError, match=r"cannot be captured as a CUDA graph .*"
+                                              r"runtime.graph_fallback: eager") as refused:
+        PolicyRuntime(_Item(), RuntimeConfig(device="cuda"))
+    assert ".item()" in str(refused.value)
+    assert PolicyRuntime(_Item(), RuntimeConfig(device="cuda", cuda_graphs=False)).plan.captured is False
+
+
+@pytest.mark.cuda
+def test_graph_fallback_eager_serves_it_without_a_graph_and_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="capsule_ros.runtime.plan"):
+        runtime = PolicyRuntime(_Item(), RuntimeConfig(device="cuda", graph_fallback="eager"))
+    assert not runtime.plan.captured
+    assert any("runtime.graph_fallback is eager" in r.getMessage() for r in caplog.records), caplog.text
+    x = np.array([0.5, -2.0], np.float32)
+    runtime.staging["x"][:] = x
+    runtime.load_inputs()
+    runtime.step()
+    assert runtime.read_outputs().action.tolist() == (x * np.float32(3.0)).tolist()
