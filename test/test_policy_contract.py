@@ -99,6 +99,15 @@ def test_state_outside_the_declared_buffers_is_refused_at_start_naming_it(device
     assert "['action'] after repeated step 1" in message and "runtime.state_check: false" in message, message
 
 
+def test_the_check_runs_when_start_up_brings_its_fingerprint():
+    """The node's activate builds the runtime with the fingerprint computed at configure;
+    only a replica (whose policy passed with the original) skips the check."""
+    with pytest.raises(PolicyStateError):
+        PolicyRuntime(_PythonCounter(), RuntimeConfig(), _fingerprint="f" * 64)
+    original = PolicyRuntime(_Scaler(), RuntimeConfig())
+    assert original.replica().fingerprint == original.fingerprint
+
+
 def test_policies_that_keep_the_contract_pass_and_keep_their_initial_arena(tmp_path):
     for config in (default_config(tmp_path / "default"), gru_config(tmp_path / "gru")):
         checked = PolicyRuntime(build_policy(config), config.runtime)
