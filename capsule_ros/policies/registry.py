@@ -56,6 +56,8 @@ class PolicyKind:
 # Built-in kinds: name -> "module:attribute" of their PolicyKind (imported when used).
 BUILTIN = {
     "hybrid": "capsule_ros.policies.hybrid:POLICY_KIND",
+    "lerobot_act": "capsule_ros.policies.lerobot.kinds:ACT_KIND",
+    "lerobot_diffusion": "capsule_ros.policies.lerobot.kinds:DIFFUSION_KIND",
 }
 
 
