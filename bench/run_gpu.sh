@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run the CUDA tests and GPU benchmarks on a GPU machine without ROS, from a checkout:
 #   bash bench/run_gpu.sh [OUT_DIR] [TASK ...]
-# TASKs: tests, or a benchmark name (snapshot step reenter commits ...); default: tests and
-# snapshot step reenter commits. Writes pytest output and one JSON per benchmark to OUT_DIR
+# TASKs: tests, a benchmark name (snapshot step reenter commits ...), or step-act (bench step
+# --policy act: ACT from a LeRobot checkpoint, graph vs eager, its capsule vs the copy limit);
+# default: tests and snapshot step step-act reenter commits. Writes pytest output and one JSON
+# per benchmark to OUT_DIR
 # (default: bench/results/<date>). Needs torch with CUDA, numpy, pyyaml, rich, safetensors
 # and pytest + hypothesis for the tests; no ROS (CAPSULE_ROS_WITHOUT_ROS=1 proves it).
 set -uo pipefail
@@ -10,17 +12,23 @@ cd "$(dirname "$0")/.."
 OUT="${1:-bench/results/$(date -u +%Y-%m-%d)}"
 shift || true
 TASKS=("$@")
-[[ ${#TASKS[@]} -eq 0 ]] && TASKS=(tests snapshot step reenter commits)
+[[ ${#TASKS[@]} -eq 0 ]] && TASKS=(tests snapshot step step-act reenter commits)
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CAPSULE_ROS_WITHOUT_ROS=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 for task in "${TASKS[@]}"; do
   if [[ "$task" == tests ]]; then
-    python3 -m pytest test/test_runtime.py test/test_store.py test/test_lerobot_parity.py -m cuda -q \
+    python3 -m pytest test/test_runtime.py test/test_store.py test/test_lerobot_parity.py \
+      test/test_lerobot_bench.py -m cuda -q \
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.txt"
     continue
   fi
-  python3 -m capsule_ros.cli.main bench "$task" --device cuda --json > "$OUT/bench_$task.json" 2> "$OUT/bench_$task.log"
+  case "$task" in
+    step-act) args=(step --policy act) ;;     # docs/benchmarks.md, "ACT from a LeRobot checkpoint"
+    *) args=("$task") ;;
+  esac
+  python3 -m capsule_ros.cli.main bench "${args[@]}" --device cuda --json > "$OUT/bench_$task.json" \
+    2> "$OUT/bench_$task.log"
   echo "bench $task: exit $?"
   python3 -c "import json,sys; d=json.load(open('$OUT/bench_$task.json')); print(json.dumps(d)[:2500])" \
     || tail -20 "$OUT/bench_$task.log"

@@ -11,6 +11,8 @@ from typing import List, Optional
 
 
 def _bench(args) -> int:
+    if args.policy != "builtin" and args.which != "step":
+        raise SystemExit(f"capsule-ros bench {args.which}: --policy {args.policy} is an option of bench step only")
     module = __import__(f"capsule_ros.benchmarks.{args.which}", fromlist=["main"])
     return module.main(args)
 
@@ -33,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on a 2-core CPU")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bench.add_argument("--prefixes", type=int, nargs="*", help="reenter: prefix lengths in tokens")
+    bench.add_argument("--policy", choices=("builtin", "act"), default="builtin",
+                       help="step: the built-in policies, or ACT from a LeRobot checkpoint (policy.kind lerobot_act) "
+                            "with the snapshot / restore of its state")
     bench.set_defaults(func=_bench)
 
     for name, (_, text) in DELEGATED.items():
