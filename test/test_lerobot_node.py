@@ -6,7 +6,9 @@ Diffusion with a camera), one policy_node process serves it from the unpacked
 fixture's recorded inputs as real JointState, Image and Float32MultiArray messages in
 trigger mode. One scenario per node, recorded through ``~/record``: reset, K steps,
 commit, N - K steps, re-enter the commit (a rollback), the same N - K steps again, reset,
-two steps. The tests check it against LeRobot's recorded actions and the in-process
+two steps, then a behaviour tree (``capsule_ros.bt.pause.interrupt_then_resume``, the
+guide's tree) interrupts the episode, two triggers arrive while it holds, and it resumes
+for four more steps. The tests check it against LeRobot's recorded actions and the in-process
 policy, and verify the bag with ``capsule-ros replay --verify`` in a fresh process (and
 that a replay whose re-entry leaves the policy's episode state out diverges).
 """
@@ -21,17 +23,33 @@ from pathlib import Path
 from typing import Dict, List
 
 import numpy as np
+import py_trees
 import pytest
 from harness import REPO, ClientNode, start_policy_node, wait_for
 from lerobot_fixtures import PORTS, Fixture
 
+from capsule_ros.bt import INTERRUPT_KEY, interrupt_then_resume, tick_until_done
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_runtime
 
 pytestmark = pytest.mark.ros
 NAMES = ["act_queue", "act_ensemble", "diffusion"]
 K, N = 6, 13              # commit after step K - 1: mid-queue for ACT (5 actions) and Diffusion (8)
+HELD, RESUMED = range(2, 4), range(2, 6)      # inputs while interrupted (after 2 steps), after the resume
 TOLERANCE = 1e-5          # LeRobot's actions (test_lerobot_parity.py); the in-process policy: bit for bit
+
+
+class Call(py_trees.behaviour.Behaviour):
+    """A leaf that runs ``fn`` on its first tick and succeeds (what an operator does while
+    the policy holds: here, send the next sensor messages)."""
+
+    def __init__(self, name: str, fn):
+        super().__init__(name)
+        self.fn = fn
+
+    def update(self):
+        self.fn()
+        return py_trees.common.Status.SUCCESS
 
 
 class FixtureDriver:
@@ -114,6 +132,10 @@ class Served:
     rest: list            # steps K..N-1
     again: list           # steps K..N-1 after re-entering the commit at K
     after_reset: list     # steps 0, 1 of the next episode
+    held: list            # what the node published for the triggers while the tree held the episode
+    resumed: list         # steps 2..5 of that episode after the tree resumed it
+    tree_status: str
+    interrupt_capsule: str
     rollback: bool
     commit_step: int
     in_process: np.ndarray          # steps 0..N-1 from the in-process policy
@@ -141,6 +163,14 @@ def served(request, tmp_path_factory, rclpy_context) -> Served:
         again = driver.run(range(K, N))
         driver.capsules.reset()
         after_reset = driver.run(range(2))
+        held: list = []
+        tree = py_trees.trees.BehaviourTree(interrupt_then_resume(
+            Call("OperatorTakesOver", lambda: held.extend(driver.run(HELD))), node_path=f"{ns}/capsule_policy",
+            server_wait_s=10.0, call_timeout_s=5.0))
+        tree.setup(node=client.node, timeout=15)
+        status = tick_until_done(tree, period_s=0.01, timeout_s=120)
+        interrupt_capsule = str(py_trees.blackboard.Blackboard.get(INTERRUPT_KEY))
+        resumed = driver.run(RESUMED)
         driver.capsules.record(False)
     finally:
         client.close()
@@ -157,8 +187,8 @@ def served(request, tmp_path_factory, rclpy_context) -> Served:
         out = runtime.read_outputs()
         reference.append(out.action)
         chunk0 = chunk0 or out.chunk.astype(np.float32).tobytes()
-    return Served(fixture, bag, first, rest, again, after_reset, reentered.rollback, int(capsule.step),
-                  np.stack(reference), chunk0, proc.log())
+    return Served(fixture, bag, first, rest, again, after_reset, held, resumed, status.name, interrupt_capsule,
+                  reentered.rollback, int(capsule.step), np.stack(reference), chunk0, proc.log())
 
 
 def test_actions_through_ros_are_lerobots_and_the_in_process_policys(served):
@@ -187,14 +217,32 @@ def test_reset_gives_a_fresh_policys_first_action(served):
     assert values(served.after_reset).tobytes() == values(served.first[:2]).tobytes()
 
 
+def test_a_behaviour_tree_interrupts_and_resumes_the_episode_exactly(served):
+    """While interrupted the node answers each trigger with the held action (HOLD_LAST) and
+    steps no policy; after the tree re-enters the interrupt capsule, the actions are those
+    of an episode that was never interrupted (the first episode, same inputs), bit for bit."""
+    assert served.tree_status == "SUCCESS" and served.interrupt_capsule
+    last = served.after_reset[-1]
+    assert [a.source for a in served.held] == [last.SOURCE_HOLD] * len(HELD)
+    assert all(np.asarray(a.values, np.float32).tobytes() == np.asarray(last.values, np.float32).tobytes()
+               for a in served.held)
+    assert [a.step for a in served.resumed] == [t + 1 for t in RESUMED]
+    assert all(a.source == a.SOURCE_POLICY and a.episode_id == last.episode_id for a in served.resumed)
+    assert all(a.lineage == served.interrupt_capsule for a in served.resumed)
+    uninterrupted = served.first[RESUMED.start:RESUMED.stop]
+    assert values(served.resumed).tobytes() == values(uninterrupted).tobytes()
+    assert chunks(served.resumed) == chunks(uninterrupted)
+
+
 def test_the_recorded_bag_verifies_in_a_fresh_process(served):
     result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "replay", str(served.bag), "--verify",
                              "--json"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["identical"] and report["first_divergence"] is None
-    assert report["steps_compared"] == report["steps_matched"] == K + 2 * (N - K) + 2
-    assert report["events_replayed"] == {"RESET": 2, "COMMIT": 1, "REENTER": 1}
+    interrupted = 1 + len(HELD) + len(RESUMED)        # the safe action the interrupt publishes, held, resumed
+    assert report["steps_compared"] == report["steps_matched"] == K + 2 * (N - K) + 2 + interrupted
+    assert report["events_replayed"] == {"RESET": 2, "COMMIT": 1, "REENTER": 2, "INTERRUPT": 1}
 
 
 def test_a_reentry_restoring_only_the_metadata_diverges_at_the_next_step(served):
