@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -44,14 +44,16 @@ ACT_QUICK = {"dim_model": 128, "n_heads": 4, "dim_feedforward": 512, "n_encoder_
 IMAGENET = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 
 
-def act_config(quick: bool) -> Dict[str, Any]:
-    """config.json of the benchmark checkpoint."""
+def act_config(quick: bool, features: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """config.json of the benchmark checkpoint; ``features``: other ``input_features`` and
+    ``output_features`` (as config.json writes them) instead of ALOHA's."""
     shapes = QUICK if quick else ALOHA
     height, width = shapes["camera"]
     config = dict(ACT_DEFAULTS, **(ACT_QUICK if quick else {}))
     config["input_features"] = {STATE: {"type": "STATE", "shape": [shapes["joints"]]},
                                 CAMERA: {"type": "VISUAL", "shape": [3, height, width]}}
     config["output_features"] = {ACTION: {"type": "ACTION", "shape": [shapes["actions"]]}}
+    config.update(features or {})
     return config
 
 
@@ -87,15 +89,17 @@ def _pipeline(name: str, registry_name: str, config: Dict[str, Any], keys) -> Di
     return {"name": name, "steps": [*before, step, *after]}
 
 
-def write_act_checkpoint(directory: Path, quick: bool = False, seed: int = 0) -> Path:
-    """Write the benchmark's ``pretrained_model/`` into ``directory``; returns it."""
+def write_act_checkpoint(directory: Path, quick: bool = False, seed: int = 0,
+                         features: Optional[Dict[str, Any]] = None) -> Path:
+    """Write the benchmark's ``pretrained_model/`` into ``directory`` (``features``: see
+    ``act_config``); returns it."""
     from capsule_ros.policies.lerobot.act import ACTPolicy
     from capsule_ros.policies.lerobot.checkpoint import read_checkpoint, read_normalization
     from capsule_ros.policies.lerobot.features import bind_features, port_shape_for
     from capsule_ros.runtime.arena import BufferKind, BufferSpec
     from capsule_ros.runtime.weights import save_weights
     directory.mkdir(parents=True, exist_ok=True)
-    config = act_config(quick)
+    config = act_config(quick, features)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     inputs = list(config["input_features"])
     for name, registry_name, keys in (("policy_preprocessor", "normalizer_processor", inputs + [ACTION]),
@@ -108,7 +112,7 @@ def write_act_checkpoint(directory: Path, quick: bool = False, seed: int = 0) ->
     specs = {}
     for key, feature in checkpoint.inputs.items():
         shape, dtype = port_shape_for(feature.type, feature.shape)
-        specs[key] = BufferSpec(PORTS[key], shape, dtype, BufferKind.INPUT)
+        specs[key] = BufferSpec(PORTS.get(key, key.replace(".", "_")), shape, dtype, BufferKind.INPUT)
     input_norms, action_norm = read_normalization(checkpoint)
     torch.manual_seed(seed)
     policy = ACTPolicy(checkpoint, bind_features(checkpoint, specs), input_norms, action_norm)
