@@ -1,35 +1,37 @@
 #!/usr/bin/env bash
 # Run the CUDA tests and GPU benchmarks on a GPU machine without ROS, from a checkout:
 #   bash bench/run_gpu.sh [OUT_DIR] [TASK ...]
-# TASKs: tests, or a benchmark name (snapshot step step-exported reenter commits ...); default:
-# tests and snapshot step step-exported reenter commits lifecycle. Writes pytest output and one JSON per
-# benchmark to OUT_DIR (default: bench/results/<date>). Needs torch with CUDA, numpy, pyyaml,
-# rich, safetensors and pytest + hypothesis for the tests; no ROS (CAPSULE_ROS_WITHOUT_ROS=1
-# proves it). The example policy package (examples/gru_policy) is used from the checkout
-# through PYTHONPATH, like capsule_ros; step-exported (`bench step --policy exported`) exports
-# and times it.
+# TASKs: tests, a benchmark name (snapshot step reenter commits lifecycle ...), step-exported
+# (bench step --policy exported: the example package's module exported, served vs eager) or
+# step-act (bench step --policy act: ACT from a LeRobot checkpoint, graph vs eager, its capsule
+# vs the copy limit); default: all of them. Writes pytest output and one JSON per benchmark to
+# OUT_DIR (default: bench/results/<date>). Needs torch with CUDA, numpy, pyyaml, rich,
+# safetensors and pytest + hypothesis for the tests; no ROS (CAPSULE_ROS_WITHOUT_ROS=1 proves
+# it). The example policy package (examples/gru_policy) is used from the checkout through
+# PYTHONPATH, like capsule_ros.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench/results/$(date -u +%Y-%m-%d)}"
 shift || true
 TASKS=("$@")
-[[ ${#TASKS[@]} -eq 0 ]] && TASKS=(tests snapshot step step-exported reenter commits lifecycle)
+[[ ${#TASKS[@]} -eq 0 ]] && TASKS=(tests snapshot step step-exported step-act reenter commits lifecycle)
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/examples/gru_policy${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CAPSULE_ROS_WITHOUT_ROS=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 for task in "${TASKS[@]}"; do
   if [[ "$task" == tests ]]; then
     python3 -m pytest test/test_runtime.py test/test_store.py test/test_lerobot_parity.py \
-      test/test_policy_contract.py test/test_exported.py -m cuda -q \
+      test/test_policy_contract.py test/test_exported.py test/test_lerobot_bench.py -m cuda -q \
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.txt"
     continue
   fi
-  if [[ "$task" == step-exported ]]; then            # the exported program's step (bench step --policy exported)
-    args=(step --policy exported)
-  else
-    args=("$task")
-  fi
-  python3 -m capsule_ros.cli.main bench "${args[@]}" --device cuda --json > "$OUT/bench_$task.json" 2> "$OUT/bench_$task.log"
+  case "$task" in
+    step-exported) args=(step --policy exported) ;;   # docs/benchmarks.md, "exported program"
+    step-act) args=(step --policy act) ;;             # docs/benchmarks.md, "ACT from a LeRobot checkpoint"
+    *) args=("$task") ;;
+  esac
+  python3 -m capsule_ros.cli.main bench "${args[@]}" --device cuda --json > "$OUT/bench_$task.json" \
+    2> "$OUT/bench_$task.log"
   echo "bench $task: exit $?"
   python3 -c "import json,sys; d=json.load(open('$OUT/bench_$task.json')); print(json.dumps(d)[:2500])" \
     || tail -20 "$OUT/bench_$task.log"

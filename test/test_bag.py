@@ -484,6 +484,32 @@ def test_fixture_bags_replay_on_the_build_that_recorded_them():
     assert replay_bag(FIXTURES / "events_sqlite3").identical
 
 
+@pytest.mark.ros
+def test_joint_states_with_empty_arrays_decode_from_the_bytes_the_rmw_serialises():
+    """Fast DDS sizes a message's buffer with the alignment of every float64 sequence, empty
+    ones included, but writes no padding for an empty one: a JointState with positions only
+    arrives 8 bytes longer than its fields (more than the final alignment). The bag reader
+    takes those bytes as the node does; bytes beyond what the sizing can leave are refused."""
+    from rclpy.serialization import serialize_message
+    from sensor_msgs.msg import JointState
+
+    from capsule_ros.bag.typestore import build_typestore, deserialize
+    store = build_typestore()
+    spare = {}
+    for velocity, effort in [(0, 0), (3, 0), (0, 3), (3, 3)]:
+        msg = JointState(name=["a", "b", "c"], position=[0.5, -1.25, 2.0], velocity=[1.5] * velocity,
+                         effort=[-0.75] * effort)
+        raw = bytes(serialize_message(msg))
+        decoded = deserialize(store, raw, "sensor_msgs/msg/JointState")
+        assert list(decoded.name) == ["a", "b", "c"] and decoded.position.tolist() == [0.5, -1.25, 2.0]
+        assert decoded.velocity.tolist() == [1.5] * velocity and decoded.effort.tolist() == [-0.75] * effort
+        tight = len(store.serialize_cdr(decoded, "sensor_msgs/msg/JointState"))
+        spare[velocity, effort] = len(raw) - tight
+        with pytest.raises(ValueError, match="bytes after the last field"):
+            deserialize(store, raw + bytes(8 + 4 * ((velocity == 0) + (effort == 0))), "sensor_msgs/msg/JointState")
+    assert spare[0, 0] == 8 and spare[3, 3] == 0          # what made replays of such bags fail before
+
+
 # -- recorder and scheduling, without ROS ----------------------------------------------------------------
 
 def test_recorder_keeps_write_order_from_many_threads(tmp_path):

@@ -10,7 +10,6 @@ and every action is compared. ROS-free: nothing here imports rclpy or LeRobot.
 from __future__ import annotations
 
 import shutil
-import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Dict, List
 import numpy as np
 import pytest
 import torch
+from lerobot_fixtures import FIXTURES, NAMES, extract_checkpoint, feature_map, load_npz
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot import build_act, build_diffusion, build_policy
@@ -27,37 +27,8 @@ from capsule_ros.runtime.arena import BufferKind, BufferSpec
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.rng import counter_normal
 
-FIXTURES = Path(__file__).parent / "fixtures" / "lerobot"
-NAMES = ["act_queue", "act_ensemble", "diffusion", "diffusion_ddim_env"]
-PORTS = {"observation.state": "joints", "observation.environment_state": "env_state",
-         "observation.images.front": "front_camera"}
 TOLERANCE = 1e-5
 SNAPSHOT_EPISODE, SNAPSHOT_STEP = 1, 253        # mid-queue for every fixture (253 % 5, % 4, % 8 != 0)
-
-
-def load_npz(path: Path) -> Dict[str, np.ndarray]:
-    with np.load(path, allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}
-
-
-def extract_checkpoint(archive: Path, target: Path) -> Path:
-    """Unpack ``pretrained_model/*`` regular files only (no links, no paths outside)."""
-    with tarfile.open(archive, "r:xz") as tar:
-        for member in tar.getmembers():
-            parts = Path(member.name).parts
-            if not member.isfile() or len(parts) != 2 or parts[0] != "pretrained_model" or parts[1] in ("..", "."):
-                raise ValueError(f"{archive}: unexpected member {member.name!r}")
-            out = target / "pretrained_model" / parts[1]
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_bytes(tar.extractfile(member).read())
-    return target / "pretrained_model"
-
-
-def feature_map(inputs: Dict[str, np.ndarray]) -> Dict[str, BufferSpec]:
-    """One port per recorded input feature, shaped as the node's port would be."""
-    return {key: BufferSpec(PORTS[key], value.shape[2:], torch.uint8 if value.dtype == np.uint8 else torch.float32,
-                            BufferKind.INPUT)
-            for key, value in inputs.items() if key != "seeds"}
 
 
 @dataclass

@@ -9,10 +9,12 @@ builds a fresh typestore: registering never touches shared state.
 """
 from __future__ import annotations
 
+import dataclasses
 import struct
 from pathlib import Path
 from typing import Any, Iterable, List, Optional
 
+import numpy as np
 from rosbags.interfaces import Connection, MessageDefinitionFormat
 from rosbags.typesys import Stores, get_types_from_idl, get_types_from_msg, get_typestore
 from rosbags.typesys.store import Typestore
@@ -71,10 +73,29 @@ def build_typestore(connections: Iterable[Connection] = ()) -> Typestore:
     return store
 
 
+def _empty_wide_sequences(message: Any) -> int:
+    """Empty sequences of 8-byte elements (float64, int64, uint64) in ``message``, nested
+    messages included."""
+    count = 0
+    for field in dataclasses.fields(message):
+        value = getattr(message, field.name)
+        if isinstance(value, np.ndarray):
+            count += value.ndim == 1 and value.size == 0 and value.dtype.itemsize == 8
+        elif dataclasses.is_dataclass(value):
+            count += _empty_wide_sequences(value)
+        elif isinstance(value, list):
+            count += sum(_empty_wide_sequences(v) for v in value if dataclasses.is_dataclass(v))
+    return count
+
+
 def deserialize(store: Typestore, data: bytes, msgtype: str) -> Any:
-    """CDR bytes -> message, accepting the alignment padding (up to 7 bytes, not zeroed)
-    Fast DDS leaves after the last field, which ``Typestore.deserialize_cdr`` refuses
-    beyond 3 bytes. More left over, or a short read, raises ValueError."""
+    """CDR bytes -> message, accepting the bytes (not zeroed) Fast DDS leaves after the last
+    field, which ``Typestore.deserialize_cdr`` refuses beyond 3 bytes: the buffer is as long
+    as its size estimate, which pads to the alignment after the last field (up to 7 bytes)
+    and aligns the data of every sequence of 8-byte elements even when it is empty, where
+    the serialiser writes no padding (up to 4 bytes each: a JointState with empty velocity
+    and effort arrives 8 bytes longer than its fields). More left over, or a short read,
+    raises ValueError."""
     if len(data) < 4 or data[:2] not in (b"\x00\x00", b"\x00\x01"):
         raise ValueError("invalid or unsupported CDR encapsulation")
     msgdef = store.get_msgdef(msgtype)
@@ -83,7 +104,7 @@ def deserialize(store: Typestore, data: bytes, msgtype: str) -> Any:
         message, pos = func(memoryview(data)[4:], 0, msgdef.cls, store)
     except (struct.error, UnicodeDecodeError, ValueError, IndexError) as exc:
         raise ValueError(f"cannot deserialize {msgtype}: {exc}") from None
-    rest = data[4 + pos:]
-    if len(rest) >= 8:
-        raise ValueError(f"{msgtype}: {len(rest)} bytes after the last field")
+    rest = len(data) - 4 - pos
+    if rest > 7 + 4 * _empty_wide_sequences(message):
+        raise ValueError(f"{msgtype}: {rest} bytes after the last field")
     return message

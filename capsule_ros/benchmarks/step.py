@@ -13,10 +13,22 @@ served by the runtime (graph-captured on a GPU, its plan run eagerly for referen
 against the module itself called eagerly with its state threaded through static tensors,
 which is how it would run without capsule_ros. ``speedup`` is the eager module's step over
 the served program's (both without the step guard, so both do the same work).
+
+``--policy act`` times a LeRobot ACT checkpoint served through ``policy.kind: lerobot_act``
+at batch 1 (``benchmarks/lerobot_act.py`` writes it: ACTConfig's defaults, one 480 x 640
+camera, 14 joints; ``--quick`` a small one): the eager step and, on a GPU, the
+graph-captured one with their ratio ``graph_speedup``; whether both give the same action
+bit for bit; and the snapshot / restore of its whole arena (the capsule: inputs, action
+queue, metadata, outputs) against the limit, one plain copy of as many bytes
+(``benchmarks/snapshot.py``'s measurement). On a CPU the step is timed at the node's
+default ``runtime.cpu_threads`` (1) and with every core. The network runs at every step
+(its output is used when the queue is empty, ``policies/lerobot/act.py``), so the step
+time is a forward pass, the worst case of LeRobot's ``select_action``.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from pathlib import Path
 
@@ -26,6 +38,7 @@ import torch
 from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device, time_calls
 from capsule_ros.benchmarks.reenter import QUICK
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
+from capsule_ros.runtime.schema import BufferKind
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_policy
 
@@ -34,15 +47,21 @@ def measure(config: ServingConfig, device: torch.device, graphs: bool, reps: int
     runtime_cfg = dataclasses.replace(config.runtime, device=str(device), cuda_graphs=graphs, guard_steps=guard)
     runtime = PolicyRuntime(build_policy(dataclasses.replace(config, runtime=runtime_cfg), device=device),
                             runtime_cfg)
-    return {**measure_runtime(runtime, device, reps), "compiled": runtime.policy.kernels.compiled}
+    kernels = getattr(runtime.policy, "kernels", None)
+    return {**measure_runtime(runtime, device, reps), "compiled": bool(getattr(kernels, "compiled", False))}
 
 
 def measure_runtime(runtime: PolicyRuntime, device: torch.device, reps: int) -> dict:
-    """The step alone and the node's loop (stage inputs, step, read back) of a runtime, on random inputs."""
+    """The step alone and the node's loop (stage inputs, step, read back) of a runtime, on
+    random inputs (uniform bytes for uint8 ports, normal values otherwise); ``action``:
+    the first step's action after a reset, as float32 bytes in hex (to compare plans)."""
     rng = np.random.default_rng(0)
     for view in runtime.staging.values():
-        view[...] = rng.normal(size=view.shape).astype(view.dtype)
+        view[...] = (rng.integers(0, 256, size=view.shape) if view.dtype == np.uint8
+                     else rng.normal(size=view.shape)).astype(view.dtype)
     runtime.load_inputs()
+    runtime.step()
+    first = runtime.read_outputs().action.astype(np.float32).tobytes().hex()
     gpu = time_calls(runtime.step, reps, device, warmup=5, stream=runtime.stream)
 
     def loop_step():
@@ -51,7 +70,8 @@ def measure_runtime(runtime: PolicyRuntime, device: torch.device, reps: int) -> 
         runtime.read_outputs()
     loop = time_calls(loop_step, reps, torch.device("cpu"), warmup=5)
     return {"gpu_ms": pct(gpu, 1e3), "loop_ms": pct(loop, 1e3), "graph_captured": runtime.plan.captured,
-            "parameters": sum(p.numel() for p in runtime.policy.parameters())}
+            "parameters": sum(p.numel() for p in runtime.policy.parameters()), "action": first,
+            "threads": torch.get_num_threads() if device.type == "cpu" else None}
 
 
 def run_exported(device: torch.device, quick: bool, module_spec: str) -> dict:
@@ -125,22 +145,66 @@ def table_exported(result: dict) -> None:
                 f"{result['speedup']:.2f}x the eager module", ["variant", "step p50", "step p99"], rows)
 
 
+def run_act(device_name: str = "auto", quick: bool = False) -> dict:
+    """ACT from a LeRobot checkpoint at batch 1 (module docstring)."""
+    from capsule_ros.benchmarks.lerobot_act import checkpoint_summary, serving_config, write_act_checkpoint
+    from capsule_ros.benchmarks.snapshot import bench_state
+    device = resolve_device(device_name)
+    reps = (10 if quick else 30) if device.type == "cpu" else (50 if quick else 300)
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = write_act_checkpoint(Path(tmp) / "pretrained_model", quick=quick)
+        config = serving_config(checkpoint)
+        row: dict = {"policy": "act" + ("-quick" if quick else ""), "checkpoint": checkpoint_summary(checkpoint)}
+        row["eager"] = measure(config, device, False, reps)
+        if device.type == "cuda":
+            row["graph"] = measure(config, device, True, reps)
+            row["graph_speedup"] = row["eager"]["gpu_ms"]["p50"] / row["graph"]["gpu_ms"]["p50"]
+            row["graph_matches_eager"] = row["graph"]["action"] == row["eager"]["action"]
+        else:
+            row["graph"] = None          # no CUDA graphs on a CPU: the plan runs eagerly
+            cores = len(os.sched_getaffinity(0))
+            if cores > 1:
+                threads = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, cpu_threads=cores))
+                row["eager_all_cores"] = measure(threads, device, False, reps)
+                row["eager_all_cores_matches"] = row["eager_all_cores"]["action"] == row["eager"]["action"]
+                torch.set_num_threads(1)
+        runtime = PolicyRuntime(build_policy(config, device=device),
+                                dataclasses.replace(config.runtime, device=str(device)))
+        row["capsule"] = bench_state("act" + ("-quick" if quick else ""), runtime.layout, device,
+                                     2000 if runtime.layout.nbytes < 2**24 else 200)
+        row["capsule"]["state_bytes"] = {kind.value: hi - lo for kind in BufferKind
+                                         for lo, hi in [runtime.layout.byte_range(kind)] if hi > lo}
+    return {"bench": "step", **environment(device), "quick": quick, "policies": [row]}
+
+
 def table(result: dict) -> None:
     rows = []
     for p in result["policies"]:
-        for variant in ("graph", "eager", "unguarded"):
+        for variant in ("graph", "eager", "eager_all_cores", "unguarded"):
             m = p.get(variant)
             if m is None:
                 continue
-            rows.append([p["policy"], variant, f"{m['parameters'] / 1e6:.2f} M", m["gpu_ms"]["p50"],
+            label = variant if m.get("threads") is None else f"{variant} ({m['threads']} thr)"
+            rows.append([p["policy"], label, f"{m['parameters'] / 1e6:.2f} M", m["gpu_ms"]["p50"],
                          m["gpu_ms"]["p99"], m["loop_ms"]["p50"], m["loop_ms"]["p99"]])
     print_table(f"step latency on {result['device']} (ms)",
                 ["policy", "plan", "params", "step p50", "step p99", "loop p50", "loop p99"], rows)
+    for p in result["policies"]:
+        if "graph_speedup" in p:
+            print(f"{p['policy']}: graph-captured step {p['graph_speedup']:.2f}x faster than eager"
+                  + ("" if "graph_matches_eager" not in p else
+                     f" (same action bit for bit: {p['graph_matches_eager']})"))
+        capsule = p.get("capsule")
+        if capsule:
+            print(f"{p['policy']}: capsule of {capsule['bytes']} bytes: snapshot {capsule['snapshot_us']:.3g} us, "
+                  f"restore {capsule['restore_us']:.3g} us, limit (one copy) {capsule['limit_us']:.3g} us, "
+                  f"ratio {capsule['ratio_to_limit']:.2f}")
 
 
 def main(args) -> int:
     if args.policy == "exported":
         emit(run_exported(resolve_device(args.device), args.quick, args.module), args.json, table_exported)
     else:
-        emit(run(args.device, args.quick), args.json, table)
+        emit(run_act(args.device, args.quick) if args.policy == "act" else run(args.device, args.quick),
+             args.json, table)
     return 0

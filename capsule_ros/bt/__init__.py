@@ -8,6 +8,8 @@
   action error kinds.
 - :mod:`capsule_ros.bt.example`: "commit before the grasp; on failure re-enter the last
   good capsule and retry; give up after N tries" (``python -m capsule_ros.bt.example``).
+- :mod:`capsule_ros.bt.pause`: interrupt an episode, run something else, resume it where it
+  stopped (:func:`interrupt_then_resume`).
 
 docs/behavior-trees.md covers these and calling the services from BehaviorTree.ROS2 / Nav2.
 """
@@ -36,6 +38,7 @@ from capsule_ros.bt.behaviours import (
                                        spin_in_background,
                                        tick_until_done,
 )
+from capsule_ros.bt.pause import interrupt_then_resume
 from capsule_ros.bt.run_policy import FEEDBACK_KEY, ActionFailure, RunOutcome, RunPolicy
 
 __all__ = [
@@ -43,5 +46,5 @@ __all__ = [
     "DEFAULT_CALL_TIMEOUT_S", "DEFAULT_NODE", "DEFAULT_SERVER_WAIT_S", "DISK_CALL_TIMEOUT_S", "FORK_KEY",
     "INTERRUPT_KEY", "LAST_GOOD_KEY", "OUTCOME_PREFIX", "CapsuleServiceCall", "Commit", "DropCapsule", "FailureKind",
     "Fork", "Interrupt", "InvalidRequest", "LoadCapsule", "Reenter", "Reset", "SaveCapsule", "ServiceOutcome",
-    "capsule_id_from", "spin_in_background", "tick_until_done",
+    "capsule_id_from", "interrupt_then_resume", "spin_in_background", "tick_until_done",
 ]

@@ -57,6 +57,8 @@ class PolicyKind:
 BUILTIN = {
     "hybrid": "capsule_ros.policies.hybrid:POLICY_KIND",
     "exported": "capsule_ros.policies.exported:POLICY_KIND",
+    "lerobot_act": "capsule_ros.policies.lerobot.kinds:ACT_KIND",
+    "lerobot_diffusion": "capsule_ros.policies.lerobot.kinds:DIFFUSION_KIND",
 }
 
 

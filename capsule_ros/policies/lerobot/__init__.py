@@ -47,9 +47,11 @@ KINDS = {
 }
 
 
-def build_policy(checkpoint_dir, feature_map: Mapping[str, BufferSpec], *, expected_type: str = "") -> LeRobotPolicy:
+def build_policy(checkpoint_dir, feature_map: Mapping[str, BufferSpec], *, expected_type: str = "",
+                 resize_cameras: bool = False) -> LeRobotPolicy:
     """A StatefulPolicy for the LeRobot checkpoint in ``checkpoint_dir`` (its ``type`` picks
-    ACT or Diffusion), its inputs fed by the ports of ``feature_map``.
+    ACT or Diffusion), its inputs fed by the ports of ``feature_map``; ``resize_cameras``:
+    camera ports of another size are resized to the checkpoint's (``features.py``).
 
     Order: config.json is parsed and the feature map and options validated (no other file
     is read), then the processor statistics, then the network is built and
@@ -64,7 +66,8 @@ def build_policy(checkpoint_dir, feature_map: Mapping[str, BufferSpec], *, expec
                           f"supported: {sorted(KINDS)}")
     kind = KINDS[kind_name]
     check_vector_keys(checkpoint)
-    inputs = bind_features(checkpoint, feature_map, reserved=STANDARD_NAMES + kind.buffers)
+    inputs = bind_features(checkpoint, feature_map, reserved=STANDARD_NAMES + kind.buffers,
+                           resize_cameras=resize_cameras)
     kind.check(checkpoint)
     input_norms, action_norm = read_normalization(checkpoint)
     policy = kind.build(checkpoint, inputs, input_norms, action_norm)

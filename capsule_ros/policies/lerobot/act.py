@@ -208,7 +208,7 @@ class ACTModel(nn.Module):
         if cameras:
             self.backbone = nn.Sequential(resnet_trunk(c("vision_backbone", "resnet18"), FrozenBatchNorm2d))
             self.encoder_img_feat_input_proj = nn.Conv2d(RESNET_CHANNELS, dim, kernel_size=1)
-            pos = [sinusoid_2d(dim // 2, *resnet_feature_size(*cam.port.shape[:2])) for cam in cameras]
+            pos = [sinusoid_2d(dim // 2, *resnet_feature_size(*cam.image_size)) for cam in cameras]
             self.register_buffer("camera_pos", torch.cat(pos), persistent=False)          # [sum(h w), dim]
         self.encoder = Stack([EncoderLayer(dim, heads, hidden, act, pre_norm) for _ in range(c("n_encoder_layers"))],
                              nn.LayerNorm(dim) if pre_norm else nn.Identity())

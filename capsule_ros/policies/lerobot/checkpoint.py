@@ -11,7 +11,7 @@ LeRobot's ``save_pretrained`` (0.4.x) writes:
   ``"<feature key>.<stat>"`` tensors.
 
 Everything is read without pickle: JSON, and safetensors through the ``safetensors``
-library. ``read_checkpoint`` reads config.json only (cheap: validation happens before
+library (``capsule_ros.runtime.weights``). ``read_checkpoint`` reads config.json only (cheap: validation happens before
 any weights load); statistics and weights are read by the builders afterwards.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from capsule_ros.errors import ConfigError
+from capsule_ros.runtime.weights import load_strict, read_weights
 
 CONFIG_FILE = "config.json"
 MODEL_FILE = "model.safetensors"
@@ -118,16 +119,6 @@ def read_checkpoint(directory) -> Checkpoint:
 
 # --- processors ------------------------------------------------------------------------------
 
-def _load_tensors(path: Path) -> Dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    if not path.is_file():
-        raise ConfigError(f"{path}: missing")
-    try:
-        return load_file(str(path), device="cpu")
-    except Exception as exc:   # the library raises its own error types for a malformed file
-        raise ConfigError(f"{path}: not a readable safetensors file: {exc}") from exc
-
-
 def _normalizer_step(checkpoint: Checkpoint, filename: str, registry_name: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """The single (un)normaliser step of a pipeline: its config and its statistics.
 
@@ -144,7 +135,7 @@ def _normalizer_step(checkpoint: Checkpoint, filename: str, registry_name: str) 
             if found is not None:
                 raise ConfigError(f"{path}: more than one {registry_name!r} step")
             state_file = step.get("state_file")
-            stats = _load_tensors(checkpoint.directory / state_file) if state_file else {}
+            stats = read_weights(checkpoint.directory / state_file)[0] if state_file else {}
             found = (config, stats)
         elif name == "device_processor" and config.get("float_dtype") not in (None, "float32"):
             raise ConfigError(f"{path}: device_processor casts to {config.get('float_dtype')!r}; "
@@ -201,17 +192,7 @@ def load_model_weights(checkpoint: Checkpoint, module: nn.Module, *, training_on
     in the error.
     """
     path = checkpoint.directory / MODEL_FILE
-    tensors = _load_tensors(path)
+    tensors = read_weights(path)[0]
     skip = tuple(training_only)
     tensors = {k: v for k, v in tensors.items() if not k.startswith(skip)} if skip else tensors
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    mismatched = sorted(f"{k}: file {tuple(tensors[k].shape)} {tensors[k].dtype}, policy "
-                        f"{tuple(expected[k].shape)} {expected[k].dtype}"
-                        for k in set(tensors) & set(expected)
-                        if tensors[k].shape != expected[k].shape or tensors[k].dtype != expected[k].dtype)
-    if missing or unexpected or mismatched:
-        raise ConfigError(f"{path} does not fit the {checkpoint.policy_type} policy its config.json describes: "
-                          f"missing {missing}, unexpected {unexpected}, mismatched {mismatched}")
-    module.load_state_dict(tensors, strict=True)
+    load_strict(module, tensors, f"{path} does not fit the {checkpoint.policy_type} policy its config.json describes")

@@ -7,7 +7,7 @@ order), so that results agree to the last bit where the kernels do.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -66,12 +66,28 @@ class FeatureNorm(nn.Module):
         return (x + 1) * self.denom / 2 + self.low             # the quantile modes: LeRobot's order differs
 
 
-def camera_to_float(image: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., H, W, 3] RGB -> float32 [..., 3, H, W] in [0, 1], as LeRobot's
+def camera_to_float(image: torch.Tensor, size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    """uint8 [..., h, w, 3] RGB -> float32 [..., 3, H, W] in [0, 1], as LeRobot's
     ``prepare_observation_for_inference`` converts a camera frame. The result is made
     contiguous as there: a channels-last layout would select other convolution kernels
-    (different last bits)."""
-    return torch.movedim(image.to(torch.float32) / 255, -1, -3).contiguous()
+    (different last bits). ``size`` (H, W): resize a frame of another size to it
+    (``resize_cameras``), before normalisation, as a frame captured at that size would be."""
+    x = torch.movedim(image.to(torch.float32) / 255, -1, -3).contiguous()
+    return x if size is None else resize_image(x, size)
+
+
+def resize_image(x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    """torchvision's ``Resize(size)`` on float images [..., C, H, W]: bilinear with
+    antialiasing (a triangle filter as wide as the scale when shrinking), half-pixel
+    centres; an image already of that size is returned as it is (torchvision does the
+    same). LeRobot's Diffusion ``resize_shape`` and the ``resize_cameras`` option use it."""
+    height, width = int(size[0]), int(size[1])
+    if tuple(x.shape[-2:]) == (height, width):
+        return x
+    lead = x.shape[:-3]
+    out = F.interpolate(x.reshape(-1, *x.shape[-3:]), size=(height, width), mode="bilinear", align_corners=False,
+                        antialias=True)
+    return out.reshape(*lead, *out.shape[-3:])
 
 
 # --- ResNet backbone ---------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Diffusion Policy as LeRobot 0.4 runs it at inference, as a StatefulPolicy.
 
 The network (parameter names are LeRobot's, under ``diffusion.``): per camera image a
-centre crop, a ResNet trunk (group norm by default), spatial softmax keypoints and a
+resize (``resize_shape``, torchvision's antialiased bilinear, after normalisation as in
+LeRobot), a centre crop, a ResNet trunk (group norm by default), spatial softmax keypoints and a
 linear + ReLU (``rgb_encoder``, shared by the cameras or one per camera); the
 per-observation-step condition is [state, camera features..., env state]; the
 ``n_obs_steps`` most recent conditions, flattened, condition a 1-D U-Net with FiLM
@@ -51,6 +52,7 @@ from capsule_ros.policies.lerobot.common import (
     RESNET_CHANNELS,
     queue_pop_,
     queue_remaining,
+    resize_image,
     resnet_feature_size,
     resnet_trunk,
 )
@@ -68,9 +70,10 @@ BUFFER_NAMES = (QUEUE, QUEUE_INDEX)
 def check_config(checkpoint: Checkpoint) -> None:
     """Refuse Diffusion options this implementation does not reproduce, naming the field."""
     c = checkpoint.field
-    if c("resize_shape") is not None:
-        raise ConfigError(f"Diffusion resize_shape = {c('resize_shape')}: image resizing is not supported; "
-                          "feed camera images at the checkpoint's size")
+    resize = c("resize_shape")
+    if resize is not None and (not isinstance(resize, (list, tuple)) or len(resize) != 2
+                               or not all(isinstance(d, int) and d > 0 for d in resize)):
+        raise ConfigError(f"Diffusion resize_shape = {resize!r}: must be a pair of positive integers (as LeRobot's)")
     if c("spatial_softmax_num_keypoints") is None:
         raise ConfigError("Diffusion spatial_softmax_num_keypoints = null is not supported")
     if c("use_group_norm", True) and c("pretrained_backbone_weights"):
@@ -83,10 +86,14 @@ def check_config(checkpoint: Checkpoint) -> None:
     if not 1 <= n_act <= horizon - n_obs + 1:
         raise ConfigError(f"Diffusion n_action_steps = {n_act} must be in [1, horizon - n_obs_steps + 1 = "
                           f"{horizon - n_obs + 1}]")
-    images = [f.shape for f in checkpoint.inputs.values() if f.type == "VISUAL"]
+    images = [list(f.shape[1:]) for f in checkpoint.inputs.values() if f.type == "VISUAL"]
+    if any(size != images[0] for size in images):
+        raise ConfigError(f"Diffusion camera features have different sizes {images}; LeRobot needs one size")
     crop = c("crop_shape")
-    if crop is not None and any(crop[0] > s[1] or crop[1] > s[2] for s in images):
-        raise ConfigError(f"Diffusion crop_shape = {list(crop)} does not fit the camera images {images}")
+    sizes = [list(resize)] if resize is not None and images else images     # what the crop is taken from
+    if crop is not None and any(crop[0] > s[0] or crop[1] > s[1] for s in sizes):
+        raise ConfigError(f"Diffusion crop_shape = {list(crop)} does not fit the camera images "
+                          f"{'resized to ' if resize is not None else ''}{sizes[0] if sizes else []}")
 
 
 # --- observation encoder ----------------------------------------------------------------------
@@ -110,11 +117,16 @@ class SpatialSoftmax(nn.Module):
 
 
 class RgbEncoder(nn.Module):
-    """LeRobot's DiffusionRgbEncoder in eval mode: centre crop, trunk, keypoints, linear + ReLU."""
+    """LeRobot's DiffusionRgbEncoder in eval mode: resize (``resize_shape``), centre crop,
+    trunk, keypoints, linear + ReLU."""
 
     def __init__(self, checkpoint: Checkpoint, height: int, width: int):
         super().__init__()
         c = checkpoint.field
+        resize = c("resize_shape")
+        self.resize = None if resize is None else (int(resize[0]), int(resize[1]))
+        if self.resize is not None:
+            height, width = self.resize
         crop = c("crop_shape")
         self.crop = None
         if crop is not None:
@@ -135,6 +147,8 @@ class RgbEncoder(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Normalised images [B, 3, H, W] -> features [B, feature_dim]."""
+        if self.resize is not None:
+            images = resize_image(images, self.resize)
         if self.crop is not None:
             top, left, ch, cw = self.crop
             images = images[..., top:top + ch, left:left + cw]
@@ -244,7 +258,7 @@ class DiffusionModel(nn.Module):
         c = checkpoint.field
         self.separate = bool(c("use_separate_rgb_encoder_per_camera", False))
         if cameras:
-            h, w = cameras[0].port.shape[:2]
+            h, w = cameras[0].image_size
             if self.separate:
                 self.rgb_encoder = nn.ModuleList(RgbEncoder(checkpoint, h, w) for _ in cameras)
             else:

@@ -9,8 +9,9 @@ anything else is read:
 - every checkpoint input feature has a port, and every map entry is a checkpoint input
   feature (a camera is never substituted for another);
 - a camera feature ``VISUAL [3, H, W]`` takes a uint8 ``[H, W, 3]`` RGB port of exactly
-  that size (no resizing happens); a ``STATE`` / ``ENV`` feature ``[n]`` takes a float32
-  ``[n]`` port;
+  that size, or of any size with ``resize_cameras`` (the policy then resizes each frame to
+  ``H x W`` on the device, ``common.resize_image``); a ``STATE`` / ``ENV`` feature ``[n]``
+  takes a float32 ``[n]`` port;
 - ports are distinct and do not use a name the policy keeps for itself.
 
 Each error is a ``ConfigError`` naming the feature key and what to change.
@@ -36,11 +37,16 @@ class BoundInput:
     key: str
     type: str                   # VISUAL, STATE or ENV
     shape: Tuple[int, ...]      # LeRobot's shape: [3, H, W] or [n]
-    port: BufferSpec            # INPUT buffer: uint8 [H, W, 3] or float32 [n]
+    port: BufferSpec            # INPUT buffer: uint8 [h, w, 3] (h, w = H, W unless resized) or float32 [n]
 
     @property
     def is_camera(self) -> bool:
         return self.type == VISUAL
+
+    @property
+    def image_size(self) -> Tuple[int, int]:
+        """(H, W) of a camera feature: the size the model sees, whatever the port's."""
+        return self.shape[1], self.shape[2]
 
 
 def port_shape_for(feature_type: str, shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], torch.dtype]:
@@ -51,11 +57,12 @@ def port_shape_for(feature_type: str, shape: Tuple[int, ...]) -> Tuple[Tuple[int
 
 
 def bind_features(checkpoint: Checkpoint, feature_map: Mapping[str, BufferSpec],
-                  reserved: Collection[str] = ()) -> List[BoundInput]:
+                  reserved: Collection[str] = (), resize_cameras: bool = False) -> List[BoundInput]:
     """Validate ``feature_map`` against the checkpoint's input features (config.json only).
 
     Returns the bound inputs in the checkpoint's feature order (which is LeRobot's camera
-    order). ``reserved``: buffer names the policy uses itself.
+    order). ``reserved``: buffer names the policy uses itself. ``resize_cameras``: a camera
+    port may have another size than its feature (it is resized), never another layout.
     """
     where = f"{checkpoint.directory}/config.json"
     known = list(checkpoint.inputs)
@@ -79,10 +86,15 @@ def bind_features(checkpoint: Checkpoint, feature_map: Mapping[str, BufferSpec],
         if feature.type != VISUAL and len(feature.shape) != 1:
             raise ConfigError(f"{where}: feature {key!r} has shape {list(feature.shape)}; expected a vector [n]")
         shape, dtype = port_shape_for(feature.type, feature.shape)
+        if resize_cameras and feature.type == VISUAL and len(spec.shape) == 3 and spec.shape[2] == 3:
+            shape = tuple(spec.shape)                         # any [h, w, 3]: resized to [H, W] in the step
         if tuple(spec.shape) != shape or spec.dtype != dtype:
             what = "an RGB camera image [H, W, 3]" if feature.type == VISUAL else "a vector"
+            hint = ("" if feature.type != VISUAL or resize_cameras
+                    else " (or set resize_cameras to resize another size on the device)")
             raise ConfigError(f"port {spec.name!r} cannot feed {key!r}: it is {dtype_name(spec.dtype)} "
-                              f"{list(spec.shape)}, the checkpoint needs {what} {dtype_name(dtype)} {list(shape)}")
+                              f"{list(spec.shape)}, the checkpoint needs {what} {dtype_name(dtype)} {list(shape)}"
+                              + hint)
         if spec.name in ports:
             raise ConfigError(f"port {spec.name!r} feeds both {ports[spec.name]!r} and {key!r}; "
                               "give each feature its own port")

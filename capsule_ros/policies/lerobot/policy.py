@@ -55,9 +55,10 @@ class LeRobotPolicy(StatefulPolicy):
     # -- inputs ---------------------------------------------------------------------------
     def normalized(self, bound: BoundInput, x: torch.Tensor) -> torch.Tensor:
         """Port values ``x`` [..., *port shape] of ``bound`` as LeRobot's preprocessor hands
-        them to the model: cameras float32 [..., 3, H, W], vectors float32 [..., n]."""
+        them to the model: cameras float32 [..., 3, H, W] (resized to the feature's size
+        when the port has another), vectors float32 [..., n]."""
         if bound.is_camera:
-            x = camera_to_float(x)
+            x = camera_to_float(x, bound.image_size)
         return self.input_norms[self._norm_of[bound.key]].normalize(x)
 
     # -- protocol pieces ------------------------------------------------------------------

@@ -1,0 +1,82 @@
+"""`capsule-ros bench step --policy act` (docs/benchmarks.md): its checkpoint is a LeRobot
+directory the lerobot_act kind serves, and the command reports what the docs record.
+Timings are printed, never asserted. ROS-free (bench/run_gpu.sh runs the CUDA test)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from capsule_ros.benchmarks.lerobot_act import ACT_DEFAULTS, PORTS, serving_config, write_act_checkpoint
+from capsule_ros.serving.factory import build_runtime
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_benchmark_checkpoint_is_served_by_the_lerobot_act_kind(tmp_path):
+    """Written twice with the same seed: the same files; served: a queue of n_action_steps
+    actions that refills after it empties, actions finite and deterministic."""
+    first = write_act_checkpoint(tmp_path / "a" / "pretrained_model", quick=True)
+    second = write_act_checkpoint(tmp_path / "b" / "pretrained_model", quick=True)
+    assert sorted(p.name for p in first.iterdir()) == sorted(p.name for p in second.iterdir())
+    for path in first.iterdir():
+        assert path.read_bytes() == (second / path.name).read_bytes(), path.name
+    runtime = build_runtime(serving_config(first))
+    config = json.loads((first / "config.json").read_text())
+    assert {k: config[k] for k in ("chunk_size", "n_action_steps", "n_decoder_layers", "vision_backbone")} == \
+        {k: ACT_DEFAULTS[k] for k in ("chunk_size", "n_action_steps", "n_decoder_layers", "vision_backbone")}
+    rng = np.random.default_rng(0)
+    runtime.staging[PORTS["observation.state"]][...] = rng.normal(size=14)
+    runtime.staging[PORTS["observation.images.top"]][...] = rng.integers(0, 256, size=(96, 128, 3))
+    runtime.reset(episode=1, seed=0)
+    actions = []
+    for _ in range(config["n_action_steps"] + 1):
+        runtime.load_inputs()
+        runtime.step()
+        actions.append(runtime.read_outputs().action.copy())
+    actions_arr = np.stack(actions)
+    assert np.isfinite(actions_arr).all() and actions_arr.shape == (101, 14)
+    assert not np.array_equal(actions_arr[0], actions_arr[1])           # the queue pops one action per step
+    assert np.array_equal(actions_arr[0], actions_arr[100])             # refilled from the same inputs
+
+
+def test_bench_step_policy_act_reports_steps_and_the_capsule_against_the_copy_limit():
+    result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "step", "--policy", "act",
+                             "--quick", "--device", "cpu", "--json"], capture_output=True, text=True, timeout=300,
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    (row,) = report["policies"]
+    assert report["device"] == "cpu" and report["quick"] and row["policy"] == "act-quick"
+    assert row["checkpoint"]["inputs"] == {"observation.state": [14], "observation.images.top": [3, 96, 128]}
+    assert row["graph"] is None and row["eager"]["graph_captured"] is False and row["eager"]["threads"] == 1
+    assert 0 < row["eager"]["gpu_ms"]["p50"] <= row["eager"]["gpu_ms"]["p99"]
+    if "eager_all_cores" in row:                        # more than one core: the same action with more threads
+        assert row["eager_all_cores"]["threads"] > 1
+    capsule = row["capsule"]
+    assert capsule["state_bytes"]["input"] >= 96 * 128 * 3 + 14 * 4
+    assert capsule["state_bytes"]["chunk"] >= 100 * 14 * 4 + 8            # the queue and its index
+    assert capsule["bytes"] >= sum(capsule["state_bytes"].values())
+    assert capsule["limit_us"] > 0 and capsule["ratio_to_limit"] > 0
+    print(f"act-quick on cpu: step p50 {row['eager']['gpu_ms']['p50']:.1f} ms, capsule {capsule['bytes']} B "
+          f"snapshot {capsule['snapshot_us']:.2f} us vs limit {capsule['limit_us']:.2f} us")
+
+
+def test_policy_is_an_option_of_bench_step_only():
+    result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "snapshot", "--policy", "act"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode != 0 and "--policy act is an option of bench step only" in result.stderr
+
+
+@pytest.mark.cuda
+def test_bench_step_policy_act_on_the_gpu_captures_a_graph_that_acts_like_eager():
+    result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "step", "--policy", "act",
+                             "--quick", "--device", "cuda", "--json"], capture_output=True, text=True, timeout=600,
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(result.stdout)["policies"]
+    assert row["graph"]["graph_captured"] and row["graph_matches_eager"] and row["graph_speedup"] > 0
