@@ -7,7 +7,9 @@ silently lie. ``check_state_contract`` finds such a policy at start-up, through 
 plan the node will run (the CUDA graph on a GPU): from the initial state, with seeded
 random inputs, it runs one step, snapshots the arena, runs two more steps, restores the
 snapshot and runs the same two steps again; the outputs after each step and the whole
-arena at the end must be the same bits both times. Then the arena gets back its bytes
+arena at the end must be the same bits both times. A captured graph replays what
+capture froze (a Python counter is a constant there), so with a graph the first repeated
+step is also run eagerly, through the policy's own ``step``, and must match. Then the arena gets back its bytes
 from before the check, so the live state is untouched.
 
 Cost: five steps and three copies of the arena, once per start (``runtime.state_check``;
@@ -109,13 +111,26 @@ def check_state_contract(runtime: PolicyRuntime) -> None:
                         names = _differing(runtime, outputs, first[i], outputs_start, BufferKind.META,
                                            BufferKind.OUTPUT)
                         differs.append(f"{names} after repeated step {i + 1}")
+                buffers = _differing(runtime, arena.storage, end, 0)
+                if plan.captured and not differs:
+                    # a graph replays what capture froze: a Python counter looks constant there,
+                    # so compare the graph's step with the policy's own (eager) step
+                    arena.storage.copy_(snapshot)
+                    for name, value in rows[BEFORE_SNAPSHOT].items():
+                        arena[name].copy_(value)
+                    with torch.inference_mode():
+                        runtime.policy.step(arena.views)
+                    if not torch.equal(outputs, first[0]):
+                        names = _differing(runtime, outputs, first[0], outputs_start, BufferKind.META,
+                                           BufferKind.OUTPUT)
+                        differs.append(f"{names} after repeated step 1 run eagerly, against the captured graph "
+                                       "(capture froze what the step keeps outside its buffers)")
             except PolicyStepError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the user's step failed on other inputs: say so
                 raise PolicyStepError(f"the policy's step fails during the start-up state check (seeded random "
                                       f"inputs): {type(exc).__name__}: {exc}; fix the step or set "
                                       "runtime.state_check: false") from exc
-            buffers = _differing(runtime, arena.storage, end, 0)
             if buffers:
                 differs.append(f"{buffers} at the end")
         finally:
