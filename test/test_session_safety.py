@@ -319,3 +319,26 @@ def test_status_never_waits_for_a_service_nor_reads_the_store_meanwhile(tmp_path
     thread.join()
     after = session.status()
     assert sum(after.capsules.values()) == sum(first.capsules.values()) + 1
+
+
+def test_an_input_log_over_its_memory_limit_fails_start_up_saying_what_fits(tmp_path):
+    """Camera inputs make a step's row large; the default steps of them would take tens of
+    GiB. Start-up refuses with the size, the limit and the steps that fit, before allocating."""
+    import dataclasses
+
+    from runtime_fixtures import default_config
+
+    from capsule_ros.errors import ConfigError
+    from capsule_ros.serving.factory import build_session
+    config = default_config(tmp_path)
+    row_bytes = build_session(config).runtime.input_staging.numel()
+    limit_mb = 1000 * row_bytes / 2**20                         # room for 1,000 steps
+    tight = dataclasses.replace(config, control=dataclasses.replace(
+        config.control, input_log_steps=1001, input_log_max_mb=limit_mb))
+    with pytest.raises(ConfigError) as refused:
+        build_session(tight)
+    message = str(refused.value)
+    assert "control.input_log_steps = 1001" in message and "control.input_log_max_mb" in message, message
+    assert "at most 1000" in message, message
+    fits = dataclasses.replace(tight, control=dataclasses.replace(tight.control, input_log_steps=1000))
+    assert build_session(fits).recompute.log is not None

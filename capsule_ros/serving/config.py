@@ -106,6 +106,8 @@ class ControlConfig(ConfigSection):
     autostart: bool = setting(True, "start episode 1 (RUNNING) at launch; else IDLE until ~/reset")
     input_log_steps: int = setting(20000, "steps of inputs kept per episode for the recompute fallback "
                                    "(0 = no fallback)", low=0, high=100_000_000)
+    input_log_max_mb: float = setting(2048.0, "most host memory the input log may take (input_log_steps x the "
+                                      "bytes of one step's inputs); start-up fails above it", low=0.0, high=1e7)
     service_timeout_ms: float = setting(500.0, "how long a service waits for a step boundary (then BUSY)",
                                         low=1.0, high=60000.0)
 

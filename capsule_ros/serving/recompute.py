@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from capsule_ros.capsules.store import Capsule, CapsuleStore, Payload
-from capsule_ros.errors import CapsuleRosError, CorruptCapsule
+from capsule_ros.errors import CapsuleRosError, ConfigError, CorruptCapsule
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.inputlog import InputLog
 
@@ -58,10 +58,20 @@ class Recompute:
     """The input log, the ledger and the rebuild (see the module docstring). Not
     thread-safe except ``rebuild``: callers hold the session's boundary lock."""
 
-    def __init__(self, runtime: PolicyRuntime, store: CapsuleStore, log_steps: int):
+    def __init__(self, runtime: PolicyRuntime, store: CapsuleStore, log_steps: int, max_log_mb: float = 2048.0):
+        """Raises ConfigError when ``log_steps`` of inputs would take more than
+        ``max_log_mb`` (camera inputs make a step's row large: the default 20,000 steps of
+        two 480 x 640 cameras would be 34 GiB)."""
         self.runtime = runtime
         self.store = store
-        self.log = InputLog(log_steps, runtime.input_staging.numel())
+        row_bytes = runtime.input_staging.numel()
+        if log_steps * row_bytes > max_log_mb * 2**20:
+            fits = int(max_log_mb * 2**20 // max(row_bytes, 1))
+            raise ConfigError(f"control.input_log_steps = {log_steps}: the input log would take "
+                              f"{log_steps * row_bytes / 2**20:,.0f} MiB ({row_bytes:,} bytes of inputs per step), "
+                              f"over control.input_log_max_mb = {max_log_mb:g}; set input_log_steps to at most "
+                              f"{fits} (0 turns the recompute fallback off) or raise the limit")
+        self.log = InputLog(log_steps, row_bytes)
         self.root_id = ""
         self._ledger: Dict[str, LedgerEntry] = {}
         self._replica: Optional[PolicyRuntime] = None     # made on first use

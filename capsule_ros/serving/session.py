@@ -96,7 +96,7 @@ class PolicySession:
         self.interrupt_capsule_id = ""
         self.counters = SessionCounters()
         self.inputs = SensorInputs(runtime.staging, dict(ports or {}))
-        self.recompute = Recompute(runtime, store, control.input_log_steps)
+        self.recompute = Recompute(runtime, store, control.input_log_steps, control.input_log_max_mb)
         self.stepper = GuardedStep(runtime, self.inputs, self.counters, self.recompute.log_step)
         self._boundary = BoundaryLock()
         self.capsules = CapsuleSet(store, directory, runtime.layout.schema(), self.recompute, self._boundary,
