@@ -17,6 +17,8 @@ from harness import DEFAULT_PARAMS, ClientNode, start_policy_node, wait_for
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from test_node import Driver, action_bytes, observations
 
+from capsule_ros.policies.registry import kind_names
+
 pytestmark = pytest.mark.ros
 RELIABLE = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
 STRESS_S = float(os.environ.get("CAPSULE_STATUS_STRESS_S", "60"))
@@ -261,7 +263,7 @@ def test_start_up_errors_end_with_one_line_and_exit_2(tmp_path, case):
         params, expect = {"capsules": {**capsules, "key_file": str(key)}}, "chmod 600"
     elif case == "unknown_kind":
         params, expect = {"policy": {"kind": "gru"}, "capsules": capsules}, \
-            "policy.kind = 'gru': no such policy; known: ['hybrid', 'exported', 'gru_chunk']"
+            f"policy.kind = 'gru': no such policy; known: {list(kind_names())}"    # built-ins and the example's
     elif case == "missing_weights":
         params, expect = {"policy": {"weights": str(tmp_path / "nowhere.safetensors")}, "capsules": capsules}, \
             "nowhere.safetensors"
