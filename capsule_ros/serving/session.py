@@ -147,21 +147,11 @@ class PolicySession:
         self.on_safe_action = on_safe_action
         self.stepper.start_watchdog(self._on_overrun)
 
-    def warm_up(self, runs: int = 2) -> None:
-        """Rehearse the guarded step path (inputs in, guard copy, step or graph replay,
-        outputs out and checked) on a throwaway stepper, then put the arena back byte for
-        byte: counters, the input log and the state are as before. Call it right before
-        stepping starts, so that the first step is not a cold one (no first touch of the
-        guard copy or host buffers, no first launch of the captured graph, the weights back
-        in the CPU caches, the interpreter's specialised code for the Python in between)."""
+    def warm_up(self) -> None:
+        """Rehearse the step path and put the state back (``GuardedStep.rehearse``), at a
+        boundary; call it right before stepping starts, so the first step is not a cold one."""
         with self._boundary:
-            saved = self.runtime.arena.storage.clone()
-            rehearsal = GuardedStep(self.runtime, self.inputs, SessionCounters(), lambda step, row: None)
-            try:
-                for _ in range(runs):
-                    rehearsal.run(self.step, None)
-            finally:
-                self.runtime.load_state(saved)
+            self.stepper.rehearse(self.step)
 
     def close(self) -> None:
         """Stop the watchdog thread."""

@@ -67,6 +67,21 @@ class GuardedStep:
             self._watchdog.close()
             self._watchdog = None
 
+    def rehearse(self, from_step: int, runs: int = 2) -> None:
+        """Run the whole guarded step path (inputs in, guard copy, step or graph replay,
+        outputs out and checked) on a throwaway stepper, then put the arena back byte for
+        byte: counters, the input log and the state stay as they were. Right before stepping
+        starts it makes the first step not a cold one: no first touch of the guard copy or
+        host buffers, no first launch of the captured graph, the weights back in the CPU
+        caches, the interpreter's specialised code for the Python in between."""
+        saved = self.runtime.arena.storage.clone()
+        rehearsal = GuardedStep(self.runtime, self.inputs, SessionCounters(), lambda step, row: None)
+        try:
+            for _ in range(runs):
+                rehearsal.run(from_step, None)
+        finally:
+            self.runtime.load_state(saved)
+
     def run(self, from_step: int, deadline_s: Optional[float], forced_late: bool = False) -> StepResult:
         """One step from state step ``from_step`` (``deadline_s`` None: no deadline;
         ``forced_late``: count it late whatever its time, e.g. a replay re-enacting a miss)."""
