@@ -152,10 +152,14 @@ def test_buffers_have_the_documented_kinds(cases):
         policy = build_policy(cases[name].checkpoint, cases[name].ports)
         kinds[name] = {s.name: s.kind for s in policy.state_spec()}
         assert kinds[name]["joints"] == BufferKind.INPUT
-    assert kinds["act_queue"]["act.queue"] == kinds["act_queue"]["act.queue_index"] == BufferKind.CHUNK
+    for name in ("act_queue", "diffusion", "diffusion_ddim_env"):     # the chunk cadence's standard buffers
+        assert kinds[name]["chunk.actions"] == BufferKind.CHUNK, name
+        assert kinds[name]["chunk.cursor"] == kinds[name]["chunk.pending"] == BufferKind.META, name
+    assert kinds["act_queue"]["chunk.request.joints"] == BufferKind.CHUNK      # an async request's copy of an input
+    assert "chunk.actions" not in kinds["act_ensemble"]                       # ensembling: the network every step
     assert kinds["act_ensemble"]["act.ensemble"] == kinds["act_ensemble"]["act.ensemble_count"] == BufferKind.CHUNK
     assert kinds["diffusion"]["diffusion.obs.front_camera"] == BufferKind.CONV
-    assert kinds["diffusion"]["diffusion.queue"] == BufferKind.CHUNK
+    assert kinds["diffusion"]["chunk.request.diffusion.obs.front_camera"] == BufferKind.CHUNK
     assert kinds["diffusion_ddim_env"]["diffusion.obs.env_state"] == BufferKind.CONV
 
 

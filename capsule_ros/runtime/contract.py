@@ -8,11 +8,15 @@ plan the node will run (the CUDA graph on a GPU): from the initial state, with s
 random inputs, it runs one step, snapshots the arena, runs two more steps, restores the
 snapshot and runs the same two steps again; the outputs after each step and the whole
 arena at the end must be the same bits both times. A captured graph replays what
-capture froze (a Python counter is a constant there), so with a graph the first repeated
-step is also run eagerly, through the policy's own ``step``, and must match. Then the arena gets back its bytes
-from before the check, so the live state is untouched.
+capture froze (a Python counter is a constant there), so with a graph the repeated steps
+are run a third time eagerly, through the same Python the graph was captured from, and
+must match. A chunking policy's repeated steps start one row before its request point,
+so that they run every program of its chunk schedule (consume and refill; async also
+request and adopt), each checked the same way. Then the arena gets back its bytes from
+before the check, so the live state is untouched.
 
-Cost: five steps and three copies of the arena, once per start (``runtime.state_check``;
+Cost: five steps (seven with a graph; a chunking policy: its horizon's end less the
+cursor, a few steps) and three copies of the arena, once per start (``runtime.state_check``;
 docs/bring-your-own-policy.md has measured figures). What it cannot see: hidden state
 that changes nothing within two steps (a counter acting every hundred steps), and
 randomness outside the arena that happens to repeat. It runs only with
@@ -23,13 +27,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Dict, List
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.arena import BufferKind
 from capsule_ros.runtime.plan import PolicyStepError
+from capsule_ros.runtime.policy import CHUNK_CURSOR
 
 if TYPE_CHECKING:
     from capsule_ros.runtime.engine import PolicyRuntime
@@ -44,10 +49,10 @@ class PolicyStateError(ConfigError):
     """The policy keeps state outside its declared buffers (found at start-up)."""
 
 
-def _random_inputs(runtime: PolicyRuntime, steps: int) -> List[Dict[str, torch.Tensor]]:
+def _random_inputs(runtime: PolicyRuntime, steps: int, seed: int = 0) -> List[Dict[str, torch.Tensor]]:
     """Seeded inputs for each step, on the runtime's device: normals for floating-point
     buffers, any byte for uint8 (images), 0 or 1 for other integers (indices stay valid)."""
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(steps):
         row = {}
@@ -77,11 +82,23 @@ def _differing(runtime: PolicyRuntime, now: torch.Tensor, before: torch.Tensor, 
             if not torch.equal(now[slot.offset - start:slot.end - start], before[slot.offset - start:slot.end - start])]
 
 
+def _chunk_steps(runtime: PolicyRuntime) -> int:
+    """Repeated steps for a chunking policy, after its cursor is set one row before the
+    request point: they then run every program of its schedule (consume and refill; async:
+    consume, request, consume while the request is out, adopt)."""
+    executor = runtime.executor
+    assert executor is not None
+    schedule = executor.schedule
+    cursor = max(0, schedule.horizon - 1)
+    runtime.arena[CHUNK_CURSOR].fill_(cursor)
+    executor.cursor, executor.pending = cursor, False
+    return schedule.end - cursor + 1
+
+
 def check_state_contract(runtime: PolicyRuntime) -> None:
     """Raise PolicyStateError when steps repeated from a snapshot differ (see the module
     docstring); the arena keeps its bytes either way."""
     arena, plan = runtime.arena, runtime.plan
-    rows = _random_inputs(runtime, BEFORE_SNAPSHOT + REPEATED)
     outputs = arena.region(BufferKind.META, BufferKind.OUTPUT)
     outputs_start = runtime.layout.byte_range(BufferKind.META, BufferKind.OUTPUT)[0]
     stream = torch.cuda.stream(runtime.stream) if runtime.stream is not None else contextlib.nullcontext()
@@ -90,41 +107,33 @@ def check_state_contract(runtime: PolicyRuntime) -> None:
     with stream:
         saved = arena.storage.clone()
         try:
-            def run(step: int) -> None:
-                for name, value in rows[step].items():
-                    arena[name].copy_(value)
-                plan.step()
-
             try:
-                for step in range(BEFORE_SNAPSHOT):
-                    run(step)
+                rows = _random_inputs(runtime, BEFORE_SNAPSHOT)
+                for row in rows:
+                    _run(runtime, row)
+                repeated = _chunk_steps(runtime) if runtime.executor is not None else REPEATED
+                rows = _random_inputs(runtime, repeated, seed=1)
                 snapshot = arena.storage.clone()
-                first = []
-                for step in range(BEFORE_SNAPSHOT, len(rows)):
-                    run(step)
-                    first.append(outputs.clone())
+                first = [_run(runtime, row, outputs) for row in rows]
                 end = arena.storage.clone()
-                arena.storage.copy_(snapshot)
-                for i, step in enumerate(range(BEFORE_SNAPSHOT, len(rows))):
-                    run(step)
-                    if not differs and not torch.equal(outputs, first[i]):
-                        names = _differing(runtime, outputs, first[i], outputs_start, BufferKind.META,
-                                           BufferKind.OUTPUT)
-                        differs.append(f"{names} after repeated step {i + 1}")
-                buffers = _differing(runtime, arena.storage, end, 0)
-                if plan.captured and not differs:
-                    # a graph replays what capture froze: a Python counter looks constant there,
-                    # so compare the graph's step with the policy's own (eager) step
-                    arena.storage.copy_(snapshot)
-                    for name, value in rows[BEFORE_SNAPSHOT].items():
-                        arena[name].copy_(value)
-                    with torch.inference_mode():
-                        runtime.policy.step(arena.views)
-                    if not torch.equal(outputs, first[0]):
-                        names = _differing(runtime, outputs, first[0], outputs_start, BufferKind.META,
-                                           BufferKind.OUTPUT)
-                        differs.append(f"{names} after repeated step 1 run eagerly, against the captured graph "
-                                       "(capture froze what the step keeps outside its buffers)")
+                passes = [("repeated", False)] + ([("repeated eagerly, against the captured graph (capture froze "
+                                                    "what the step keeps outside its buffers)", True)]
+                                                  if plan.captured else [])
+                buffers: List[str] = []
+                for what, eager in passes:
+                    runtime.load_state(snapshot)
+                    for i, row in enumerate(rows):
+                        again = _run(runtime, row, outputs, eager=eager)
+                        if not torch.equal(again, first[i]):
+                            names = _differing(runtime, again, first[i], outputs_start, BufferKind.META,
+                                               BufferKind.OUTPUT)
+                            differs.append(f"{names} after {what} step {i + 1}")
+                            break
+                    if differs:
+                        break
+                    buffers = _differing(runtime, arena.storage, end, 0)
+                    if buffers:
+                        break
             except PolicyStepError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the user's step failed on other inputs: say so
@@ -134,14 +143,24 @@ def check_state_contract(runtime: PolicyRuntime) -> None:
             if buffers:
                 differs.append(f"{buffers} at the end")
         finally:
-            arena.storage.copy_(saved)
-            runtime.synchronize()
-    LOG.info("state check: %d steps in %.1f ms", BEFORE_SNAPSHOT + 2 * REPEATED,
+            runtime.load_state(saved)
+    LOG.info("state check: %d steps in %.1f ms", BEFORE_SNAPSHOT + (len(passes) + 1) * repeated,
              (time.perf_counter() - started) * 1e3)
     if differs:
         raise PolicyStateError(
             f"policy {_policy_name(runtime)} keeps state outside its declared buffers: restored to a snapshot taken "
-            f"after step {BEFORE_SNAPSHOT} and given the same inputs, its next {REPEATED} steps wrote other values to "
+            f"after step {BEFORE_SNAPSHOT} and given the same inputs, its next {repeated} steps wrote other values to "
             f"{' and '.join(differs)}; everything a step carries to the next (queues, histories, counters, "
             "RNG state) must live in its state_spec() buffers (docs/bring-your-own-policy.md), or set "
             "runtime.state_check: false to serve it anyway (capsules will not restore that state)")
+
+
+def _run(runtime: PolicyRuntime, row: Dict[str, torch.Tensor], outputs: Optional[torch.Tensor] = None,
+         eager: bool = False) -> Optional[torch.Tensor]:
+    """One step on ``row`` (written straight into the arena's inputs) through the runtime's
+    schedule; a copy of ``outputs`` (meta + outputs) after it."""
+    for name, value in row.items():
+        runtime.arena[name].copy_(value)
+    runtime.step(eager=eager)
+    runtime.synchronize()
+    return outputs.clone() if outputs is not None else None

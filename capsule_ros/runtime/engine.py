@@ -13,14 +13,21 @@ a copy of everything a step writes (the arena minus its inputs) in an undo buffe
 device, so a caller that finds the step failed or produced non-finite outputs can put
 the state back exactly as it was (``undo_step``). Cost: one on-device copy of the state
 per step (the same copy a snapshot makes; docs/benchmarks.md has the figures).
+
+Chunking policies (``StatefulPolicy.cadence()``) run through a ``ChunkExecutor``
+(``capsule_ros.runtime.chunking``): the host picks each step's program (refill, consume,
+and in async mode request / adopt) from a mirror of the chunk cursor, so a step that only
+consumes the chunk runs no network and, when the policy's every-step part reads no
+inputs, uploads none.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 import numpy as np
 import torch
@@ -28,10 +35,21 @@ import torch
 from capsule_ros.config import ConfigSection, setting
 from capsule_ros.errors import InvalidArgument
 from capsule_ros.runtime.arena import STATE_KINDS, ArenaLayout, BufferKind, StateArena
+from capsule_ros.runtime.chunking import (
+    ChunkExecutor,
+    ChunkMark,
+    ChunkSchedule,
+    InlineRefill,
+    RefillReport,
+    RefillWorker,
+    StreamRefill,
+    ThreadRefill,
+    measured_delay,
+)
 from capsule_ros.runtime.contract import check_state_contract
 from capsule_ros.runtime.fingerprint import compute_fingerprint, device_kind, weights_digest
-from capsule_ros.runtime.plan import GraphPlan
-from capsule_ros.runtime.policy import ACTION, CHUNK, EPISODE, POSITION, STEP, StatefulPolicy
+from capsule_ros.runtime.plan import STEP_PROGRAM, GraphPlan
+from capsule_ros.runtime.policy import ACTION, CHUNK, CHUNK_CURSOR, EPISODE, POSITION, STEP, StatefulPolicy
 
 LOG = logging.getLogger(__name__)
 
@@ -113,6 +131,22 @@ def release_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+@dataclass(frozen=True)
+class ChunkingOptions:
+    """How a chunking policy's chunks are scheduled (``control.chunking`` and friends;
+    ignored for other policies). ``delay``: steps (async), None = measure at start
+    (``auto``: the refill's p99 over ``rate_hz``). ``horizon``: rows executed per chunk,
+    0 = the policy's. ``worker``: ``auto`` (a thread on a CPU, a stream on a GPU) or
+    ``inline`` (plans at request time on the caller's thread: same bits, no overlap)."""
+
+    mode: str = "sync"
+    delay: Optional[int] = None
+    horizon: int = 0
+    rate_hz: float = 20.0
+    worker: str = "auto"
+    auto_runs: int = 5
+
+
 class StreamKeeper:
     """The CUDA streams of runtimes that come and go (the node's lifecycle, a benchmark's
     cycles): one per device and role, reused by every runtime made with this keeper.
@@ -152,14 +186,16 @@ class PolicyRuntime:
 
     def __init__(self, policy: StatefulPolicy, config: RuntimeConfig = RuntimeConfig(), *,
                  inputs: Optional[Mapping[str, object]] = None, streams: Optional[StreamKeeper] = None,
-                 stream_role: str = "step", policy_checked: bool = False, _fingerprint: Optional[str] = None):
+                 stream_role: str = "step", policy_checked: bool = False, chunking: ChunkingOptions = ChunkingOptions(),
+                 _fingerprint: Optional[str] = None):
         """``inputs``: input buffer name -> what fills it (part of the fingerprint; the
         node passes each port's binding). ``streams``: where the CUDA stream comes from
         (``StreamKeeper``; ``stream_role`` names which of its streams). Raises
         PolicyStepError (a ConfigError) when the policy's step cannot run on its declared
         inputs or cannot be captured, and PolicyStateError when it keeps state outside its
         buffers (``runtime.state_check``; skipped with ``policy_checked``, for a replica whose
-        policy passed it with the original)."""
+        policy passed it with the original). ``chunking``: the chunk schedule of a chunking
+        policy (ConfigError when its numbers cannot work)."""
         self.config = config
         self.device = config.resolve_device()
         configure_torch(config, self.device)
@@ -172,8 +208,12 @@ class PolicyRuntime:
         self.arena = StateArena(self.layout, self.device)
         self._streams = streams or StreamKeeper()
         self.stream = self._streams.get(self.device, stream_role)
+        self.chunking = chunking
+        self.refill_seconds: List[float] = []           # timed plans (async auto delay), for reports
+        self.executor = self._chunk_executor(policy, chunking) if policy.cadence() is not None else None
         self.plan = GraphPlan(policy, self.arena, use_graphs=config.cuda_graphs, stream=self.stream,
-                              debug_checks=config.debug_checks, eager_fallback=config.graph_fallback == "eager")
+                              debug_checks=config.debug_checks, eager_fallback=config.graph_fallback == "eager",
+                              programs=self.executor.programs() if self.executor is not None else None)
         self.inputs = dict(inputs or {})
         self.fingerprint = _fingerprint or runtime_fingerprint(policy, config, self.inputs)
         pin = self.device.type == "cuda"
@@ -198,17 +238,64 @@ class PolicyRuntime:
         self._undo = torch.empty_like(self._state_region) if config.guard_steps else None
         self.reset(episode=0)
         self.plan.prepare()
+        if self.executor is not None and self.executor.worker is not None:
+            self.executor.worker.prepare()
         if config.state_check and config.deterministic and not policy_checked:
             check_state_contract(self)
         LOG.info("runtime on %s: arena %d bytes in %d buffers, graphs=%s, fingerprint %s",
                  self.device, self.layout.nbytes, len(self.layout), self.plan.captured, self.fingerprint[:12])
 
     # -- state ------------------------------------------------------------------------------
+    def _chunk_executor(self, policy: StatefulPolicy, options: ChunkingOptions) -> ChunkExecutor:
+        """The chunk schedule, its refill worker (async) and, for ``auto``, the measured delay."""
+        cadence = policy.cadence()
+        assert cadence is not None
+        worker: Optional[RefillWorker] = None
+        delay = options.delay or 0
+        if options.mode == "async":
+            worker = self._refill_worker(cadence, options)
+            if options.delay is None:
+                worker.prepare()
+                self.refill_seconds = self._time_refills(worker, options.auto_runs)
+                delay = measured_delay(self.refill_seconds, options.rate_hz)
+                LOG.info("inference_delay_steps auto: refill p99 %.1f ms at %.1f Hz -> %d steps",
+                         max(self.refill_seconds) * 1e3, options.rate_hz, delay)
+        schedule = ChunkSchedule.resolve(cadence, options.mode, delay, options.horizon)
+        LOG.info("chunk schedule: %s", schedule.describe())
+        return ChunkExecutor(policy, self.arena, cadence, schedule, worker)
+
+    def _refill_worker(self, cadence, options: ChunkingOptions) -> RefillWorker:
+        if options.worker == "inline":
+            return InlineRefill(self.policy, self.arena, cadence, self.stream)
+        if self.device.type == "cuda":
+            return StreamRefill(self.policy, self.arena, cadence, self._streams.get(self.device, "refill"),
+                                use_graphs=self.config.cuda_graphs)
+        return ThreadRefill(self.policy, self.arena, cadence, None)
+
+    def _time_refills(self, worker: RefillWorker, runs: int) -> List[float]:
+        """Seconds of ``runs`` plans on the worker (after one untimed), as a request runs them."""
+        seconds = []
+        for run in range(max(1, runs) + 1):
+            start = time.perf_counter()
+            worker.submit(self.stream)
+            worker.before_adopt(self.stream)
+            self.synchronize()
+            if run:
+                seconds.append(time.perf_counter() - start)
+        return seconds
+
+    @property
+    def schedule(self) -> Optional[ChunkSchedule]:
+        """The chunk schedule (None for a policy without a cadence)."""
+        return self.executor.schedule if self.executor is not None else None
+
     def reset(self, episode: int, seed: Optional[int] = None) -> None:
         """Write the policy's initial state (eagerly) for a new episode."""
         with torch.no_grad(), self._stream_ctx():
             self.policy.init_state(self.arena.views, episode=episode,
                                    seed=self.config.seed if seed is None else seed)
+            if self.executor is not None:
+                self.executor.reset()
         self.synchronize()
 
     def set_episode(self, episode: int) -> None:
@@ -227,6 +314,8 @@ class PolicyRuntime:
         input log already on the device) into the arena's input region: one copy, ordered
         on the runtime's stream. On CUDA the copy is asynchronous: the staging area must not
         change until the step's outputs are read (``PolicySession.tick`` ensures it)."""
+        if self.executor is not None and not self.executor.reads_inputs():
+            return                                   # the next step runs no network and reads no input
         source = self.input_staging if row is None else row
         if self.stream is None:
             self._input_region.copy_(source)
@@ -240,14 +329,23 @@ class PolicyRuntime:
         with self._stream_ctx():
             self.arena.storage.copy_(data.to(self.device))
         self.synchronize()
+        if self.executor is not None:
+            self.executor.resume(self.executor.mark_of(self.arena.storage), self.stream)
 
-    def step(self) -> None:
+    def step(self, *, eager: bool = False) -> RefillReport:
         """Run one step over the arena (asynchronous on CUDA). With the step guard, the
-        state before it is kept first (see ``undo_step``)."""
+        state before it is kept first (see ``undo_step``). Returns which chunk program ran
+        and whether a takeover's refill was late (empty for a policy without a cadence).
+        ``eager``: run the captured program's Python instead (the start-up check)."""
+        program = self.executor.before_step(self.stream) if self.executor is not None else None
         if self._undo is not None:
             with self._stream_ctx():
                 self._undo.copy_(self._state_region, non_blocking=True)
-        self.plan.step()
+        self.plan.step(program.value if program is not None else STEP_PROGRAM, eager=eager)
+        if self.executor is None or program is None:
+            return RefillReport()
+        self.executor.after_step(program, self.stream)
+        return self.executor.last
 
     @property
     def guarded(self) -> bool:
@@ -261,6 +359,8 @@ class PolicyRuntime:
         with self._stream_ctx():
             self._state_region.copy_(self._undo, non_blocking=True)
         self.synchronize()
+        if self.executor is not None:
+            self.executor.undo()
 
     def prefill(self, tokens) -> None:
         """Consume a token prefix (from the initial state) through the parallel path."""
@@ -277,12 +377,31 @@ class PolicyRuntime:
                 self._out_host.copy_(self._output_region, non_blocking=True)
             self.stream.synchronize()
         v = self._out_views
+        if self.executor is not None and self.config.debug_checks and int(v[CHUNK_CURSOR][0]) != self.executor.cursor:
+            raise RuntimeError(f"chunk cursor {int(v[CHUNK_CURSOR][0])} in the arena, {self.executor.cursor} in "
+                               "the host mirror")
         return StepOutputs(v[ACTION].copy(), v[CHUNK].copy(), int(v[STEP][0]), int(v[POSITION][0]),
                            int(v[EPISODE][0]))
 
     def synchronize(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
+
+    # -- chunk marks (capsules) --------------------------------------------------------------------
+    def chunk_mark(self) -> Optional[ChunkMark]:
+        """The host mirror of the chunk state, which a capsule of this state carries."""
+        return self.executor.mark() if self.executor is not None else None
+
+    def check_chunk_mark(self, mark: Optional[ChunkMark], data: torch.Tensor, capsule_id: str) -> None:
+        """Refuse a capsule (its mark and bytes ``data``) whose chunk state this runtime
+        cannot take, before anything changes (FingerprintMismatch, CorruptCapsule)."""
+        if self.executor is not None:
+            self.executor.check(mark, data, capsule_id)
+
+    def resume_chunk_mark(self, mark: Optional[ChunkMark]) -> None:
+        """The arena was restored to a state with ``mark``: mirror it, re-issue its request."""
+        if self.executor is not None and mark is not None:
+            self.executor.resume(mark, self.stream)
 
     def _stream_ctx(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -291,6 +410,9 @@ class PolicyRuntime:
         """Release the arena, graphs, staging and weights (the node's lifecycle ``cleanup``);
         on CUDA the device memory goes back to the driver. The runtime cannot step again."""
         self.synchronize()
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
         self.plan.close()
         del self.plan, self.arena, self.policy, self._undo
         del self._input_region, self._output_region, self._state_region
@@ -306,6 +428,11 @@ class PolicyRuntime:
         Both share the fingerprint, so capsules move freely between them; they never share
         state, so the two branches cannot affect each other.
         """
+        schedule = self.schedule
+        chunking = self.chunking
+        if schedule is not None:       # the same schedule, planned inline: a replica replays, it does not race
+            chunking = ChunkingOptions(schedule.mode.value, schedule.delay or None, schedule.horizon, worker="inline")
         return PolicyRuntime(self.policy, self.config, inputs=self.inputs, streams=self._streams,
-                             stream_role="replica", policy_checked=True, _fingerprint=self.fingerprint)
+                             stream_role="replica", policy_checked=True, chunking=chunking,
+                             _fingerprint=self.fingerprint)
 

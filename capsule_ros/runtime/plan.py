@@ -1,5 +1,10 @@
 """The graph plan: one policy step (and each prefill length) as a fixed plan over one arena.
 
+A plan holds named *programs*: ``step`` (the policy's step) for most policies; for a
+chunking policy the programs of its chunk schedule (``refill``, ``consume``, ... from
+``capsule_ros.runtime.chunking``), one CUDA graph each, captured from one memory pool
+(they never run at the same time), chosen by the host before each replay.
+
 ``prepare`` runs the step a few times before the first control step, on every device:
 the first run of a step pays one-off costs (lazy initialisation, the allocator's first
 blocks, kernel selection) that would otherwise make the first control step a cold one
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
 
@@ -39,6 +44,7 @@ from capsule_ros.runtime.arena import BufferKind, StateArena
 from capsule_ros.runtime.policy import StatefulPolicy
 
 LOG = logging.getLogger(__name__)
+STEP_PROGRAM = "step"
 
 
 class GraphAddressError(RuntimeError):
@@ -54,7 +60,9 @@ class GraphPlan:
 
     def __init__(self, policy: StatefulPolicy, arena: StateArena, *, use_graphs: bool,
                  stream: Optional[torch.cuda.Stream], debug_checks: bool = False, warmup_steps: int = 3,
-                 eager_fallback: bool = False):
+                 eager_fallback: bool = False, programs: Optional[Mapping[str, Callable[[], None]]] = None):
+        """``programs``: name -> a capturable call over the arena (default: ``step``, the
+        policy's step)."""
         self.policy = policy
         self.arena = arena
         self.use_graphs = bool(use_graphs and arena.device.type == "cuda")
@@ -63,7 +71,9 @@ class GraphPlan:
         self.debug_checks = debug_checks
         self.warmup_steps = warmup_steps
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._step_graph: Optional[torch.cuda.CUDAGraph] = None
+        self.programs: Dict[str, Callable[[], None]] = dict(programs) if programs else {
+            STEP_PROGRAM: lambda: policy.step(arena.views)}
+        self._graphs: Dict[str, torch.cuda.CUDAGraph] = {}
         self._prefill_graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self._prefill_tokens: Dict[int, torch.Tensor] = {}
         self._addresses: Dict[str, int] = arena.addresses()
@@ -124,33 +134,45 @@ class GraphPlan:
         self.use_graphs = False
 
     def prepare(self) -> None:
-        """Warm the step up (and check it runs at all), then capture it on CUDA; the arena
-        keeps its bytes. Raises PolicyStepError when the step fails on these inputs."""
-        step = lambda: self.policy.step(self.arena.views)  # noqa: E731
+        """Warm every program up (and check it runs at all), then capture each on CUDA; the
+        arena keeps its bytes. Raises PolicyStepError when the step fails on these inputs."""
         saved = self.arena.storage.clone()
         try:
-            self._warm_up(step)
-        except Exception as exc:  # noqa: BLE001 - any failure of the user's step: say which inputs
-            inputs = ", ".join(f"{slot.spec.name} {str(slot.spec.dtype).replace('torch.', '')}"
-                               f"{list(slot.spec.shape)}" for slot in self.arena.layout
-                               if slot.spec.kind == BufferKind.INPUT)
-            raise PolicyStepError(f"the policy's step fails on the configured inputs ({inputs}): "
-                                  f"{type(exc).__name__}: {exc}; check the ports' shapes and dtypes") from exc
+            for name, program in self.programs.items():
+                try:
+                    self._warm_up(program)
+                except Exception as exc:  # noqa: BLE001 - any failure of the user's step: say which inputs
+                    inputs = ", ".join(f"{slot.spec.name} {str(slot.spec.dtype).replace('torch.', '')}"
+                                       f"{list(slot.spec.shape)}" for slot in self.arena.layout
+                                       if slot.spec.kind == BufferKind.INPUT)
+                    which = "step" if name == STEP_PROGRAM else f"step ({name} program)"
+                    raise PolicyStepError(f"the policy's {which} fails on the configured inputs ({inputs}): "
+                                          f"{type(exc).__name__}: {exc}; check the ports' shapes and dtypes") from exc
+                finally:
+                    with self._stream_ctx():
+                        self.arena.storage.copy_(saved)
+                    if self.stream is not None:
+                        self.stream.synchronize()
         finally:
             with self._stream_ctx():
                 self.arena.storage.copy_(saved)
-            if self.stream is not None:
-                self.stream.synchronize()
-        if self.use_graphs and self._step_graph is None:
-            self._step_graph = self._capture(step)
+        for name, program in self.programs.items():
+            if not self.use_graphs:
+                break
+            if name not in self._graphs:
+                graph = self._capture(program)
+                if graph is None:                    # eager fallback: every program runs eagerly
+                    self._graphs.clear()
+                    break
+                self._graphs[name] = graph
 
     @property
     def captured(self) -> bool:
-        return self._step_graph is not None
+        return bool(self._graphs)
 
     def close(self) -> None:
         """Drop the captured graphs (their memory pool is freed with them)."""
-        self._step_graph = None
+        self._graphs.clear()
         self._prefill_graphs.clear()
         self._prefill_tokens.clear()
         self._pool = None
@@ -162,15 +184,17 @@ class GraphPlan:
             moved = sorted(n for n in now if now[n] != self._addresses.get(n))
             raise GraphAddressError(f"arena buffers moved since capture: {moved}")
 
-    def step(self) -> None:
-        """One control step (graph replay on CUDA, eager on CPU); asynchronous on CUDA."""
+    def step(self, program: str = STEP_PROGRAM, eager: bool = False) -> None:
+        """One control step: ``program`` (graph replay on CUDA, eager on CPU, or with
+        ``eager`` the Python it was captured from); asynchronous on CUDA."""
         if self.debug_checks:
             self._check_addresses()
         with torch.inference_mode(), self._stream_ctx():
-            if self._step_graph is not None:
-                self._step_graph.replay()
+            graph = None if eager else self._graphs.get(program)
+            if graph is not None:
+                graph.replay()
             else:
-                self.policy.step(self.arena.views)
+                self.programs[program]()
 
     def prefill(self, tokens: torch.Tensor) -> None:
         """Consume a token prefix; on CUDA each distinct length is captured once."""

@@ -15,11 +15,27 @@ Contract (what makes capsules and CUDA graphs possible):
 
 Standard buffers every policy has (the runtime and the node rely on their names):
 ``step``, ``position``, ``episode``, ``rng`` (meta) and ``action``, ``chunk`` (outputs).
+
+Chunking policies (an action-chunk model such as ACT or Diffusion Policy) declare a
+``ChunkCadence``: the network runs only when a chunk is due, not at every step. Their
+step is split into phases the runtime schedules on the host (``capsule_ros.runtime.chunking``):
+
+- ``observe(state)``: what must run at every step (Diffusion's observation history, a
+  recurrent update); nothing by default;
+- ``plan(state, chunk)``: the network, reading only the buffers ``cadence().reads``
+  names, writing a fresh chunk ``[length, action_dim]`` into ``chunk``;
+- ``emit(state, action, upcoming)``: the outputs of one step from the chunk row the
+  runtime selected (``action`` [A]) and the rows after it (``upcoming`` [chunk_horizon, A]),
+  and the step's own bookkeeping (``advance``: step, position, RNG counter).
+
+The chunk, its cursor and an asynchronous request's copy of ``reads`` live in standard
+buffers (``chunk_specs``), so a capsule holds them like any other state.
 """
 from __future__ import annotations
 
 import abc
-from typing import List, Mapping
+from dataclasses import dataclass
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -34,7 +50,46 @@ RNG = "rng"            # int64[2]: (seed, counter) of the counter-based generato
 ACTION = "action"      # float32[action_dim]
 CHUNK = "chunk"        # float32[chunk_horizon, action_dim]
 
+# Standard buffers of a chunking policy (``chunk_specs``).
+CHUNK_ACTIONS = "chunk.actions"     # float32[length, action_dim]: the chunk being executed (the policy's units)
+CHUNK_CURSOR = "chunk.cursor"       # int64[1]: index of the next row of chunk.actions to execute
+CHUNK_PENDING = "chunk.pending"     # int64[1]: 1 while an asynchronous refill request is outstanding
+REQUEST_PREFIX = "chunk.request."   # chunk.request.<name>: the request's copy of each buffer plan() reads
+
 State = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ChunkCadence:
+    """How a chunking policy uses its chunk (see the module docstring).
+
+    ``length``: rows a ``plan`` writes (ACT: chunk_size; Diffusion: the horizon from the
+    current observation step on). ``horizon``: rows executed from each chunk before the
+    next one is due in synchronous mode (LeRobot's ``n_action_steps``). ``reads``: the
+    buffers ``plan`` reads, after ``observe`` (an asynchronous request copies exactly
+    these). ``inputs_every_step``: whether ``observe`` reads the input buffers (else the
+    inputs are uploaded only on steps that plan or request).
+    """
+
+    length: int
+    horizon: int
+    reads: Tuple[str, ...]
+    inputs_every_step: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.horizon <= self.length:
+            raise ValueError(f"chunk cadence: horizon {self.horizon} must be in [1, length = {self.length}]")
+        if not self.reads:
+            raise ValueError("chunk cadence: reads must name the buffers plan() reads")
+
+
+def chunk_specs(length: int, action_dim: int, reads: Sequence[BufferSpec]) -> List[BufferSpec]:
+    """The standard buffers of a chunking policy: the chunk, its cursor and pending flag
+    (meta, so the host reads them back with the outputs), and the request's copies."""
+    return [BufferSpec(CHUNK_ACTIONS, (length, action_dim), torch.float32, BufferKind.CHUNK),
+            BufferSpec(CHUNK_CURSOR, (1,), torch.int64, BufferKind.META),
+            BufferSpec(CHUNK_PENDING, (1,), torch.int64, BufferKind.META),
+            *(BufferSpec(REQUEST_PREFIX + spec.name, spec.shape, spec.dtype, BufferKind.CHUNK) for spec in reads)]
 
 
 def standard_specs(action_dim: int, chunk_horizon: int) -> List[BufferSpec]:
@@ -65,7 +120,24 @@ class StatefulPolicy(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def step(self, state: State) -> None:
-        """One control step over the static buffers (capturable)."""
+        """One control step over the static buffers (capturable). A chunking policy's
+        ``step`` is its every-step reference (``chunked_step``); the runtime runs its phases."""
+
+    # -- chunking (optional) ---------------------------------------------------------------------
+    def cadence(self) -> Optional[ChunkCadence]:
+        """The chunk cadence, or None: the network runs at every step (the default)."""
+        return None
+
+    def observe(self, state: State) -> None:
+        """Chunking: the part of a step that runs at every step (capturable)."""
+
+    def plan(self, state: State, chunk: torch.Tensor) -> None:
+        """Chunking: the network: a fresh chunk into ``chunk`` [length, A] (capturable)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no chunk cadence")
+
+    def emit(self, state: State, action: torch.Tensor, upcoming: torch.Tensor) -> None:
+        """Chunking: outputs and bookkeeping of one step from the selected rows (capturable)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no chunk cadence")
 
     def prefill(self, state: State, tokens: torch.Tensor) -> None:
         """Consume a prefix of token ids (int64[P]) from the initial state."""

@@ -24,9 +24,19 @@ from capsule_ros.policies.lerobot.checkpoint import Checkpoint, load_model_weigh
 from capsule_ros.policies.lerobot.features import bind_features
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy, check_vector_keys
 from capsule_ros.runtime.arena import BufferSpec
-from capsule_ros.runtime.policy import ACTION, CHUNK, EPISODE, POSITION, RNG, STEP
+from capsule_ros.runtime.policy import (
+    ACTION,
+    CHUNK,
+    CHUNK_ACTIONS,
+    CHUNK_CURSOR,
+    CHUNK_PENDING,
+    EPISODE,
+    POSITION,
+    RNG,
+    STEP,
+)
 
-STANDARD_NAMES = (STEP, POSITION, EPISODE, RNG, ACTION, CHUNK)
+STANDARD_NAMES = (STEP, POSITION, EPISODE, RNG, ACTION, CHUNK, CHUNK_ACTIONS, CHUNK_CURSOR, CHUNK_PENDING)
 
 
 class _Kind:

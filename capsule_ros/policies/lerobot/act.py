@@ -9,27 +9,27 @@ a linear action head. Output: ``chunk_size`` normalised actions.
 
 Episode state in the arena (LeRobot's ``select_action`` bookkeeping):
 
-- action queue (no ensembling): ``act.queue`` float32 [n_action_steps, A]
-  (normalised, as LeRobot's deque holds them) and ``act.queue_index`` int64[1]
-  (actions taken; ``n_action_steps`` = empty, the state after ``reset()``), both CHUNK.
-  ``chunk`` (output) is the unnormalised rest of the queue, current action first, padded
-  with the last one.
+- action queue (no ensembling): a chunk cadence (``capsule_ros.runtime.chunking``). The
+  chunk the model predicted, all ``chunk_size`` rows normalised, is ``chunk.actions``,
+  and ``chunk.cursor`` the row to execute next. ``plan`` is the network (it reads the
+  input ports only), ``emit`` unnormalises the selected row; nothing runs every step. In
+  sync mode ``n_action_steps`` rows are executed per chunk, as LeRobot's deque of
+  ``n_action_steps`` does; the network runs once per chunk. ``chunk`` (output) is the
+  unnormalised rest of the executed rows, current action first, padded with the last one.
 - temporal ensembling (``temporal_ensemble_coeff``): ``act.ensemble`` float32
   [chunk_size - 1, A] (the online weighted average of every prediction for each future
   step, normalised) and ``act.ensemble_count`` int64 [chunk_size - 1] (how many
   predictions each average holds; all 0 = LeRobot's ``None`` after reset), both CHUNK.
   ``chunk`` is the unnormalised ensemble after this step's update, current action first.
 
-Capturability: the network runs every step. With a queue, its output is used only when
-the queue is empty (``queue_pop_`` selects with ``torch.where``): a step costs one full
-forward pass, ``n_action_steps`` times LeRobot's average. Temporal ensembling runs the
-model every step in LeRobot too. The empty-ensemble case needs no branch: with counts 0
-the update ``(0 * cumsum[0] + a * w[0]) / cumsum[0]`` is ``a`` exactly (w[0] = 1).
+Temporal ensembling runs the model at every step, in LeRobot too: no cadence. The
+empty-ensemble case needs no branch: with counts 0 the update
+``(0 * cumsum[0] + a * w[0]) / cumsum[0]`` is ``a`` exactly (w[0] = 1).
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,22 +37,15 @@ from torch import nn
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
-from capsule_ros.policies.lerobot.common import (
-    RESNET_CHANNELS,
-    FrozenBatchNorm2d,
-    queue_pop_,
-    queue_remaining,
-    resnet_feature_size,
-    resnet_trunk,
-)
+from capsule_ros.policies.lerobot.common import RESNET_CHANNELS, FrozenBatchNorm2d, resnet_feature_size, resnet_trunk
 from capsule_ros.policies.lerobot.features import BoundInput
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.policy import ACTION, CHUNK, State
+from capsule_ros.runtime.chunking import chunked_step
+from capsule_ros.runtime.policy import ACTION, CHUNK, ChunkCadence, State, chunk_specs
 
-QUEUE, QUEUE_INDEX = "act.queue", "act.queue_index"
 ENSEMBLE, ENSEMBLE_COUNT = "act.ensemble", "act.ensemble_count"
-BUFFER_NAMES = (QUEUE, QUEUE_INDEX, ENSEMBLE, ENSEMBLE_COUNT)
+BUFFER_NAMES = (ENSEMBLE, ENSEMBLE_COUNT)
 TRAINING_ONLY = ("model.vae_encoder",)   # the VAE encoder (and its cls/proj/pos tensors): training only
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 
@@ -258,41 +251,51 @@ class ACTPolicy(LeRobotPolicy):
         horizon = chunk_size if self.ensemble_coeff is not None else self.n_action_steps
         super().__init__(checkpoint, inputs, input_norms, action_norm, horizon)
         self.model = ACTModel(checkpoint, self.cameras, self.env_input is not None)
-        self.register_buffer("rows", torch.arange(horizon), persistent=False)
         if self.ensemble_coeff is not None:
             weights = torch.exp(-self.ensemble_coeff * torch.arange(chunk_size))
             self.register_buffer("ensemble_weights", weights, persistent=False)
             self.register_buffer("ensemble_cumsum", torch.cumsum(weights, dim=0), persistent=False)
 
+    def cadence(self) -> Optional[ChunkCadence]:
+        """With an action queue: a chunk of ``chunk_size`` rows, ``n_action_steps`` executed
+        per chunk in sync mode; the network reads the input ports. Ensembling: none."""
+        if self.ensemble_coeff is not None:
+            return None
+        return ChunkCadence(length=self.model.chunk_size, horizon=self.n_action_steps,
+                            reads=tuple(b.port.name for b in self.inputs))
+
     def state_spec(self) -> List[BufferSpec]:
         a = self.action_dim
         if self.ensemble_coeff is not None:
-            own = [BufferSpec(ENSEMBLE, (self.model.chunk_size - 1, a), torch.float32, BufferKind.CHUNK),
-                   BufferSpec(ENSEMBLE_COUNT, (self.model.chunk_size - 1,), torch.int64, BufferKind.CHUNK)]
-        else:
-            own = [BufferSpec(QUEUE, (self.n_action_steps, a), torch.float32, BufferKind.CHUNK),
-                   BufferSpec(QUEUE_INDEX, (1,), torch.int64, BufferKind.CHUNK)]
-        return self.base_specs() + own
+            return self.base_specs() + [
+                BufferSpec(ENSEMBLE, (self.model.chunk_size - 1, a), torch.float32, BufferKind.CHUNK),
+                BufferSpec(ENSEMBLE_COUNT, (self.model.chunk_size - 1,), torch.int64, BufferKind.CHUNK)]
+        return self.base_specs() + chunk_specs(self.model.chunk_size, a, [b.port for b in self.inputs])
 
     def init_state(self, state: State, *, episode: int, seed: int) -> None:
         self.reset_base(state, episode=episode, seed=seed)
-        if self.ensemble_coeff is None:
-            state[QUEUE_INDEX].fill_(self.n_action_steps)          # empty, like a fresh deque
 
-    def step(self, state: State) -> None:
+    def _predict(self, state: State) -> torch.Tensor:
+        """The network on this step's inputs -> normalised actions [chunk_size, A]."""
         images = [self.normalized(cam, state[cam.port.name]) for cam in self.cameras]
         env = self.normalized(self.env_input, state[self.env_input.port.name]) if self.env_input else None
-        actions = self.model(self.normalized(self.state_input, state[self.state_input.port.name]), env,
-                             images)                                                        # [chunk, A]
-        if self.ensemble_coeff is not None:
-            ensembled = self._ensemble(state, actions)                                      # [chunk, A]
-            action, chunk = ensembled[0], self.action_norm.unnormalize(ensembled)
-        else:
-            queue, index = state[QUEUE], state[QUEUE_INDEX]
-            action = queue_pop_(queue, index, actions[:self.n_action_steps])
-            chunk = self.action_norm.unnormalize(queue_remaining(queue, index, self.rows))
+        return self.model(self.normalized(self.state_input, state[self.state_input.port.name]), env, images)
+
+    def plan(self, state: State, chunk: torch.Tensor) -> None:
+        chunk.copy_(self._predict(state))
+
+    def emit(self, state: State, action: torch.Tensor, upcoming: torch.Tensor) -> None:
         state[ACTION].copy_(self.action_norm.unnormalize(action))
-        state[CHUNK].copy_(chunk)
+        state[CHUNK].copy_(self.action_norm.unnormalize(upcoming))
+        self.advance(state)
+
+    def step(self, state: State) -> None:
+        if self.ensemble_coeff is None:
+            chunked_step(self, state, self.n_action_steps)
+            return
+        ensembled = self._ensemble(state, self._predict(state))                             # [chunk, A]
+        state[ACTION].copy_(self.action_norm.unnormalize(ensembled[0]))
+        state[CHUNK].copy_(self.action_norm.unnormalize(ensembled))
         self.advance(state)
 
     def _ensemble(self, state: State, actions: torch.Tensor) -> torch.Tensor:

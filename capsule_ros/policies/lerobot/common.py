@@ -1,5 +1,5 @@
-"""Pieces shared by the LeRobot policies: normalisation, image conversion, the ResNet
-backbone, and the capturable action queue.
+"""Pieces shared by the LeRobot policies: normalisation, image conversion and the ResNet
+backbone (their action queue is the runtime's chunk cadence, ``capsule_ros.runtime.chunking``).
 
 Every function mirrors LeRobot's arithmetic operation by operation (same operands, same
 order), so that results agree to the last bit where the kernels do.
@@ -171,35 +171,3 @@ def resnet_feature_size(height: int, width: int) -> Tuple[int, int]:
             n = conv(n, 3, 2, 1)
         sizes.append(n)
     return sizes[0], sizes[1]
-
-
-# --- action queue ----------------------------------------------------------------------------
-
-
-def queue_pop_(queue: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    """One ``select_action`` of LeRobot's action deque, without a host branch.
-
-    ``queue`` [n, A] and ``index`` int64[1] (actions already taken; n means empty) are arena
-    buffers; ``fresh`` [n, A] is what the model predicts this step. When the queue is empty
-    it is refilled from ``fresh``; then the action at ``index`` is taken. Returns that
-    action [A]; the caller's ``fresh`` is discarded on the other steps (its cost is paid
-    every step: the price of a branch-free, graph-capturable step). A cheaper capturable
-    form on CUDA would put the model call in a conditional graph node
-    (``torch.cuda.CUDAGraph.begin_capture_to_if_node(refill)``, CUDA 12.4+); not
-    implemented: the plan captures plain graphs.
-    """
-    n = queue.shape[0]
-    refill = index >= n                                                     # [1] bool
-    queue.copy_(torch.where(refill, fresh, queue))
-    index.copy_(torch.where(refill, torch.zeros_like(index), index))
-    action = queue.index_select(0, index)[0]
-    index.add_(1)
-    return action
-
-
-def queue_remaining(queue: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The queue from the action just taken on ([n, A], after ``queue_pop_``): row k is
-    ``queue[index - 1 + k]``, rows past the end repeat the last action. ``rows`` = arange(n)."""
-    n = queue.shape[0]
-    return queue.index_select(0, torch.clamp(index - 1 + rows, max=n - 1))
-

@@ -23,18 +23,21 @@ Episode state in the arena:
   the sampling loop amplifies past 1e-5 on the actions), so the encoder sees the same
   batch here. Normalisation is element-wise, so normalising the
   window at use is exact.
-- ``diffusion.queue`` float32 [n_action_steps, A] and ``diffusion.queue_index`` int64[1],
-  CHUNK: LeRobot's action deque (normalised), as in ACT. ``chunk`` (output) is its
-  unnormalised rest, current action first, padded with the last action.
-- the sampling noise is drawn every step from the arena's ``rng`` (seed, counter), as
+- a chunk cadence (``capsule_ros.runtime.chunking``): ``chunk.actions`` holds the
+  sampled trajectory from the current observation step on (rows ``n_obs_steps - 1`` ..
+  ``horizon - 1``, normalised), ``chunk.cursor`` the row to execute next. In sync mode
+  ``n_action_steps`` rows are executed per chunk, as LeRobot's action deque does; the
+  rest of the trajectory is what async mode executes while the next chunk is sampled.
+  ``chunk`` (output) is the unnormalised rest of the executed rows, current action first,
+  padded with the last action.
+- the sampling noise is drawn at each plan from the arena's ``rng`` (seed, counter), as
   ``counter_normal(rng, (num_inference_steps + 1, horizon, A))``: row 0 the initial
   sample, row k + 1 the noise of denoising step k; the counter advances by one per step.
 
-Capturability: everything runs every step: the observation encoder over the whole
-window (``n_obs_steps`` frames per camera, as LeRobot's inference does) and the sampling
-loop (``num_inference_steps`` U-Net passes), whose result is kept only when the queue is
-empty (``queue_pop_``). A step therefore costs about ``n_action_steps`` times LeRobot's
-average step: the price of a branch-free step that a CUDA graph can capture.
+Phases: ``observe`` (every step) appends the inputs to their windows; ``plan`` is the
+observation encoder over the whole windows (``n_obs_steps`` frames per camera, as
+LeRobot's inference does) and the sampling loop (``num_inference_steps`` U-Net passes);
+it reads the windows and ``rng`` only, which an async request copies.
 """
 from __future__ import annotations
 
@@ -48,23 +51,17 @@ from torch import nn
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
-from capsule_ros.policies.lerobot.common import (
-    RESNET_CHANNELS,
-    queue_pop_,
-    queue_remaining,
-    resize_image,
-    resnet_feature_size,
-    resnet_trunk,
-)
+from capsule_ros.policies.lerobot.common import RESNET_CHANNELS, resize_image, resnet_feature_size, resnet_trunk
 from capsule_ros.policies.lerobot.features import BoundInput
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.policies.lerobot.schedulers import NoiseScheduler, SchedulerConfig
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.policy import ACTION, CHUNK, RNG, STEP, State
+from capsule_ros.runtime.chunking import chunked_step
+from capsule_ros.runtime.policy import ACTION, CHUNK, RNG, STEP, ChunkCadence, State, chunk_specs
 from capsule_ros.runtime.rng import counter_normal
 
-OBS_PREFIX, QUEUE, QUEUE_INDEX = "diffusion.obs.", "diffusion.queue", "diffusion.queue_index"
-BUFFER_NAMES = (QUEUE, QUEUE_INDEX)
+OBS_PREFIX = "diffusion.obs."
+BUFFER_NAMES: tuple = ()
 
 
 def check_config(checkpoint: Checkpoint) -> None:
@@ -297,20 +294,27 @@ class DiffusionPolicy(LeRobotPolicy):
         self.cond_dim = sum(b.shape[0] for b in (self.state_input, self.env_input) if b is not None)
         self.cond_dim += keypoint_dim * len(self.cameras)
         self.diffusion = DiffusionModel(checkpoint, self.cameras, self.cond_dim)
-        self.register_buffer("rows", torch.arange(self.n_action_steps), persistent=False)
+        self.chunk_length = self.horizon - self.n_obs_steps + 1
+
+    def _windows(self) -> List[BufferSpec]:
+        return [BufferSpec(OBS_PREFIX + b.port.name, (self.n_obs_steps, *b.port.shape), b.port.dtype, BufferKind.CONV)
+                for b in self.inputs]
+
+    def cadence(self) -> ChunkCadence:
+        """The trajectory from the current observation step on; ``n_action_steps`` of it
+        executed per chunk in sync mode; the windows are appended at every step."""
+        return ChunkCadence(length=self.chunk_length, horizon=self.n_action_steps,
+                            reads=(*(w.name for w in self._windows()), RNG), inputs_every_step=True)
 
     def state_spec(self) -> List[BufferSpec]:
-        windows = [BufferSpec(OBS_PREFIX + b.port.name, (self.n_obs_steps, *b.port.shape), b.port.dtype,
-                              BufferKind.CONV) for b in self.inputs]
-        return self.base_specs() + windows + [
-            BufferSpec(QUEUE, (self.n_action_steps, self.action_dim), torch.float32, BufferKind.CHUNK),
-            BufferSpec(QUEUE_INDEX, (1,), torch.int64, BufferKind.CHUNK)]
+        base = self.base_specs()
+        rng = next(spec for spec in base if spec.name == RNG)
+        return base + self._windows() + chunk_specs(self.chunk_length, self.action_dim, [*self._windows(), rng])
 
     def init_state(self, state: State, *, episode: int, seed: int) -> None:
         self.reset_base(state, episode=episode, seed=seed)
-        state[QUEUE_INDEX].fill_(self.n_action_steps)          # empty, like a fresh deque
 
-    def _update_windows(self, state: State) -> None:
+    def observe(self, state: State) -> None:
         """Append this step's inputs to their windows (fill them on the episode's first step)."""
         first = state[STEP] == 0                                                          # [1] bool
         for b in self.inputs:
@@ -329,13 +333,17 @@ class DiffusionPolicy(LeRobotPolicy):
             parts.append(window(self.env_input))
         return torch.cat(parts, dim=-1).reshape(1, -1)
 
-    def step(self, state: State) -> None:
-        self._update_windows(state)
+    def plan(self, state: State, chunk: torch.Tensor) -> None:
+        """Sample a trajectory from the windows with this step's noise; keep it from the
+        current observation step on."""
         noise = counter_normal(state[RNG], (self.diffusion.scheduler.noise_rows, self.horizon, self.action_dim))
         trajectory = self.diffusion.sample(self.global_condition(state), noise)          # [horizon, A]
-        start = self.n_obs_steps - 1
-        queue, index = state[QUEUE], state[QUEUE_INDEX]
-        action = queue_pop_(queue, index, trajectory[start:start + self.n_action_steps])
+        chunk.copy_(trajectory[self.n_obs_steps - 1:])
+
+    def emit(self, state: State, action: torch.Tensor, upcoming: torch.Tensor) -> None:
         state[ACTION].copy_(self.action_norm.unnormalize(action))
-        state[CHUNK].copy_(self.action_norm.unnormalize(queue_remaining(queue, index, self.rows)))
+        state[CHUNK].copy_(self.action_norm.unnormalize(upcoming))
         self.advance(state)
+
+    def step(self, state: State) -> None:
+        chunked_step(self, state, self.n_action_steps)
