@@ -119,14 +119,21 @@ def gru_config(tmp_path: Path, program: Optional[Path] = None):
 
 def eager_gru(obs: np.ndarray, **factory) -> list:
     """(action, chunk) float32 arrays of the example's module run eagerly on ``obs`` (joints,
-    goal) from its initial state, the state threaded from step to step: the reference the
-    served policies must equal bit for bit."""
+    goal) from its initial state, in the loop its author would write without capsule_ros:
+    observe every step, plan a chunk every ``chunk_horizon`` steps, emit the row due, the
+    state threaded from step to step. The reference the served policies must equal bit for bit."""
     from capsule_gru_policy.export import module
     net = module(**{**GRU_FACTORY, **factory}).eval()
     state = [value[None] for value in net.initial_state().values()]
-    out = []
+    horizon = net.cadence.horizon
+    out, chunk = [], None
     with torch.no_grad():
-        for row in obs:
-            action, chunk, *state = net(torch.from_numpy(row[None, :4]), torch.from_numpy(row[None, 4:]), *state)
-            out.append((action[0].numpy().copy(), chunk[0].numpy().copy()))
+        for t, row in enumerate(obs):
+            state = list(net.observe(torch.from_numpy(row[None, :4]), torch.from_numpy(row[None, 4:]), *state))
+            index = t % horizon
+            if index == 0:
+                chunk = net.plan(state[0])
+            rows = np.minimum(index + np.arange(net.chunk_horizon), horizon - 1)
+            action, upcoming, *state = net.emit(chunk[:, index], chunk[:, rows], *state)
+            out.append((action[0].numpy().copy(), upcoming[0].numpy().copy()))
     return out

@@ -1,8 +1,8 @@
 """Policies from outside the package, without ROS: the example package's ``gru_chunk`` kind
 and ``policy.kind: exported`` (a torch.export program written by ``capsule-ros export``).
 
-- the example kind is registered by entry point and served from the arena: one chunk
-  predicted every ``chunk_horizon`` steps, one action popped per step;
+- the example kind is registered by entry point and served from the arena: its head (the
+  network's chunk part) runs once every ``chunk_horizon`` steps, one row executed per step;
 - the exported example serves the eager module's actions bit for bit, the same as the
   ``gru_chunk`` kind, and capsules roll it back bit-identically;
 - ports that do not fit a program are refused from its metadata, naming the mismatch;
@@ -79,8 +79,9 @@ def test_the_example_kind_is_registered_by_entry_point_with_its_own_settings():
         GruChunkConfig.from_mapping({"hidden": 0}, section="policy.gru_chunk")
 
 
-def test_gru_chunk_pops_one_action_per_step_from_a_chunk_predicted_every_horizon_steps(tmp_path):
+def test_gru_chunk_executes_one_row_per_step_of_a_chunk_planned_every_horizon_steps(tmp_path):
     runtime = build_runtime(gru_config(tmp_path))
+    refills = runtime.executor.counters.refills
     out = step_all(runtime, observations(3 * HORIZON, 1))
     chunks = [out[t][1] for t in (0, HORIZON, 2 * HORIZON)]          # predicted at steps 1, 9, 17
     assert chunks[0].tobytes() != chunks[1].tobytes() != chunks[2].tobytes()
@@ -89,7 +90,8 @@ def test_gru_chunk_pops_one_action_per_step_from_a_chunk_predicted_every_horizon
         upcoming = predicted[np.minimum(index + np.arange(HORIZON), HORIZON - 1)]   # the rest, the last one held
         assert chunk.tobytes() == upcoming.tobytes(), t
         assert action.tobytes() == predicted[index].tobytes(), t
-    assert int(runtime.arena["queue.index"][0]) == 0                 # three whole chunks popped
+    assert int(runtime.arena["chunk.cursor"][0]) == HORIZON          # three whole chunks executed
+    assert runtime.executor.counters.refills - refills == 3          # the head ran three times in 24 steps
 
 
 # -- exported programs, served in-process --------------------------------------------------------
@@ -223,13 +225,16 @@ def test_a_program_whose_metadata_does_not_describe_it_is_refused(tmp_path, prog
 def test_metadata_that_breaks_the_export_rules_is_refused_when_the_program_is_loaded(tmp_path, program):
     with zipfile.ZipFile(program) as z:
         original = json.loads(z.read(next(n for n in z.namelist() if n.endswith("extra/capsule_ros.json"))))
-    assert [e["name"] for e in original["state"]] == ["gru.h", "queue.actions", "queue.index", "rng"]
+    assert [e["name"] for e in original["state"]] == ["gru.h", "rng"]
+    assert original["version"] == 2 and original["cadence"] == {"length": HORIZON, "horizon": HORIZON,
+                                                                 "reads": ["gru.h"], "inputs_every_step": True}
     half = 2**25 + 4                                   # two buffers of just over 32 MiB: 64 MiB + 8 in all
     big = [{"name": f"big{i}", "shape": [half // 4], "dtype": "float32", "kind": "meta", "init": "values",
             "values": base64.b64encode(bytes(half)).decode()} for i in (1, 2)]
     cases = {
-        "batch": ({"batch": 2}, r"batch 2, expected 'capsule_ros.exported' version 1 batch 1"),
-        "rng not seeded": ({"state": [*original["state"][:3], {**original["state"][3], "init": "zeros"}]},
+        "batch": ({"batch": 2}, r"batch 2, expected 'capsule_ros.exported' version 1 or 2, batch 1"),
+        "cadence in version 1": ({"version": 1}, r"cadence .* \(version 2 metadata"),
+        "rng not seeded": ({"state": [*original["state"][:1], {**original["state"][1], "init": "zeros"}]},
                            r"state 'rng': init 'zeros' \(one of .*'seed' for 'rng' only, and always\)"),
         "seeded buffer": ({"state": [{**original["state"][0], "init": "seed"}, *original["state"][1:]]},
                           r"state 'gru.h': init 'seed'"),
@@ -243,6 +248,11 @@ def test_metadata_that_breaks_the_export_rules_is_refused_when_the_program_is_lo
         with pytest.raises(ProgramError, match=rf"its capsule_ros metadata is not valid .*{expect}"):
             ExportedPolicy.from_file(bad)
         bad.unlink()
+    unknown = {"cadence": {**original["cadence"], "reads": ["nope"]}}
+    bad = rewrite(program, tmp_path / "reads.pt2", replace={"extra/capsule_ros.json": json.dumps({**original,
+                                                                                                   **unknown}).encode()})
+    with pytest.raises(ProgramError, match=r"reads.pt2: cadence reads \['nope'\], which are neither inputs nor state"):
+        ExportedPolicy.from_file(bad)
 
 
 # -- the export interface --------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def time_calls(fn: Callable[[], None], reps: int, device: torch.device, warmup: int = 2,
+def time_calls(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 2,
                stream: Optional[torch.cuda.Stream] = None) -> np.ndarray:
     """Seconds per call: CUDA events around each call on a GPU (``stream`` or the current
     one), a host clock on a CPU."""

@@ -78,6 +78,7 @@ def run_exported(device: torch.device, quick: bool, module_spec: str) -> dict:
     """The exported program served (graph and eager plan) against its module run eagerly."""
     from capsule_ros.policies.export import export_module, load_factory
     from capsule_ros.policies.exported import ExportedPolicy
+    from capsule_ros.policies.phases import EagerLoop
     reps = 50 if quick else 300
     module = load_factory(module_spec)()
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,16 +92,9 @@ def run_exported(device: torch.device, quick: bool, module_spec: str) -> dict:
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn((1, *s.shape), generator=generator).to(s.dtype).to(device) if s.dtype.is_floating_point
               else torch.zeros((1, *s.shape), dtype=s.dtype, device=device) for s in interface.inputs]
-    initial = module.initial_state()
-    state = [initial[s.name][None].to(device) for s in interface.state]
     module = module.to(device).eval()
-
-    def eager_step():
-        with torch.inference_mode():
-            _, _, *new_state = module(*inputs, *state)
-            for static, value in zip(state, new_state, strict=True):
-                static.copy_(value)
-    eager = {"gpu_ms": pct(time_calls(eager_step, reps, device, warmup=5), 1e3),
+    loop = EagerLoop(module, inputs, device)
+    eager = {"gpu_ms": pct(time_calls(loop.step, reps, device, warmup=5), 1e3),
              "parameters": sum(p.numel() for p in module.parameters())}
     best = served.get("graph") or served["eager"]
     return {"bench": "step", "policy": "exported", "module": module_spec, **environment(device), "quick": quick,

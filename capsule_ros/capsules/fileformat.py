@@ -54,6 +54,7 @@ from capsule_ros.errors import (
     NotFound,
     PermissionDenied,
 )
+from capsule_ros.runtime.chunkmark import ChunkMark
 from capsule_ros.runtime.schema import ALIGNMENT, DTYPE_SIZES, BufferKind
 
 MAGIC = b"CAPSULE\x00"
@@ -140,6 +141,7 @@ class CapsuleHeader:
     salt: bytes = field(default=b"", repr=False)
     wrapped_key: bytes = field(default=b"", repr=False)
     key_nonce: bytes = field(default=b"", repr=False)
+    chunk: Optional[ChunkMark] = None     # a chunking policy's schedule mark (key "chunk", absent otherwise)
 
     def __post_init__(self) -> None:
         if not isinstance(self.schema, (list, tuple)):
@@ -175,6 +177,8 @@ class CapsuleHeader:
         if self.encrypted:
             out["wrapped_key"] = self.wrapped_key.hex()
             out["key_nonce"] = self.key_nonce.hex()
+        if self.chunk is not None:
+            out["chunk"] = self.chunk.to_json()
         return out
 
     def file_bytes(self) -> int:
@@ -269,8 +273,10 @@ def parse_header(obj: Any, *, encrypted: bool, max_bytes: int,
     ``error`` is CorruptCapsule for a file being read and InvalidArgument for a header a
     caller asks us to write: one validator for both directions.
     """
-    keys = [f.name for f in fields(CapsuleHeader) if f.name not in ("wrapped_key", "key_nonce")]
+    keys = [f.name for f in fields(CapsuleHeader) if f.name not in ("wrapped_key", "key_nonce", "chunk")]
     keys += ["chunk_count"] + (["wrapped_key", "key_nonce"] if encrypted else [])
+    if isinstance(obj, dict) and "chunk" in obj:
+        keys.append("chunk")
     _check_keys(obj, keys, error, "header ")
     capsule_id = _get(obj, "capsule_id", str, error, "")
     parent_id = _get(obj, "parent_id", str, error, "")
@@ -310,8 +316,9 @@ def parse_header(obj: Any, *, encrypted: bool, max_bytes: int,
     salt = _get_hex(obj, "salt", SALT_BYTES, error)
     wrapped_key = _get_hex(obj, "wrapped_key", WRAPPED_KEY_BYTES, error) if encrypted else b""
     key_nonce = _get_hex(obj, "key_nonce", NONCE_BYTES, error) if encrypted else b""
+    chunk = ChunkMark.from_json(obj["chunk"], "", error) if "chunk" in obj else None
     return CapsuleHeader(capsule_id, label, parent_id, episode_id, step, stamp_ns, nbytes, fingerprint,
-                         tuple(schema), chunk_bytes, salt, wrapped_key, key_nonce)
+                         tuple(schema), chunk_bytes, salt, wrapped_key, key_nonce, chunk)
 
 
 # -- keys and tags ---------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from capsule_ros.capsules.ids import check_capsule_id, new_capsule_id
 from capsule_ros.errors import Busy, FingerprintMismatch, InvalidArgument, NotFound, ResourceExhausted
 from capsule_ros.metrics import LatencyWindow
 from capsule_ros.runtime.arena import BufferKind
+from capsule_ros.runtime.chunkmark import ChunkMark
 
 LOG = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class Capsule:
     held: bool = False                    # by the session (interrupt capsule, timeline root): never evicted
     payload: Optional[Payload] = field(default=None, repr=False)
     path: Optional[str] = None            # persisted copy in the capsule directory
+    chunk: Optional[ChunkMark] = None     # a chunking policy's chunk state (host mirror of the bytes)
 
     @property
     def tier(self) -> Tier:
@@ -256,7 +258,7 @@ class CapsuleStore:
         self._copy(dst=payload.slab, src=runtime.arena.storage, runtime=runtime, payload=payload,
                    timing=self.snapshot_latency)
         capsule = Capsule(capsule_id, label, parent_id, episode_id, step, self.nbytes, self.fingerprint,
-                          time.time_ns(), pinned, held, None)
+                          time.time_ns(), pinned, held, None, chunk=runtime.chunk_mark())
         self._attach(capsule, payload)
         self.counters.snapshots += 1
         return capsule
@@ -278,9 +280,16 @@ class CapsuleStore:
         if capsule.payload is None:
             raise NotFound(f"capsule {capsule_id!r} is only on disk ({capsule.path}); load it first")
         payload = capsule.payload
+        chunked = (not kinds or BufferKind.META in kinds) and (capsule.chunk is not None
+                                                                or runtime.chunk_mark() is not None)
+        if chunked:
+            self._wait(payload)                          # its chunk cursor is read before anything changes
+            runtime.check_chunk_mark(capsule.chunk, payload.slab, capsule.id)
         lo, hi = (0, self.nbytes) if not kinds else runtime.layout.byte_range(*kinds)
         self._copy(dst=runtime.arena.storage[lo:hi], src=payload.slab[lo:hi], runtime=runtime,
                    payload=payload, timing=self.restore_latency)
+        if chunked:
+            runtime.resume_chunk_mark(capsule.chunk)
         self._touch(payload)
         self.counters.restores += 1
         self.counters.hits[count_as if count_as is not None else payload.tier] += 1
@@ -322,9 +331,11 @@ class CapsuleStore:
         self._check_target(runtime, capsule.fingerprint, capsule.nbytes)
         if data.numel() != self.nbytes:
             raise InvalidArgument(f"capsule {capsule.id!r}: {data.numel()} bytes, expected {self.nbytes}")
+        runtime.check_chunk_mark(capsule.chunk, data, capsule.id)
         scratch = Payload(slab=data, tier=Tier.DISK)
         self._copy(dst=runtime.arena.storage, src=data, runtime=runtime, payload=scratch, timing=self.restore_latency)
         self._wait(scratch)                          # ``data`` is the caller's: done with it on return
+        runtime.resume_chunk_mark(capsule.chunk)
         self.counters.restores += 1
         self.counters.hits[Tier.DISK] += 1
         return RestoreReport(capsule, Tier.DISK, time.perf_counter() - start)

@@ -15,6 +15,13 @@ A module keeps the interface when it has
   first, in the order of ``inputs`` then ``state``: a pure function that writes none of
   its arguments and keeps nothing between calls.
 
+A chunking module (one whose network should run only when a chunk is due) has
+``cadence`` (a ``ChunkCadence``: chunk length, rows executed per chunk, the names ``plan``
+reads) and, instead of ``forward``, three pure functions (``capsule_ros.policies.phases``):
+``observe(*inputs, *state) -> new_state``, ``plan(*reads) -> chunk [B, length, A]`` and
+``emit(action [B, A], upcoming [B, H, A], *state) -> (action, chunk, *new_state)``. Each is
+checked, traced and compared like ``forward``.
+
 Such a module trains as usual (any batch size) and exports as it is: ``export_module``
 checks the interface, runs the module eagerly (twice, to find a forward that is not a
 pure function), traces it with ``torch.export`` at batch size 1 on the CPU (the runtime
@@ -25,20 +32,23 @@ and writes the ``.pt2`` atomically with the metadata (``capsule_ros.policies.exp
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib
+import io
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from capsule_ros.errors import ConfigError
-from capsule_ros.policies.exported import MAX_INITIAL_BYTES, METADATA_FILE, ProgramInterface, functional
+from capsule_ros.policies.exported import MAX_INITIAL_BYTES, METADATA_FILE, PHASE_FILE, ProgramInterface, functional
 from capsule_ros.runtime.arena import BufferSpec, dtype_name
+from capsule_ros.runtime.policy import ChunkCadence
 
 
 class InterfaceError(ConfigError):
@@ -92,7 +102,16 @@ def interface_of(module: nn.Module) -> ProgramInterface:
     if not isinstance(initial, Mapping) or set(initial) != {s.name for s in specs["state"]}:
         raise InterfaceError(f"{where}.initial_state() must map every state name {[s.name for s in specs['state']]} "
                              f"to a tensor, got {sorted(initial) if isinstance(initial, Mapping) else type(initial)}")
-    interface = ProgramInterface(specs["inputs"], specs["state"], module.action_dim, module.chunk_horizon, {})
+    cadence = getattr(module, "cadence", None)
+    if cadence is not None:
+        if not isinstance(cadence, ChunkCadence):
+            raise InterfaceError(f"{where}.cadence must be a capsule_ros ChunkCadence, not {type(cadence).__name__}")
+        lacking = [name for name in ("observe", "plan", "emit") if not callable(getattr(module, name, None))]
+        if lacking:
+            raise InterfaceError(f"{where} has a cadence but lacks {lacking}: a chunking module defines observe, "
+                                 "plan and emit (docs/bring-your-own-policy.md)")
+    interface = ProgramInterface(specs["inputs"], specs["state"], module.action_dim, module.chunk_horizon, {},
+                                 cadence)
     interface.check(InterfaceError, where)
     values = {}
     for spec in interface.state:
@@ -107,7 +126,8 @@ def interface_of(module: nn.Module) -> ProgramInterface:
     if stored > MAX_INITIAL_BYTES:
         raise InterfaceError(f"{where}.initial_state() has {stored} bytes of non-zero values; at most "
                              f"{MAX_INITIAL_BYTES} are stored in the program's metadata (start large buffers at zero)")
-    return ProgramInterface(interface.inputs, interface.state, interface.action_dim, interface.chunk_horizon, values)
+    return ProgramInterface(interface.inputs, interface.state, interface.action_dim, interface.chunk_horizon, values,
+                            cadence)
 
 
 def _random_inputs(interface: ProgramInterface, generator: torch.Generator) -> List[torch.Tensor]:
@@ -153,58 +173,139 @@ def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+class _Phase(nn.Module):
+    """One of a chunking module's functions as a module's forward, so torch.export traces it."""
+
+    def __init__(self, module: nn.Module, name: str):
+        super().__init__()
+        self.module, self.name = module, name
+
+    def forward(self, *args: torch.Tensor):
+        return getattr(self.module, self.name)(*args)
+
+
+def _sample_args(interface: ProgramInterface, module: nn.Module) -> Dict[str, List[torch.Tensor]]:
+    """Arguments of one call of each function to trace (batch of one, seeded)."""
+    generator = torch.Generator().manual_seed(0)
+    inputs, state = _random_inputs(interface, generator), _initial(interface, module)
+    if interface.cadence is None:
+        return {"forward": [*inputs, *state]}
+    names = [s.name for s in (*interface.inputs, *interface.state)]
+    values = dict(zip(names, [*inputs, *state], strict=True))
+    upcoming = torch.randn((1, interface.chunk_horizon, interface.action_dim), generator=generator)
+    return {"observe": [*inputs, *state], "plan": [values[r] for r in interface.cadence.reads],
+            "emit": [upcoming[:, 0].clone(), upcoming, *state]}
+
+
+def _check_pure(module: nn.Module, interface: ProgramInterface, phase: str, args: List[torch.Tensor],
+                where: str) -> None:
+    """A function must write none of its arguments and give the same outputs twice."""
+    fn = module if phase == "forward" else getattr(module, phase)
+    name = f"{where}.{phase}"
+    with torch.no_grad():
+        originals = [a.clone() for a in args]
+        first = _check_phase_outputs(interface, phase, fn(*args), name)
+        if not _same(args, originals):
+            raise InterfaceError(f"{name} writes its arguments in place; it must return the new state instead")
+        if not _same(_check_phase_outputs(interface, phase, fn(*args), name), first):
+            raise InterfaceError(f"{name} gave other outputs when called again with the same arguments: it keeps "
+                                 "state outside its declared state (return it as new state instead)")
+
+
+def _check_phase_outputs(interface: ProgramInterface, phase: str, outputs: Any, where: str) -> Tuple[torch.Tensor, ...]:
+    if phase in ("forward", "emit"):
+        return _check_outputs(interface, outputs, where)
+    if phase == "plan":
+        assert interface.cadence is not None
+        shape = (1, interface.cadence.length, interface.action_dim)
+        if not isinstance(outputs, torch.Tensor) or tuple(outputs.shape) != shape or outputs.dtype != torch.float32:
+            shown = f"{dtype_name(outputs.dtype)}{list(outputs.shape)}" if isinstance(outputs, torch.Tensor) \
+                else type(outputs).__name__
+            raise InterfaceError(f"{where} returns {shown}; it must return the chunk as float32{list(shape)}")
+        return (outputs,)
+    expected = [(f"new state {s.name!r}", (1, *s.shape), s.dtype) for s in interface.state]
+    if not isinstance(outputs, (tuple, list)) or len(outputs) != len(expected) or any(
+            not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != dtype
+            for (_, shape, dtype), v in zip(expected, outputs, strict=False)):
+        raise InterfaceError(f"{where} must return the new state, a tuple of {len(expected)} tensors "
+                             f"{[f'{dtype_name(d)}{list(sh)}' for _, sh, d in expected]}")
+    return tuple(outputs)
+
+
+def _trace(module: nn.Module, phase: str, args: List[torch.Tensor], where: str) -> torch.export.ExportedProgram:
+    target = module if phase == "forward" else _Phase(module, phase).eval()
+    try:
+        program = torch.export.export(target, tuple(args))
+    except Exception as exc:  # noqa: BLE001 - torch.export's own reason, shortened to one line
+        reason = " ".join(str(exc).split())[:500]
+        raise InterfaceError(f"torch.export cannot trace {where}.{phase}: {type(exc).__name__}: {reason}") from None
+    program = functional(program)
+    signature = program.graph_signature
+    if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
+        written = sorted({*signature.buffers_to_mutate.values(), *signature.user_inputs_to_mutate.values()})
+        raise InterfaceError(f"{where}.{phase} writes {written} in place: state kept between steps must be "
+                             "declared in state and returned as new state")
+    return program
+
+
 def export_module(module: nn.Module, path: Path, *, check_steps: int = 8,
                   source: Optional[Mapping[str, Any]] = None) -> ExportReport:
     """Export ``module`` to ``path`` (see the module docstring)."""
     where = f"module {type(module).__name__}"
     module = module.cpu().eval()
     interface = interface_of(module)
-    generator = torch.Generator().manual_seed(0)
-    args = [*_random_inputs(interface, generator), *_initial(interface, module)]
-    with torch.no_grad():
-        originals = [a.clone() for a in args]
-        first = _check_outputs(interface, module(*args), f"{where}.forward")
-        if not _same(args, originals):
-            raise InterfaceError(f"{where}.forward writes its arguments in place; it must return the new state "
-                                 "instead")
-        if not _same(_check_outputs(interface, module(*args), f"{where}.forward"), first):
-            raise InterfaceError(f"{where}.forward gave other outputs when called again with the same arguments: it "
-                                 "keeps state outside its declared state (return it as new state instead)")
-    try:
-        program = torch.export.export(module, tuple(args))
-    except Exception as exc:  # noqa: BLE001 - torch.export's own reason, shortened to one line
-        reason = " ".join(str(exc).split())[:500]
-        raise InterfaceError(f"torch.export cannot trace {where}: {type(exc).__name__}: {reason}") from None
-    program = functional(program)
-    signature = program.graph_signature
-    if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
-        written = sorted({*signature.buffers_to_mutate.values(), *signature.user_inputs_to_mutate.values()})
-        raise InterfaceError(f"{where}.forward writes {written} in place: state kept between steps must be "
-                             "declared in state and returned as new state")
-    mismatch = _compare(program, module, interface, check_steps)
+    samples = _sample_args(interface, module)
+    for phase, args in samples.items():
+        _check_pure(module, interface, phase, args, where)
+    programs = {phase: _trace(module, phase, args, where) for phase, args in samples.items()}
+    mismatch = _compare(programs, module, interface, check_steps)
+    extra = {METADATA_FILE: interface.to_json(source or {})}
+    for phase in ("observe", "emit"):
+        if phase in programs:
+            buffer = io.BytesIO()
+            torch.export.save(programs[phase], buffer)
+            extra[PHASE_FILE.format(phase)] = base64.b64encode(buffer.getvalue()).decode()
     path = Path(path)
     # written beside the target under its own name (torch names the archive's root folder
     # after the file), then renamed into place
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
         staged = Path(tmp) / path.name
-        torch.export.save(program, staged, extra_files={METADATA_FILE: interface.to_json(source or {})})
+        torch.export.save(programs.get("forward") or programs["plan"], staged, extra_files=extra)
         os.replace(staged, path)
     data = path.read_bytes()
     return ExportReport(path, hashlib.sha256(data).hexdigest(), len(data), interface, check_steps, mismatch)
 
 
-def _compare(program: torch.export.ExportedProgram, module: nn.Module, interface: ProgramInterface,
+def _compare(programs: Mapping[str, torch.export.ExportedProgram], module: nn.Module, interface: ProgramInterface,
              steps: int) -> Optional[str]:
-    """Run the program and the module side by side from the initial state on seeded random
-    inputs; None when every output agrees bit for bit, else where and by how much not."""
-    traced = program.module()
+    """Run the programs and the module side by side from the initial state on seeded random
+    inputs (a chunking module: its own loop, a chunk planned every ``horizon`` steps);
+    None when every output agrees bit for bit, else where and by how much not."""
+    traced = {phase: program.module() for phase, program in programs.items()}
+    own = {phase: (module if phase == "forward" else getattr(module, phase)) for phase in programs}
     generator = torch.Generator().manual_seed(1)
     state_a = state_b = _initial(interface, module)
+    chunk_a = chunk_b = None
+    names = [s.name for s in (*interface.inputs, *interface.state)]
     with torch.no_grad():
         for step in range(steps):
             inputs = _random_inputs(interface, generator)
-            out_a = module(*inputs, *state_a)
-            out_b = traced(*inputs, *state_b)
+            if interface.cadence is None:
+                out_a, out_b = own["forward"](*inputs, *state_a), traced["forward"](*inputs, *state_b)
+            else:
+                cadence = interface.cadence
+                state_a = list(own["observe"](*inputs, *state_a))
+                state_b = list(traced["observe"](*inputs, *state_b))
+                cursor = step % cadence.horizon
+                if cursor == 0:
+                    values_a = dict(zip(names, [*inputs, *state_a], strict=True))
+                    values_b = dict(zip(names, [*inputs, *state_b], strict=True))
+                    chunk_a = own["plan"](*(values_a[r] for r in cadence.reads))
+                    chunk_b = traced["plan"](*(values_b[r] for r in cadence.reads))
+                assert chunk_a is not None and chunk_b is not None
+                rows = torch.clamp(cursor + torch.arange(interface.chunk_horizon), max=cadence.horizon - 1)
+                out_a = own["emit"](chunk_a[:, cursor], chunk_a[:, rows], *state_a)
+                out_b = traced["emit"](chunk_b[:, cursor], chunk_b[:, rows], *state_b)
             if not _same(out_a, out_b):
                 worst = max(float((x.double() - y.double()).abs().max()) for x, y in zip(out_a, out_b, strict=True))
                 return f"at step {step + 1} by at most {worst:.3g}"

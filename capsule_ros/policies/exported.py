@@ -8,7 +8,13 @@ traced at batch size 1,
 
 and the archive carries ``METADATA_FILE`` (torch.export.save's ``extra_files``): the
 inputs and the state buffers (name, shape without the batch dimension, dtype, kind, and
-how each starts an episode), ``action_dim`` and ``chunk_horizon``. Served:
+how each starts an episode), ``action_dim`` and ``chunk_horizon``.
+
+A chunking module (one with a ``cadence``, ``capsule_ros.policies.phases``) is exported as
+its three phases instead: the archive's program is ``plan`` (the network), and
+``observe`` / ``emit`` travel as two more ``.pt2`` archives inside it (``PHASE_FILE``,
+base64), each checked exactly as the main one; the metadata (version 2) holds the
+cadence. Served, the runtime runs the network only when a chunk is due. Served:
 
 - the inputs bind to the node's ports by name, shape and dtype, checked from the
   metadata alone before the program is loaded, with errors that name the mismatch;
@@ -34,32 +40,41 @@ import json
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import torch
 
 from capsule_ros.config import ConfigSection, setting
 from capsule_ros.errors import ConfigError
+from capsule_ros.policies.phases import ModuleSteps
 from capsule_ros.policies.registry import BuildContext, PolicyKind
 from capsule_ros.runtime.arena import STATE_KINDS, BufferKind, BufferSpec, dtype_from_name, dtype_name
+from capsule_ros.runtime.chunking import chunked_step
 from capsule_ros.runtime.policy import (
     ACTION,
     CHUNK,
+    CHUNK_ACTIONS,
+    CHUNK_CURSOR,
+    CHUNK_PENDING,
     EPISODE,
     POSITION,
     RNG,
     STEP,
+    ChunkCadence,
     State,
     StatefulPolicy,
+    chunk_specs,
     standard_specs,
 )
 
 METADATA_FILE = "capsule_ros.json"       # in the archive's extra/ directory
+PHASE_FILE = "capsule_ros.{}.pt2.b64"    # a chunking program's observe / emit programs, in extra/
 FORMAT = "capsule_ros.exported"
-VERSION = 1
+VERSION = 2                              # 1: no cadence (still read)
+PHASES = ("observe", "plan", "emit")
 INIT_RULES = ("zeros", "seed", "values")  # a state buffer at reset: zeros, (seed, 0) for rng, stored values
 MAX_INITIAL_BYTES = 64 * 2**20            # stored initial values, all buffers together (the rest start at 0)
-RESERVED = (STEP, POSITION, EPISODE, ACTION, CHUNK)   # standard buffers the runtime writes
+RESERVED = (STEP, POSITION, EPISODE, ACTION, CHUNK, CHUNK_ACTIONS, CHUNK_CURSOR, CHUNK_PENDING)  # the runtime's
 
 
 class ProgramError(ConfigError):
@@ -77,6 +92,7 @@ class ProgramInterface:
     action_dim: int
     chunk_horizon: int
     initial: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    cadence: Optional[ChunkCadence] = None     # a chunking program (exported as its phases)
 
     def check(self, error: Type[ConfigError], where: str) -> None:
         """Raise ``error`` naming ``where`` when the interface breaks a rule of the module docstring."""
@@ -105,6 +121,10 @@ class ProgramInterface:
             if spec is None or tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
                 problems.append(f"initial value of {name!r} ({dtype_name(value.dtype)}{list(value.shape)}) does not "
                                 "fit a state buffer")
+        if self.cadence is not None:
+            unknown = [r for r in self.cadence.reads if r not in names]
+            if unknown:
+                problems.append(f"cadence reads {unknown}, which are neither inputs nor state")
         if problems:
             raise error(f"{where}: {'; '.join(problems)}")
 
@@ -119,18 +139,31 @@ class ProgramInterface:
             if entry["init"] == "values":
                 entry["values"] = base64.b64encode(_raw_bytes(self.initial[spec.name])).decode()
             state.append(entry)
-        return json.dumps({"format": FORMAT, "version": VERSION, "batch": 1, "action_dim": self.action_dim,
-                           "chunk_horizon": self.chunk_horizon, "inputs": [_spec_json(s) for s in self.inputs],
-                           "state": state, "source": dict(source), "torch": torch.__version__}, indent=1)
+        meta = {"format": FORMAT, "version": VERSION if self.cadence is not None else 1, "batch": 1,
+                "action_dim": self.action_dim, "chunk_horizon": self.chunk_horizon,
+                "inputs": [_spec_json(s) for s in self.inputs], "state": state, "source": dict(source),
+                "torch": torch.__version__}
+        if self.cadence is not None:
+            c = self.cadence
+            meta["cadence"] = {"length": c.length, "horizon": c.horizon, "reads": list(c.reads),
+                               "inputs_every_step": c.inputs_every_step}
+        return json.dumps(meta, indent=1)
 
     @classmethod
     def from_json(cls, text: str, where: str) -> ProgramInterface:
         """Parse and validate a metadata file; ProgramError naming ``where`` otherwise."""
         try:
             meta = json.loads(text)
-            if meta.get("format") != FORMAT or meta.get("version") != VERSION or meta.get("batch") != 1:
+            if meta.get("format") != FORMAT or meta.get("version") not in (1, VERSION) or meta.get("batch") != 1:
                 raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r} batch "
-                                 f"{meta.get('batch')!r}, expected {FORMAT!r} version {VERSION} batch 1")
+                                 f"{meta.get('batch')!r}, expected {FORMAT!r} version 1 or {VERSION}, batch 1")
+            cadence = None
+            if "cadence" in meta:
+                c = meta["cadence"]
+                if meta["version"] < 2 or sorted(c) != ["horizon", "inputs_every_step", "length", "reads"]:
+                    raise ValueError(f"cadence {c!r} (version 2 metadata: length, horizon, reads, inputs_every_step)")
+                cadence = ChunkCadence(int(c["length"]), int(c["horizon"]), tuple(str(r) for r in c["reads"]),
+                                       bool(c["inputs_every_step"]))
             inputs = tuple(_spec_from_json(e, BufferKind.INPUT) for e in meta["inputs"])
             state, initial, stored = [], {}, 0
             for entry in meta["state"]:
@@ -147,7 +180,7 @@ class ProgramInterface:
                                          f"{MAX_INITIAL_BYTES})")
                     initial[spec.name] = torch.frombuffer(bytearray(raw), dtype=spec.dtype).reshape(spec.shape)
                 state.append(spec)
-            interface = cls(inputs, tuple(state), meta["action_dim"], meta["chunk_horizon"], initial)
+            interface = cls(inputs, tuple(state), meta["action_dim"], meta["chunk_horizon"], initial, cadence)
         except (ValueError, KeyError, TypeError) as exc:
             raise ProgramError(f"{where}: its capsule_ros metadata is not valid ({type(exc).__name__}: {exc}); "
                                "write the file with `capsule-ros export`") from None
@@ -157,8 +190,27 @@ class ProgramInterface:
     def describe(self) -> str:
         def show(specs):
             return ", ".join(f"{s.name} {dtype_name(s.dtype)}{list(s.shape)}" for s in specs)
+        chunked = "" if self.cadence is None else (f"; chunks of {self.cadence.length}, {self.cadence.horizon} "
+                                                    f"executed, planned from {list(self.cadence.reads)}")
         return (f"inputs {show(self.inputs)}; state {show(self.state)}; action_dim {self.action_dim}, "
-                f"chunk_horizon {self.chunk_horizon}")
+                f"chunk_horizon {self.chunk_horizon}{chunked}")
+
+    def phase_specs(self, phase: str) -> Tuple[List[Tuple[str, Tuple[int, ...], torch.dtype]], int]:
+        """What a program takes, (name, shape with the batch, dtype) each, and how many
+        tensors it returns: ``forward`` or a chunking program's ``observe``/``plan``/``emit``."""
+        def batched(specs):
+            return [(s.name, (1, *s.shape), s.dtype) for s in specs]
+        by_name = {s.name: s for s in (*self.inputs, *self.state)}
+        if phase == "forward":
+            return batched((*self.inputs, *self.state)), 2 + len(self.state)
+        if phase == "observe":
+            return batched((*self.inputs, *self.state)), len(self.state)
+        assert self.cadence is not None
+        if phase == "plan":
+            return batched([by_name[r] for r in self.cadence.reads]), 1
+        rows = [("action", (1, self.action_dim), torch.float32),
+                ("upcoming", (1, self.chunk_horizon, self.action_dim), torch.float32)]
+        return rows + batched(self.state), 2 + len(self.state)
 
 
 def _spec_json(spec: BufferSpec) -> dict:
@@ -234,20 +286,34 @@ def _check_payloads(archive: _Archive) -> None:
                            "load them with the full unpickler, capsule_ros does not") from None
 
 
-def read_program(path: Path, where: str) -> Tuple[torch.export.ExportedProgram, ProgramInterface, str]:
-    """(program, interface, SHA-256 of the file) from a .pt2, checked as the module docstring says."""
-    data = path.read_bytes()
-    archive = _Archive(io.BytesIO(data), where)
-    interface = ProgramInterface.from_json(archive.read(f"extra/{METADATA_FILE}").decode(), where)
-    _check_payloads(archive)
+def _load(data: bytes, where: str) -> torch.export.ExportedProgram:
+    """One checked, functional program from the bytes of a .pt2 archive."""
+    _check_payloads(_Archive(io.BytesIO(data), where))
     try:
         program = torch.export.load(io.BytesIO(data))
     except Exception as exc:  # noqa: BLE001 - a file torch cannot read: say so in one line
         raise ProgramError(f"{where}: torch.export.load fails ({type(exc).__name__}: {exc}); the file may come "
                            f"from another torch version (this is {torch.__version__}): export it again") from None
-    program = functional(program)
-    _check_signature(program, interface, where)
-    return program, interface, hashlib.sha256(data).hexdigest()
+    return functional(program)
+
+
+def read_program(path: Path, where: str) -> Tuple[Dict[str, torch.export.ExportedProgram], ProgramInterface, str]:
+    """({phase: program}, interface, SHA-256 of the file) from a .pt2, checked as the module
+    docstring says: ``forward``, or a chunking program's ``observe``, ``plan`` and ``emit``."""
+    data = path.read_bytes()
+    archive = _Archive(io.BytesIO(data), where)
+    interface = ProgramInterface.from_json(archive.read(f"extra/{METADATA_FILE}").decode(), where)
+    programs = {"forward" if interface.cadence is None else "plan": _load(data, where)}
+    if interface.cadence is not None:
+        for phase in ("observe", "emit"):
+            try:
+                nested = base64.b64decode(archive.read(f"extra/{PHASE_FILE.format(phase)}"), validate=True)
+            except ValueError:
+                raise ProgramError(f"{where}: its {phase} program is not base64; export it again") from None
+            programs[phase] = _load(nested, f"{where} ({phase} program)")
+    for phase, program in programs.items():
+        _check_signature(program, interface, where, phase)
+    return programs, interface, hashlib.sha256(data).hexdigest()
 
 
 def functional(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -260,25 +326,26 @@ def functional(program: torch.export.ExportedProgram) -> torch.export.ExportedPr
     return program.run_decompositions({}) if mutable else program
 
 
-def _check_signature(program: torch.export.ExportedProgram, interface: ProgramInterface, where: str) -> None:
-    """The program's own signature must be the one its metadata describes, and it must keep
-    nothing between calls (no buffer or input written in place)."""
+def _check_signature(program: torch.export.ExportedProgram, interface: ProgramInterface, where: str,
+                     phase: str = "forward") -> None:
+    """The program's own signature must be the one its metadata describes for ``phase``,
+    and it must keep nothing between calls (no buffer or input written in place)."""
     signature = program.graph_signature
     if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
-        raise ProgramError(f"{where}: the program writes {sorted(signature.buffers_to_mutate)} "
+        raise ProgramError(f"{where}: the {phase} program writes {sorted(signature.buffers_to_mutate)} "
                            f"{sorted(signature.user_inputs_to_mutate)} in place: state kept between steps must be "
                            "returned as new_state, not written into buffers or inputs")
     placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
-    expected = [*interface.inputs, *interface.state]
+    expected, outputs_expected = interface.phase_specs(phase)
     got = [placeholders[name].meta.get("val") for name in signature.user_inputs]
     outputs = len(signature.user_outputs)
-    mismatched = [f"{spec.name} is {'?' if val is None else f'{dtype_name(val.dtype)}{list(val.shape)}'} in the "
-                  f"program, {dtype_name(spec.dtype)}{[1, *spec.shape]} in the metadata"
-                  for spec, val in zip(expected, got, strict=False)
-                  if val is None or tuple(val.shape) != (1, *spec.shape) or val.dtype != spec.dtype]
-    if len(got) != len(expected) or outputs != 2 + len(interface.state) or mismatched:
-        raise ProgramError(f"{where}: the program takes {len(got)} tensors and returns {outputs}, its metadata "
-                           f"says {len(expected)} and {2 + len(interface.state)} ({interface.describe()})"
+    mismatched = [f"{name} is {'?' if val is None else f'{dtype_name(val.dtype)}{list(val.shape)}'} in the "
+                  f"program, {dtype_name(dtype)}{list(shape)} in the metadata"
+                  for (name, shape, dtype), val in zip(expected, got, strict=False)
+                  if val is None or tuple(val.shape) != shape or val.dtype != dtype]
+    if len(got) != len(expected) or outputs != outputs_expected or mismatched:
+        raise ProgramError(f"{where}: the {phase} program takes {len(got)} tensors and returns {outputs}, its "
+                           f"metadata says {len(expected)} and {outputs_expected} ({interface.describe()})"
                            + (f"; mismatched: {'; '.join(mismatched)}" if mismatched else "") + ": export it again")
 
 
@@ -303,15 +370,22 @@ def bind_inputs(interface: ProgramInterface, ports: Sequence[BufferSpec], where:
 class ExportedPolicy(StatefulPolicy):
     """An exported program over the arena (see the module docstring)."""
 
-    def __init__(self, program: torch.export.ExportedProgram, interface: ProgramInterface, sha256: str):
+    def __init__(self, programs: Mapping[str, torch.export.ExportedProgram], interface: ProgramInterface,
+                 sha256: str):
         super().__init__()
         self.interface, self.sha256 = interface, sha256
         self.action_dim, self.chunk_horizon = interface.action_dim, interface.chunk_horizon
-        self._exported = program
+        self._exported = dict(programs)
         self._device = torch.device("cpu")
-        self.program = program.module()
-        self._arguments = [s.name for s in (*interface.inputs, *interface.state)]
-        self._state_names = [s.name for s in interface.state]
+        self._bind()
+
+    def _bind(self) -> None:
+        """The phases' callables (``module()`` of each program) behind ``ModuleSteps``."""
+        run = {phase: program.module() for phase, program in self._exported.items()}
+        self.programs = run
+        self.steps = ModuleSteps(self.interface.inputs, self.interface.state, forward=run.get("forward"),
+                                 cadence=self.interface.cadence, observe=run.get("observe"), plan=run.get("plan"),
+                                 emit=run.get("emit"))
 
     @classmethod
     def from_file(cls, path: Path, inputs: Optional[Sequence[BufferSpec]] = None,
@@ -326,14 +400,15 @@ class ExportedPolicy(StatefulPolicy):
         return cls(*read_program(path, where))
 
     def to(self, *args, **kwargs):
-        """Move to a device like any module, and the program's graph with it: a traced
+        """Move to a device like any module, and the programs' graphs with it: a traced
         graph names devices (e.g. of ``arange``), which torch.export's device pass rewrites."""
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None and torch.device(device) != self._device:
             from torch.export.passes import move_to_device_pass
-            self._exported = move_to_device_pass(self._exported, torch.device(device))
-            self.program = self._exported.module()
+            self._exported = {phase: move_to_device_pass(program, torch.device(device))
+                              for phase, program in self._exported.items()}
             self._device = torch.device(device)
+            self._bind()
         return super().to(*args, **kwargs)
 
     def train(self, mode: bool = True):
@@ -347,9 +422,17 @@ class ExportedPolicy(StatefulPolicy):
                 "inputs": [_spec_json(s) for s in self.interface.inputs],
                 "state": [{**_spec_json(s), "kind": s.kind.value} for s in self.interface.state]}
 
+    def cadence(self) -> Optional[ChunkCadence]:
+        return self.interface.cadence
+
     def state_spec(self) -> List[BufferSpec]:
         own = [s for s in self.interface.state if s.name != RNG]     # rng is the standard buffer
-        return [*self.interface.inputs, *own, *standard_specs(self.action_dim, self.chunk_horizon)]
+        specs = [*self.interface.inputs, *own, *standard_specs(self.action_dim, self.chunk_horizon)]
+        cadence = self.interface.cadence
+        if cadence is not None:
+            by_name = {s.name: s for s in specs}
+            specs += chunk_specs(cadence.length, self.action_dim, [by_name[r] for r in cadence.reads])
+        return specs
 
     def init_state(self, state: State, *, episode: int, seed: int) -> None:
         inputs = {s.name for s in self.interface.inputs}
@@ -361,17 +444,20 @@ class ExportedPolicy(StatefulPolicy):
         state[EPISODE].fill_(episode)
         state[RNG][0] = seed & 0xFFFFFFFF
 
+    def observe(self, state: State) -> None:
+        self.steps.observe(state)
+
+    def plan(self, state: State, chunk: torch.Tensor) -> None:
+        self.steps.plan(state, chunk)
+
+    def emit(self, state: State, action: torch.Tensor, upcoming: torch.Tensor) -> None:
+        self.steps.emit(state, action, upcoming)
+
     def step(self, state: State) -> None:
-        action, chunk, *new_state = self.program(*(state[name].unsqueeze(0) for name in self._arguments))
-        arena = state[ACTION].untyped_storage().data_ptr()
-        # an output that is a view of the arena (a state passed through) is read before any write
-        new_state = [v.clone() if v.untyped_storage().data_ptr() == arena else v for v in new_state]
-        for name, value in zip(self._state_names, new_state, strict=True):
-            state[name].copy_(value[0])
-        state[ACTION].copy_(action[0])
-        state[CHUNK].copy_(chunk[0])
-        state[STEP].add_(1)
-        state[POSITION].add_(1)
+        if self.interface.cadence is not None:
+            chunked_step(self, state, self.interface.cadence.horizon)
+        else:
+            self.steps.step(state)
 
 
 # --- the kind -----------------------------------------------------------------------------------

@@ -47,17 +47,16 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import enum
-import json
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
-
 import torch
 
 from capsule_ros.errors import ConfigError, CorruptCapsule, FingerprintMismatch
 from capsule_ros.runtime.arena import ArenaLayout, BufferKind, BufferSpec, StateArena
+from capsule_ros.runtime.chunkmark import ChunkMark, ChunkMode
 from capsule_ros.runtime.policy import (
     CHUNK_ACTIONS,
     CHUNK_CURSOR,
@@ -69,11 +68,6 @@ from capsule_ros.runtime.policy import (
 )
 
 FRESH = "chunk.fresh"            # the worker's arena: the chunk its last plan wrote
-
-
-class ChunkMode(str, enum.Enum):
-    SYNC = "sync"
-    ASYNC = "async"
 
 
 class Program(str, enum.Enum):
@@ -135,37 +129,6 @@ class ChunkSchedule:
             return f"sync, {self.horizon} of {self.length} actions per chunk"
         return (f"async, inference delay {self.delay} steps, rows {self.delay}..{self.end - 1} of {self.length} "
                 f"executed per chunk ({self.horizon} steps)")
-
-
-@dataclass(frozen=True)
-class ChunkMark:
-    """The host mirror of a chunk state (and what a capsule carries): the schedule it
-    belongs to and the cursor and pending flag of ``chunk.cursor`` / ``chunk.pending``."""
-
-    mode: str
-    delay: int
-    horizon: int
-    cursor: int
-    pending: bool
-
-    def to_json(self) -> dict:
-        return {"mode": self.mode, "delay": self.delay, "horizon": self.horizon, "cursor": self.cursor,
-                "pending": int(self.pending)}
-
-    @classmethod
-    def from_json(cls, obj: object, where: str) -> ChunkMark:
-        """A mark from a capsule header; CorruptCapsule naming ``where`` when malformed."""
-        keys = ("mode", "delay", "horizon", "cursor", "pending")
-        if not isinstance(obj, dict) or sorted(obj) != sorted(keys):
-            raise CorruptCapsule(f"{where}: chunk schedule {json.dumps(obj)[:120]} needs exactly the keys {list(keys)}")
-        if obj["mode"] not in {m.value for m in ChunkMode}:
-            raise CorruptCapsule(f"{where}: chunk schedule mode {obj['mode']!r}")
-        values = [obj[k] for k in keys[1:]]
-        if any(not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 31 for v in values):
-            raise CorruptCapsule(f"{where}: chunk schedule {obj} holds a value that is not a small integer")
-        if obj["pending"] not in (0, 1):
-            raise CorruptCapsule(f"{where}: chunk schedule pending {obj['pending']} is not 0 or 1")
-        return cls(obj["mode"], obj["delay"], obj["horizon"], obj["cursor"], bool(obj["pending"]))
 
 
 @dataclass(frozen=True)
@@ -296,6 +259,7 @@ class StreamRefill(RefillWorker):
         self._done: Optional[torch.cuda.Event] = None
 
     def prepare(self) -> None:
+        assert self.stream is not None
         if self._plan_graph is not None:
             return
         saved = self.arena.storage.clone()
@@ -489,7 +453,8 @@ class ChunkExecutor:
         of range (CorruptCapsule)."""
         s = self.schedule
         if mark is None:
-            raise CorruptCapsule(f"capsule {capsule_id!r} carries no chunk schedule; this policy's chunk state needs one")
+            raise CorruptCapsule(f"capsule {capsule_id!r} carries no chunk schedule; this policy's chunk state "
+                                 "needs one")
         if (mark.mode, mark.delay, mark.horizon) != (s.mode.value, s.delay, s.horizon):
             raise FingerprintMismatch(
                 f"capsule {capsule_id!r} was made under control.chunking {mark.mode} with inference delay {mark.delay} "
@@ -498,7 +463,8 @@ class ChunkExecutor:
         stored = self.mark_of(data)
         if (stored.cursor, stored.pending) != (mark.cursor, mark.pending):
             raise CorruptCapsule(f"capsule {capsule_id!r}: its chunk cursor {stored.cursor} / pending "
-                                 f"{int(stored.pending)} disagree with its metadata ({mark.cursor} / {int(mark.pending)})")
+                                 f"{int(stored.pending)} disagree with its metadata ({mark.cursor} / "
+                                 f"{int(mark.pending)})")
         if mark.pending:        # requested at cursor == horizon, adopted at end
             reachable = s.mode == ChunkMode.ASYNC and s.horizon < mark.cursor <= s.end
         else:                   # after a step (1 .. horizon), or a new episode's (end)

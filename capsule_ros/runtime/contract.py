@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List
 
 import torch
 
@@ -110,7 +110,7 @@ def check_state_contract(runtime: PolicyRuntime) -> None:
             try:
                 rows = _random_inputs(runtime, BEFORE_SNAPSHOT)
                 for row in rows:
-                    _run(runtime, row)
+                    _run(runtime, row, outputs)
                 repeated = _chunk_steps(runtime) if runtime.executor is not None else REPEATED
                 rows = _random_inputs(runtime, repeated, seed=1)
                 snapshot = arena.storage.clone()
@@ -155,12 +155,12 @@ def check_state_contract(runtime: PolicyRuntime) -> None:
             "runtime.state_check: false to serve it anyway (capsules will not restore that state)")
 
 
-def _run(runtime: PolicyRuntime, row: Dict[str, torch.Tensor], outputs: Optional[torch.Tensor] = None,
-         eager: bool = False) -> Optional[torch.Tensor]:
+def _run(runtime: PolicyRuntime, row: Dict[str, torch.Tensor], outputs: torch.Tensor,
+         eager: bool = False) -> torch.Tensor:
     """One step on ``row`` (written straight into the arena's inputs) through the runtime's
     schedule; a copy of ``outputs`` (meta + outputs) after it."""
     for name, value in row.items():
         runtime.arena[name].copy_(value)
     runtime.step(eager=eager)
     runtime.synchronize()
-    return outputs.clone() if outputs is not None else None
+    return outputs.clone()

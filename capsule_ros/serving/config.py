@@ -110,6 +110,17 @@ class ControlConfig(ConfigSection):
                                       "bytes of one step's inputs); start-up fails above it", low=0.0, high=1e7)
     service_timeout_ms: float = setting(500.0, "how long a service waits for a step boundary (then BUSY)",
                                         low=1.0, high=60000.0)
+    chunking: str = setting("sync", "chunking policies (ACT with a queue, Diffusion, gru_chunk, exported programs with "
+                            "a cadence): sync plans a chunk when the current one is used up, in the step that needs "
+                            "it; async plans it off the control loop from the observation inference_delay_steps "
+                            "steps earlier (docs/chunking.md)", choices=("sync", "async"), read_only=True)
+    inference_delay_steps: str = setting("auto", "async chunking: steps between a refill's request and the step its "
+                                         "chunk takes over (fixed, recorded in capsules and bags); auto: the refill's "
+                                         "p99 measured at activate, over rate_hz, with a 25% margin",
+                                         pattern=r"auto|[1-9][0-9]{0,5}", read_only=True)
+    execution_horizon: int = setting(0, "chunking: actions executed from each chunk (0 = the policy's own, e.g. "
+                                     "LeRobot's n_action_steps; async: at most the chunk's length less the delay)",
+                                     low=0, high=100000, read_only=True)
 
     def check(self) -> None:
         if self.mode == "trigger" and not self.trigger_port:

@@ -11,7 +11,8 @@ from capsule_ros.capsules.store import CapsuleStore
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.registry import BuildContext, policy_kind
 from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
-from capsule_ros.runtime.engine import PolicyRuntime, StreamKeeper, runtime_fingerprint
+from capsule_ros.runtime.chunking import ChunkSchedule, resolve_delay
+from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, StreamKeeper, runtime_fingerprint
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.session import PolicySession
@@ -52,7 +53,25 @@ def build_policy(config: ServingConfig, weights: Optional[str] = None,
 
 def build_runtime(config: ServingConfig, weights: Optional[str] = None) -> PolicyRuntime:
     """The configured policy's runtime; its fingerprint covers what fills each input."""
-    return PolicyRuntime(build_policy(config, weights), config.runtime, inputs=port_bindings(config))
+    return PolicyRuntime(build_policy(config, weights), config.runtime, inputs=port_bindings(config),
+                         chunking=chunking_options(config))
+
+
+def chunking_options(config: ServingConfig, *, worker: str = "auto") -> ChunkingOptions:
+    """The chunk schedule settings of ``control`` (``chunking``, ``inference_delay_steps``,
+    ``execution_horizon``; the rate for an ``auto`` delay)."""
+    control = config.control
+    return ChunkingOptions(control.chunking, resolve_delay(control.inference_delay_steps), control.execution_horizon,
+                           control.rate_hz, worker)
+
+
+def check_chunking(policy: StatefulPolicy, config: ServingConfig) -> None:
+    """Refuse at configure a chunk schedule whose numbers cannot work (ConfigError with the
+    numbers); an ``auto`` delay is known, and checked, only at activate."""
+    cadence = policy.cadence()
+    options = chunking_options(config)
+    if cadence is not None and (options.mode == "sync" or options.delay is not None):
+        ChunkSchedule.resolve(cadence, options.mode, options.delay or 0, options.horizon)
 
 
 def port_bindings(config: ServingConfig) -> Dict[str, dict]:
@@ -83,6 +102,7 @@ def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None,
     """Build the policy on the CPU (weights read and checked), compute the fingerprint and
     open the capsule directory (which moves unfinished saves aside)."""
     policy = build_policy(config, weights)
+    check_chunking(policy, config)
     fingerprint = runtime_fingerprint(policy, config.runtime, port_bindings(config))
     directory = None
     if config.capsules.directory:
@@ -102,7 +122,7 @@ def start_session(prepared: PreparedServing, *, on_event=None,
     owner (``StreamKeeper`` says why)."""
     config = prepared.config
     runtime = PolicyRuntime(prepared.policy, config.runtime, inputs=port_bindings(config), streams=streams,
-                            _fingerprint=prepared.fingerprint)
+                            chunking=chunking_options(config), _fingerprint=prepared.fingerprint)
     store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
     session = PolicySession(runtime, store, config.control, directory=prepared.directory, ports=config.ports,
                             prefix=config.policy.prefix, on_event=on_event)

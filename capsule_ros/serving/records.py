@@ -111,6 +111,7 @@ class ReenterResult:
 class SessionCounters:
     steps: int = 0
     deadline_misses: int = 0
+    late_refills: int = 0              # chunk takeovers whose asynchronous refill had not finished (also misses)
     step_errors: int = 0               # steps that raised (safe action published, state put back)
     nonfinite_steps: int = 0           # steps with non-finite outputs (likewise)
     fallback_recomputes: int = 0

@@ -7,6 +7,9 @@ action (``control.deadline_action``) and the fault is counted:
 - ``LATE``: the step ended after its deadline. Its state is kept (the policy did step);
   only its action is withheld. With the deadline watchdog running, the safe action goes
   out *at* the deadline from the watchdog's thread, while the step still runs.
+- ``LATE`` also when a chunking policy's step takes over a chunk whose asynchronous
+  refill had not finished by then (``late_refills``): the step waits for it, so its
+  state is exact whatever the timing, and hands out the safe action.
 - ``ERROR``: the step raised. ``NONFINITE``: its outputs held NaN or Inf. With the step
   guard (``runtime.guard_steps``) the state is put back exactly as before the step, so
   later steps behave as if it never ran; without it the state is left as the step left it.
@@ -97,10 +100,11 @@ class GuardedStep:
     def _run(self, from_step: int, deadline_s: Optional[float], forced_late: bool,
              watchdog: Optional[DeadlineWatchdog]) -> StepResult:
         fault, out, start = StepFault.NONE, None, time.perf_counter()
+        refill_late = False
         with self.inputs.lock:
             try:
                 self.runtime.load_inputs()
-                self.runtime.step()
+                refill_late = self.runtime.step().late
                 out = self.runtime.read_outputs()
                 if not (np.isfinite(out.action).all() and np.isfinite(out.chunk).all()):
                     fault = StepFault.NONFINITE
@@ -116,7 +120,10 @@ class GuardedStep:
         if fault != StepFault.NONE or out is None:
             return StepResult(out, fault, self._after_fault(fault, from_step), seconds, overran)
         self.counters.steps += 1
-        if forced_late or overran or (deadline_s is not None and seconds > deadline_s):
+        if refill_late:
+            self.counters.late_refills += 1
+            self.counters.last_fault = f"the refill taking over at step {from_step + 1} had not finished in time"
+        if forced_late or overran or refill_late or (deadline_s is not None and seconds > deadline_s):
             fault = StepFault.LATE
             self.counters.deadline_misses += 1
         return StepResult(out, fault, out.step, seconds, overran)

@@ -1,22 +1,22 @@
-"""The GRU action-chunk policy as a pure function, and its settings.
+"""The GRU action-chunk policy as pure functions, and its settings.
 
-``GruChunkModule.forward(*inputs, *state) -> (action, chunk, *new_state)`` computes one
-control step from the observation and the state, batch first, and writes nothing: the
-served policy (``policy.py``) copies the new state into its arena buffers, and
-``capsule-ros export`` traces this very module into a ``.pt2`` program. One forward serves
-both, so the exported program computes exactly what the ``gru_chunk`` kind computes.
+A chunking policy (capsule_ros's chunk cadence, docs/bring-your-own-policy.md): the module
+declares ``cadence`` and three pure, batch-first functions that write nothing; the
+served policy (``policy.py``) runs them over its arena buffers, and ``capsule-ros export``
+traces each into the ``.pt2`` program, so the exported program computes exactly what the
+``gru_chunk`` kind computes.
 
-One step:
+- ``observe(*inputs, *state) -> new_state`` runs at every step: the observation (every
+  input, flattened, concatenated) is encoded and fed through ``layers`` stacked GRU cells;
+  the hidden state ``gru.h`` advances;
+- ``plan(gru.h) -> chunk [B, chunk_horizon, A]`` runs only when a chunk is due (every
+  ``chunk_horizon`` steps in sync mode): the head on the last layer's hidden state;
+- ``emit(action, upcoming, *state) -> (action, chunk, *new_state)``: the action is the
+  chunk row the runtime selected (plus optional Gaussian noise from the counter-based
+  generator kept in ``rng``), the published chunk the rows from it on; the counter moves on.
 
-- the observation (every input, flattened, concatenated) is encoded and fed through
-  ``layers`` stacked GRU cells; the hidden state ``gru.h`` advances on every step;
-- every ``chunk_horizon`` steps (when ``queue.index`` is 0) the head predicts a chunk of
-  ``chunk_horizon`` actions into the queue ``queue.actions``; on the other steps the
-  queue is kept. The choice is ``torch.where`` on the counter, not a Python ``if``: the
-  step has one fixed sequence of kernels, which is what a CUDA graph replays;
-- the action is ``queue[index]`` (plus optional Gaussian noise from the counter-based
-  generator kept in ``rng``); the published chunk is the queue from ``index`` on, its last
-  action repeated to fill the horizon; then ``index`` advances modulo the horizon.
+The chunk itself and its cursor are the runtime's standard buffers (``chunk.actions``,
+``chunk.cursor``), not the module's state.
 """
 from __future__ import annotations
 
@@ -28,12 +28,10 @@ from torch import nn
 
 from capsule_ros.config import ConfigSection, dims, setting
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.policy import RNG
+from capsule_ros.runtime.policy import RNG, ChunkCadence
 from capsule_ros.runtime.rng import counter_normal
 
 HIDDEN = "gru.h"            # float32[layers, hidden]: the GRU's hidden state
-QUEUE = "queue.actions"     # float32[chunk_horizon, action_dim]: the chunk being executed
-INDEX = "queue.index"       # int64[1]: the queue entry this step executes
 
 
 @dataclass(frozen=True)
@@ -45,8 +43,8 @@ class GruChunkConfig(ConfigSection):
     hidden: int = setting(64, "GRU hidden size", low=1, high=4096, read_only=True)
     layers: int = setting(1, "stacked GRU cells", low=1, high=16, read_only=True)
     action_dim: int = setting(2, "action values per step", low=1, high=1024, read_only=True)
-    chunk_horizon: int = setting(8, "actions per predicted chunk; a new chunk every chunk_horizon steps",
-                                 low=1, high=1024, read_only=True)
+    chunk_horizon: int = setting(8, "actions per predicted chunk; in sync chunking a new chunk every chunk_horizon "
+                                 "steps", low=1, high=1024, read_only=True)
     action_scale: float = setting(1.0, "actions are action_scale * tanh(head)", low=1e-6, high=1e6, read_only=True)
     action_noise_std: float = setting(0.0, "std of Gaussian noise added to each action (counter-based RNG in "
                                       "the state)", low=0.0, high=1e6, read_only=True)
@@ -64,11 +62,12 @@ def gru_cell(x: torch.Tensor, h: torch.Tensor, input_gates: nn.Linear, hidden_ga
 
 
 class GruChunkModule(nn.Module):
-    """The policy's step as a pure, batch-first function (see the module docstring).
+    """The policy's phases as pure, batch-first functions (see the module docstring).
 
-    It follows capsule_ros's export interface: ``inputs`` and ``state`` list the tensors
-    ``forward`` takes (shapes without the batch dimension), ``initial_state()`` gives the
-    state of a new episode, and ``action_dim`` / ``chunk_horizon`` size the outputs.
+    It follows capsule_ros's export interface for chunking policies: ``inputs`` and
+    ``state`` list the tensors the phases take (shapes without the batch dimension),
+    ``initial_state()`` gives the state of a new episode, ``action_dim`` /
+    ``chunk_horizon`` size the outputs, ``cadence`` says how the chunk is used.
     """
 
     def __init__(self, cfg: GruChunkConfig, inputs: Sequence[BufferSpec]):
@@ -80,39 +79,43 @@ class GruChunkModule(nn.Module):
         self.inputs: List[BufferSpec] = [BufferSpec(s.name, s.shape, s.dtype, BufferKind.INPUT) for s in inputs]
         self.state: List[BufferSpec] = [
             BufferSpec(HIDDEN, (cfg.layers, cfg.hidden), torch.float32, BufferKind.RECURRENT),
-            BufferSpec(QUEUE, (cfg.chunk_horizon, cfg.action_dim), torch.float32, BufferKind.CHUNK),
-            BufferSpec(INDEX, (1,), torch.int64, BufferKind.CHUNK),
             BufferSpec(RNG, (2,), torch.int64, BufferKind.META),      # seeded by the runtime at every reset
         ]
+        self.cadence = ChunkCadence(length=cfg.chunk_horizon, horizon=cfg.chunk_horizon, reads=(HIDDEN,),
+                                    inputs_every_step=True)
         self.encoder = nn.Linear(sum(dims(s.shape) for s in self.inputs), cfg.hidden)
         self.input_gates = nn.ModuleList(nn.Linear(cfg.hidden, 3 * cfg.hidden) for _ in range(cfg.layers))
         self.hidden_gates = nn.ModuleList(nn.Linear(cfg.hidden, 3 * cfg.hidden) for _ in range(cfg.layers))
         self.head = nn.Linear(cfg.hidden, cfg.chunk_horizon * cfg.action_dim)
-        # constants of the step, made once: a step allocates no persistent tensor
-        self.register_buffer("offsets", torch.arange(cfg.chunk_horizon), persistent=False)
+        # a constant of the step, made once: a step allocates no persistent tensor
         self.register_buffer("rng_advance", torch.tensor([0, 1]), persistent=False)
 
     def initial_state(self) -> Dict[str, torch.Tensor]:
-        """The state of a new episode: an empty queue at index 0, a zero hidden state."""
+        """The state of a new episode: a zero hidden state (rng is seeded by the runtime)."""
         return {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in self.state}
 
-    def forward(self, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def observe(self, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """(*inputs, hidden, rng) -> (new hidden, rng): the GRU update of this step."""
         n = len(self.inputs)
-        inputs, (hidden, queue, index, rng) = tensors[:n], tensors[n:]
+        inputs, (hidden, rng) = tensors[:n], tensors[n:]
         batch = hidden.shape[0]
-        horizon, action_dim = self.chunk_horizon, self.action_dim
         x = torch.tanh(self.encoder(torch.cat([t.reshape(batch, -1).float() for t in inputs], dim=-1)))
         layers = []
         for i, (input_gates, hidden_gates) in enumerate(zip(self.input_gates, self.hidden_gates, strict=True)):
             x = gru_cell(x, hidden[:, i], input_gates, hidden_gates)
             layers.append(x)
-        predicted = (self.cfg.action_scale * torch.tanh(self.head(x))).view(batch, horizon, action_dim)
-        refill = (index == 0).view(batch, 1, 1)
-        new_queue = torch.where(refill, predicted, queue)
-        ahead = torch.clamp(index + self.offsets, max=horizon - 1)                   # [B, H]
-        upcoming = torch.gather(new_queue, 1, ahead.unsqueeze(-1).expand(batch, horizon, action_dim))
-        action = upcoming[:, 0]
+        return torch.stack(layers, dim=1), rng
+
+    def plan(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, layers, hidden] -> a chunk [B, chunk_horizon, A] from the last layer."""
+        batch = hidden.shape[0]
+        return (self.cfg.action_scale * torch.tanh(self.head(hidden[:, -1]))).view(
+            batch, self.chunk_horizon, self.action_dim)
+
+    def emit(self, action: torch.Tensor, upcoming: torch.Tensor, hidden: torch.Tensor,
+             rng: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """(selected row [B, A], rows from it on [B, H, A], hidden, rng) ->
+        (action, chunk, hidden, rng advanced)."""
         if self.cfg.action_noise_std > 0:         # a setting, fixed at construction: not data-dependent
-            action = action + self.cfg.action_noise_std * counter_normal(rng[0], (action_dim,))
-        return (action, upcoming, torch.stack(layers, dim=1), new_queue, torch.remainder(index + 1, horizon),
-                rng + self.rng_advance)
+            action = action + self.cfg.action_noise_std * counter_normal(rng[0], (self.action_dim,))
+        return action, upcoming, hidden, rng + self.rng_advance

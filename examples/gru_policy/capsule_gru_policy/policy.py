@@ -1,12 +1,14 @@
 """The ``gru_chunk`` policy kind: ``GruChunkModule`` served as a capsule_ros StatefulPolicy.
 
 What lives in the arena (``state_spec``): the ports' input buffers, the GRU hidden state,
-the action queue and its index, and the standard meta and output buffers (step,
-position, episode, the RNG's (seed, counter), action, chunk). Nothing else is kept
-between steps: the module's weights never change, and ``step`` reads the buffers, calls
-the pure forward and copies the results back in place, so a capsule (one copy of the
-arena) holds the whole episode state, and the step has no host synchronisation and no
-data-dependent Python branch, so it is captured as one CUDA graph.
+the runtime's chunk buffers (the chunk, its cursor, an asynchronous request's copy of the
+hidden state) and the standard meta and output buffers (step, position, episode, the
+RNG's (seed, counter), action, chunk). Nothing else is kept between steps: the module's
+weights never change, and each phase reads the buffers, calls the module's pure function
+and copies the results back in place (``capsule_ros.policies.phases``), so a capsule (one
+copy of the arena) holds the whole episode state. The GRU update runs at every step, the
+head only when a chunk is due; each program of the chunk schedule is captured as a CUDA
+graph on a GPU.
 """
 from __future__ import annotations
 
@@ -14,19 +16,11 @@ from typing import List
 
 import torch
 
+from capsule_ros.policies.phases import ModuleSteps
 from capsule_ros.policies.registry import BuildContext, PolicyKind
 from capsule_ros.runtime.arena import BufferSpec
-from capsule_ros.runtime.policy import (
-    ACTION,
-    CHUNK,
-    EPISODE,
-    POSITION,
-    RNG,
-    STEP,
-    State,
-    StatefulPolicy,
-    standard_specs,
-)
+from capsule_ros.runtime.chunking import chunked_step
+from capsule_ros.runtime.policy import EPISODE, RNG, ChunkCadence, State, StatefulPolicy, chunk_specs, standard_specs
 from capsule_ros.runtime.weights import load_weights
 
 from .model import GruChunkConfig, GruChunkModule
@@ -42,14 +36,20 @@ class GruChunkPolicy(StatefulPolicy):
         standard = {s.name for s in standard_specs(self.action_dim, self.chunk_horizon)}
         # the module's own state, less the standard buffers it shares (rng)
         self._own_state = [s for s in module.state if s.name not in standard]
-        self._arguments = [s.name for s in module.inputs + module.state]
+        self.steps = ModuleSteps(module.inputs, module.state, cadence=module.cadence, observe=module.observe,
+                                 plan=module.plan, emit=module.emit)
 
     def architecture(self) -> dict:
         return {"policy": "gru_chunk", **self.module.cfg.to_mapping(),
                 "inputs": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype)} for s in self.module.inputs]}
 
+    def cadence(self) -> ChunkCadence:
+        return self.module.cadence
+
     def state_spec(self) -> List[BufferSpec]:
-        return [*self.module.inputs, *self._own_state, *standard_specs(self.action_dim, self.chunk_horizon)]
+        reads = [s for s in self.module.state if s.name in self.module.cadence.reads]
+        return [*self.module.inputs, *self._own_state, *standard_specs(self.action_dim, self.chunk_horizon),
+                *chunk_specs(self.module.cadence.length, self.action_dim, reads)]
 
     def init_state(self, state: State, *, episode: int, seed: int) -> None:
         inputs = {s.name for s in self.module.inputs}
@@ -61,15 +61,17 @@ class GruChunkPolicy(StatefulPolicy):
         state[EPISODE].fill_(episode)
         state[RNG][0] = seed & 0xFFFFFFFF
 
+    def observe(self, state: State) -> None:
+        self.steps.observe(state)
+
+    def plan(self, state: State, chunk: torch.Tensor) -> None:
+        self.steps.plan(state, chunk)
+
+    def emit(self, state: State, action: torch.Tensor, upcoming: torch.Tensor) -> None:
+        self.steps.emit(state, action, upcoming)
+
     def step(self, state: State) -> None:
-        # batch of one: views with a leading dimension of 1, no copies
-        action, chunk, *new_state = self.module(*(state[name].unsqueeze(0) for name in self._arguments))
-        for spec, value in zip(self.module.state, new_state, strict=True):
-            state[spec.name].copy_(value[0])
-        state[ACTION].copy_(action[0])
-        state[CHUNK].copy_(chunk[0])
-        state[STEP].add_(1)
-        state[POSITION].add_(1)
+        chunked_step(self, state, self.module.cadence.horizon)
 
 
 def seeded_module(cfg: GruChunkConfig, inputs: List[BufferSpec], seed: int) -> GruChunkModule:
@@ -91,5 +93,5 @@ def build(context: BuildContext) -> GruChunkPolicy:
 
 
 POLICY_KIND = PolicyKind("gru_chunk", GruChunkConfig, build,
-                         "a GRU over the observations with an action-chunk queue: one chunk predicted every "
-                         "chunk_horizon steps, one action popped per step")
+                         "a GRU over the observations with an action chunk: the GRU advances every step, its head "
+                         "predicts a chunk of chunk_horizon actions when one is due")
