@@ -77,7 +77,7 @@ def test_a_step_that_raises_publishes_the_safe_action_and_is_undone(tmp_path, mo
     state = state_bytes(session)
     real_step = session.runtime.plan.step
 
-    def half_then_raise():
+    def half_then_raise(*args, **kwargs):
         real_step()                                   # the state is written ...
         raise RuntimeError("Kernel size can't be greater than actual input size")   # ... then it fails
     monkeypatch.setattr(session.runtime.plan, "step", half_then_raise)
@@ -157,7 +157,7 @@ def test_the_watchdog_publishes_the_last_on_time_action_while_a_step_overruns(tm
         on_time = feed(session, observations(3, 4))
         assert all(r.source == ActionSource.POLICY for r in on_time) and not published
         real_step = session.runtime.plan.step
-        monkeypatch.setattr(session.runtime.plan, "step", lambda: (time.sleep(0.1), real_step()))
+        monkeypatch.setattr(session.runtime.plan, "step", lambda *a, **kw: (time.sleep(0.1), real_step(*a, **kw)))
         late = feed(session, observations(2, 5))
     finally:
         session.close()

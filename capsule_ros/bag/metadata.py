@@ -15,7 +15,10 @@ MCAP's ``rosbag2`` metadata record); ``rosbags`` writes it. Keys (all ``capsule_
 - ``versions``: capsule_ros, torch, Python and the CPU capability, for the report;
 - ``initial_inputs``: how many leading sensor messages are the inputs' state when the
   recording started (written by the node at start-up of the recording: a replay stages
-  them but takes no step on them).
+  them but takes no step on them);
+- ``chunking``: the chunk schedule settings (``control.chunking``, the fixed
+  ``inference_delay_steps``, ``execution_horizon``), also in ``params``, where a replay
+  takes them from: an ``auto`` delay is recorded as the number it was fixed to.
 """
 from __future__ import annotations
 
@@ -150,7 +153,10 @@ class RecordingMeta:
             "trigger_port": str(self.params["control"].get("trigger_port", "")),
             "mode": str(self.params["control"].get("mode", "")),
             "digest": self.digest, "messages": str(self.messages),
-            "versions": json.dumps(self.versions, sort_keys=True), "initial_inputs": str(self.initial_inputs)}.items()}
+            "versions": json.dumps(self.versions, sort_keys=True), "initial_inputs": str(self.initial_inputs),
+            "chunking": json.dumps({k: self.params["control"].get(k) for k in
+                                    ("chunking", "inference_delay_steps", "execution_horizon")}, sort_keys=True)
+        }.items()}
 
     @classmethod
     def from_custom_data(cls, custom: Optional[Mapping[str, str]]) -> RecordingMeta:

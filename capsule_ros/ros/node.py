@@ -202,6 +202,8 @@ class PolicyNode(LifecycleNode):
         if self.session is None:
             assert self._prepared is not None
             session = start_session(self._prepared, on_event=self._on_event, streams=self._streams)
+            # an auto inference delay is fixed now: the recorded and reported config carries the number
+            config = self.config = dataclasses.replace(config, control=session.control)
             session.clock_ns = lambda: self.get_clock().now().nanoseconds
             action_dim = session.runtime.policy.action_dim
             period = control_period(config.control)

@@ -1,6 +1,7 @@
 """Build the policy and its runtime from a ServingConfig."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -14,7 +15,7 @@ from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
 from capsule_ros.runtime.chunking import ChunkSchedule, resolve_delay
 from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, StreamKeeper, runtime_fingerprint
 from capsule_ros.runtime.policy import StatefulPolicy
-from capsule_ros.serving.config import ServingConfig
+from capsule_ros.serving.config import ControlConfig, ServingConfig
 from capsule_ros.serving.session import PolicySession
 
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "policies"
@@ -63,6 +64,15 @@ def chunking_options(config: ServingConfig, *, worker: str = "auto") -> Chunking
     control = config.control
     return ChunkingOptions(control.chunking, resolve_delay(control.inference_delay_steps), control.execution_horizon,
                            control.rate_hz, worker)
+
+
+def resolved_control(control: ControlConfig, runtime: PolicyRuntime) -> ControlConfig:
+    """``control`` with the delay the runtime fixed (``inference_delay_steps: auto`` becomes
+    the measured number): what capsules, bags and a replay must use, never ``auto`` again."""
+    schedule = runtime.schedule
+    if schedule is None or schedule.mode.value != "async" or control.inference_delay_steps != "auto":
+        return control
+    return dataclasses.replace(control, inference_delay_steps=str(schedule.delay))
 
 
 def check_chunking(policy: StatefulPolicy, config: ServingConfig) -> None:
@@ -124,7 +134,8 @@ def start_session(prepared: PreparedServing, *, on_event=None,
     runtime = PolicyRuntime(prepared.policy, config.runtime, inputs=port_bindings(config), streams=streams,
                             chunking=chunking_options(config), _fingerprint=prepared.fingerprint)
     store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
-    session = PolicySession(runtime, store, config.control, directory=prepared.directory, ports=config.ports,
+    session = PolicySession(runtime, store, resolved_control(config.control, runtime), directory=prepared.directory,
+                            ports=config.ports,
                             prefix=config.policy.prefix, on_event=on_event)
     if config.control.autostart:
         session.reset()

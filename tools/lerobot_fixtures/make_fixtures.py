@@ -46,7 +46,11 @@ from lerobot.policies.act.modeling_act import ACTPolicy
 from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
 from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
 from lerobot.policies.factory import make_pre_post_processors
-from lerobot.utils.control_utils import predict_action
+
+try:                                                   # LeRobot 0.5+
+    from lerobot.common.control_utils import predict_action
+except ImportError:                                    # LeRobot 0.4
+    from lerobot.utils.control_utils import predict_action
 
 from capsule_ros.runtime.rng import counter_normal
 

@@ -1,0 +1,347 @@
+"""Chunk-aware execution without ROS (``capsule_ros.runtime.chunking``), on the LeRobot
+fixtures (``test/fixtures/lerobot``): the network runs only when a chunk is due; async mode
+equals LeRobot's own ``predict_action_chunk`` in the fixed-delay loop of
+``tools/lerobot_fixtures/async_reference.py`` (``async.npz``) bit for bit; capsules taken at
+every row of a chunk, and while a refill is in flight, restore byte-exactly and the actions
+after them are bit-identical; stale refills are discarded by reset and re-enter; a slowed
+refill is a deadline event, not a divergence; chunk schedules that cannot work, and capsules
+of another schedule or with a forged cursor, are refused with the numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Dict, List
+
+import numpy as np
+import pytest
+import torch
+from lerobot_fixtures import FIXTURES, PORTS, Fixture, load_npz
+
+from capsule_ros.capsules.directory import CapsuleDirectory
+from capsule_ros.errors import ConfigError, CorruptCapsule, FingerprintMismatch
+from capsule_ros.runtime.chunking import ChunkSchedule, InlineRefill, Program, ThreadRefill
+from capsule_ros.runtime.chunkmark import ChunkMark
+from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime
+from capsule_ros.serving.config import ServingConfig
+from capsule_ros.serving.factory import build_policy, build_session, chunking_options, prepare_serving
+from capsule_ros.serving.records import ActionSource, StepFault
+
+torch.set_num_threads(1)
+CHUNKING = ("act_queue", "diffusion", "diffusion_ddim_env")
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory) -> Dict[str, Fixture]:
+    root = tmp_path_factory.mktemp("lerobot")
+    return {name: Fixture.load(name, root) for name in CHUNKING}
+
+
+def config(fixture: Fixture, chunking: str = "sync", delay: str = "auto", **control) -> ServingConfig:
+    params = fixture.serving_params()
+    params["control"].update(chunking=chunking, inference_delay_steps=delay, deadline_ms=0.0, **control)
+    return ServingConfig.from_params(params)
+
+
+def runtime_for(fixture: Fixture, chunking: str = "sync", delay: int = 0, worker: str = "auto") -> PolicyRuntime:
+    cfg = config(fixture, chunking, str(delay) if delay else "auto")
+    return PolicyRuntime(build_policy(cfg), cfg.runtime, chunking=chunking_options(cfg, worker=worker))
+
+
+def stage(runtime: PolicyRuntime, fixture: Fixture, episode: int, step: int) -> None:
+    for key, value in fixture.features.items():
+        runtime.staging[PORTS[key]][...] = value[episode, step]
+
+
+def rollout(runtime: PolicyRuntime, fixture: Fixture, episode: int, steps: int) -> np.ndarray:
+    runtime.reset(episode=episode, seed=fixture.seed(episode))
+    out = []
+    for t in range(steps):
+        stage(runtime, fixture, episode, t)
+        runtime.load_inputs()
+        runtime.step()
+        out.append(runtime.read_outputs().action)
+    return np.stack(out)
+
+
+def ticks(session, fixture: Fixture, episode: int, steps: range, wait: bool = True) -> List:
+    """Ticks on the fixture's inputs, each after the refill in flight (async) is done: no
+    takeover is late, whatever the machine's load (the slowed-refill test makes one late)."""
+    out = []
+    worker = session.runtime.executor.worker
+    for t in steps:
+        if worker is not None and wait:
+            assert wait_until(worker.ready)
+        for key, value in fixture.features.items():
+            session.write_input(PORTS[key], value[episode, t])
+        out.append(session.tick())
+    return out
+
+
+def values(records) -> bytes:
+    return b"".join(r.values.tobytes() for r in records)
+
+
+# -- the network runs only when a chunk is due -----------------------------------------------------
+
+@pytest.mark.parametrize("name", CHUNKING)
+def test_sync_mode_plans_once_per_chunk_and_equals_lerobot_select_action(name, fixtures):
+    fixture = fixtures[name]
+    runtime = runtime_for(fixture)
+    horizon = runtime.schedule.horizon
+    before = dataclasses.replace(runtime.executor.counters)
+    actions = rollout(runtime, fixture, 0, 60)
+    counters = runtime.executor.counters
+    assert counters.refills - before.refills == 60 // horizon + (60 % horizon > 0)
+    assert counters.consumes - before.consumes == 60 - (counters.refills - before.refills)
+    assert actions.tobytes() == fixture.outputs["action"][0, :60].tobytes()
+
+
+def test_consume_steps_of_act_upload_no_inputs(fixtures):
+    """ACT reads its inputs only when it plans: a consume step ignores what is staged."""
+    fixture = fixtures["act_queue"]
+    runtime = runtime_for(fixture)
+    runtime.reset(episode=0, seed=fixture.seed(0))
+    stage(runtime, fixture, 0, 0)
+    assert runtime.executor.reads_inputs()                   # the first step plans
+    runtime.load_inputs()
+    runtime.step()
+    assert not runtime.executor.reads_inputs()
+    staged = {name: view.copy() for name, view in runtime.staging.items()}
+    arena = runtime.arena.storage.clone()
+    for view in runtime.staging.values():
+        view[...] = 0
+    runtime.load_inputs()                                   # nothing moves: the next step only consumes
+    assert torch.equal(runtime.arena.storage, arena)
+    for name, value in staged.items():
+        runtime.staging[name][...] = value
+
+
+# -- async mode: LeRobot's own chunks, a fixed delay -----------------------------------------------
+
+@pytest.mark.parametrize("name", CHUNKING)
+def test_async_mode_equals_lerobots_fixed_delay_loop_bit_for_bit(name, fixtures):
+    fixture = fixtures[name]
+    reference = load_npz(FIXTURES / name / "async.npz")
+    episodes = reference[f"action_d{int(reference['delays'][0])}"].shape[0]
+    for delay, horizon in zip(reference["delays"], reference["horizons"], strict=True):
+        runtime = runtime_for(fixture, "async", int(delay))
+        assert isinstance(runtime.executor.worker, ThreadRefill)
+        assert (runtime.schedule.delay, runtime.schedule.horizon) == (delay, horizon)
+        expected = reference[f"action_d{int(delay)}"]
+        for episode in range(episodes):
+            got = rollout(runtime, fixture, episode, expected.shape[1])
+            diff = float(np.abs(got - expected[episode]).max())
+            assert got.tobytes() == expected[episode].tobytes(), f"{name} d={delay} episode {episode}: {diff}"
+        runtime.close()
+    # and the delay changes the actions: the check can fail
+    first, last = (reference[f"action_d{int(d)}"] for d in (reference["delays"][0], reference["delays"][-1]))
+    assert first.tobytes() != last.tobytes()
+
+
+def test_async_runs_every_program_and_plans_off_the_calling_thread(fixtures):
+    fixture = fixtures["act_queue"]                           # chunk 10, 5 executed: d 3 -> rows 3..7
+    runtime = runtime_for(fixture, "async", 3)
+    seen = []
+    runtime.reset(episode=0, seed=fixture.seed(0))
+    threads = set()
+    plan = runtime.executor.worker.run_plan
+    runtime.executor.worker.run_plan = lambda: (threads.add(threading.current_thread().name), plan())
+    for t in range(20):
+        stage(runtime, fixture, 0, t)
+        runtime.load_inputs()
+        seen.append(runtime.step().program)
+        runtime.read_outputs()
+    assert seen[:9] == [Program.REFILL, *[Program.CONSUME] * 4, Program.REQUEST, Program.CONSUME, Program.CONSUME,
+                        Program.ADOPT]
+    assert seen[9:14] == [Program.CONSUME, Program.REQUEST, Program.CONSUME, Program.CONSUME, Program.ADOPT]
+    assert threads and all(name.startswith("capsule-refill") for name in threads)
+
+
+def test_inline_and_thread_workers_give_the_same_bits(fixtures):
+    fixture = fixtures["diffusion"]
+    a = rollout(runtime_for(fixture, "async", 4, worker="inline"), fixture, 1, 40)
+    b = rollout(runtime_for(fixture, "async", 4), fixture, 1, 40)
+    assert isinstance(runtime_for(fixture, "async", 4, worker="inline").executor.worker, InlineRefill)
+    assert a.tobytes() == b.tobytes()
+
+
+# -- capsules: every row of a chunk, and across an in-flight refill ----------------------------------
+
+@pytest.mark.parametrize("chunking, delay", [("sync", "auto"), ("async", "3")])
+def test_a_capsule_at_every_row_of_a_chunk_restores_byte_exactly_and_replays_bit_identically(
+        fixtures, tmp_path, chunking, delay):
+    fixture = fixtures["act_queue"]
+    session = build_session(config(fixture, chunking, delay))
+    schedule = session.runtime.schedule
+    steps = range(0, 4 * schedule.end)
+    original = ticks(session, fixture, 0, steps)
+    seen_pending = False
+    for k in range(2 * schedule.end, 3 * schedule.end + 1):      # a whole chunk cycle, from a mid-episode state
+        session.reset()
+        ticks(session, fixture, 0, range(0, k))
+        capsule = session.commit(label=f"row {k}")
+        snapshot = session.runtime.arena.storage.clone()
+        seen_pending |= capsule.chunk.pending
+        ticks(session, fixture, 0, range(k, k + 3))               # move on, then come back
+        session.reenter(capsule.id)
+        assert torch.equal(session.runtime.arena.storage, snapshot), f"restore at step {k} not byte-exact"
+        again = ticks(session, fixture, 0, range(k, len(steps)))
+        assert values(again) == values(original[k:]), f"capsule at step {k} ({capsule.chunk.describe()})"
+        session.drop(capsule.id)
+    assert seen_pending == (chunking == "async")                 # some capsules held an in-flight request
+
+
+def test_a_capsule_with_a_refill_in_flight_survives_disk_and_a_fresh_process_runtime(fixtures, tmp_path):
+    fixture = fixtures["diffusion"]
+    params = fixture.serving_params()
+    params["control"].update(chunking="async", inference_delay_steps="4", deadline_ms=0.0)
+    params["capsules"]["directory"] = str(tmp_path / "capsules")
+    cfg = ServingConfig.from_params(params)
+    session = build_session(cfg)
+    schedule = session.runtime.schedule
+    ticks(session, fixture, 2, range(0, schedule.horizon + 2))          # a request is out
+    capsule = session.commit(label="in flight", persist=True)
+    assert capsule.chunk.pending and capsule.chunk.delay == 4
+    expected = ticks(session, fixture, 2, range(schedule.horizon + 2, 40))
+    other = build_session(cfg)                                           # another runtime, from the file
+    loaded = other.load(capsule.id)
+    assert loaded.chunk == capsule.chunk
+    other.reenter(capsule.id)
+    assert values(ticks(other, fixture, 2, range(schedule.horizon + 2, 40))) == values(expected)
+
+
+def test_reset_and_reenter_discard_a_stale_refill(fixtures):
+    fixture = fixtures["act_queue"]
+    session = build_session(config(fixture, "async", "3"))
+    fresh = ticks(session, fixture, 1, range(0, 12))
+    session.reset()
+    ticks(session, fixture, 0, range(0, 6))                      # step 5 requested a chunk from episode 0
+    assert session.runtime.executor.pending
+    session.reset()                                              # ... which must not take over here
+    assert values(ticks(session, fixture, 1, range(0, 12))) == values(fresh)
+    ticks(session, fixture, 0, range(0, 6))
+    root = session.log_root_id
+    session.reenter(root)                                        # a rollback to the episode's start
+    assert values(ticks(session, fixture, 1, range(0, 12))) == values(fresh)
+
+
+def test_a_slowed_refill_is_a_deadline_event_with_the_safe_action_not_a_divergence(fixtures):
+    """The first request's plan is held until its takeover step has begun: that step hands
+    out the safe action and counts the deadline event; its state, and every later action,
+    are the unslowed run's. Every other tick waits for its refill first, so nothing else
+    can be late, however busy the machine."""
+    fixture = fixtures["act_queue"]
+    reference = build_session(config(fixture, "async", "2"))
+    expected = ticks(reference, fixture, 0, range(0, 30))
+    assert reference.counters.late_refills == 0
+    schedule = reference.runtime.schedule
+    takeover = schedule.horizon + schedule.delay                 # the first request is at step `horizon`
+    session = build_session(config(fixture, "async", "2", deadline_action="zero"))
+    worker = session.runtime.executor.worker
+    plan, release, held = worker.run_plan, threading.Event(), []
+
+    def slow_plan():
+        if not held:
+            held.append(True)
+            release.wait(10)
+        plan()
+    worker.run_plan = slow_plan
+    got = ticks(session, fixture, 0, range(0, schedule.horizon + 1))        # ... the request at step `horizon`
+    got += ticks(session, fixture, 0, range(schedule.horizon + 1, takeover), wait=False)
+    threading.Timer(0.2, release.set).start()                   # the refill ends 0.2 s into its takeover step
+    got += ticks(session, fixture, 0, range(takeover, takeover + 1), wait=False)
+    got += ticks(session, fixture, 0, range(takeover + 1, 30))
+    late = [i for i, r in enumerate(got) if r.fault == StepFault.LATE]
+    assert late == [takeover], late
+    assert got[takeover].source == ActionSource.ZERO and not got[takeover].values.any()
+    assert session.counters.late_refills == 1 and session.counters.deadline_misses == 1
+    assert "had not finished in time" in session.counters.last_fault
+    others = [i for i in range(30) if i != takeover]
+    assert [got[i].values.tobytes() for i in others] == [expected[i].values.tobytes() for i in others]
+    assert session.runtime.schedule.delay == 2                   # the delay never changes
+
+
+def wait_until(predicate, timeout: float = 30.0) -> bool:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+# -- what is refused ---------------------------------------------------------------------------------
+
+def test_a_schedule_that_cannot_work_is_refused_at_configure_with_the_numbers(fixtures, tmp_path):
+    fixture = fixtures["act_queue"]                               # chunk 10, n_action_steps 5
+    with pytest.raises(ConfigError, match=r"inference_delay_steps = 10 and execution horizon .* a chunk of 10 "
+                                          r"actions has too few left"):
+        prepare_serving(config(fixture, "async", "10"))
+    with pytest.raises(ConfigError, match=r"execution horizon 2 < inference_delay_steps 4: .* raise "
+                                          r"control.execution_horizon to at least 4"):
+        prepare_serving(config(fixture, "async", "4", execution_horizon=2))
+    with pytest.raises(ConfigError, match=r"control.execution_horizon = 11: must be in \[1, 10\]"):
+        prepare_serving(config(fixture, "sync", execution_horizon=11))
+    with pytest.raises(ConfigError, match=r"inference_delay_steps.*must match"):
+        config(fixture, "async", "soon")
+
+
+def test_capsules_of_another_schedule_or_with_a_forged_cursor_are_refused_and_change_nothing(fixtures, tmp_path):
+    fixture = fixtures["act_queue"]
+    params = fixture.serving_params()
+    params["capsules"]["directory"] = str(tmp_path / "caps")
+    params["control"].update(chunking="async", inference_delay_steps="3", deadline_ms=0.0)
+    session = build_session(ServingConfig.from_params(params))
+    ticks(session, fixture, 0, range(0, 7))
+    capsule = session.commit(label="c", persist=True)
+    params["control"]["inference_delay_steps"] = "2"
+    other = build_session(ServingConfig.from_params(params))
+    ticks(other, fixture, 0, range(0, 4))
+    live = other.runtime.arena.storage.clone()
+    with pytest.raises(FingerprintMismatch, match=r"made under control.chunking async with inference delay 3 .* "
+                                                  r"this runtime runs async with delay 2"):
+        other.reenter(capsule.id)
+    assert torch.equal(other.runtime.arena.storage, live)
+    # a forged header: a cursor the bytes do not hold
+    directory = CapsuleDirectory(tmp_path / "caps", max_file_bytes=1 << 30)
+    header = directory.header(capsule.id)
+    assert header.chunk == capsule.chunk
+    forged = dataclasses.replace(capsule, chunk=dataclasses.replace(capsule.chunk, cursor=capsule.chunk.cursor + 1))
+    mark_data = session.store.host_copy(capsule.id)
+    with pytest.raises(CorruptCapsule, match=r"chunk cursor \d+ / pending \d disagree with its metadata"):
+        session.runtime.check_chunk_mark(forged.chunk, mark_data, capsule.id)
+    with pytest.raises(CorruptCapsule, match=r"cannot occur under this schedule"):
+        session.runtime.check_chunk_mark(ChunkMark("async", 3, 5, 99, capsule.chunk.pending),
+                                         _with_cursor(session.runtime, mark_data, 99), "x")
+
+
+def _with_cursor(runtime: PolicyRuntime, data: torch.Tensor, cursor: int) -> torch.Tensor:
+    out = data.clone()
+    slot = runtime.layout["chunk.cursor"]
+    out[slot.offset:slot.end].view(torch.int64)[0] = cursor
+    return out
+
+
+def test_the_auto_delay_is_measured_once_and_recorded(fixtures):
+    fixture = fixtures["diffusion"]
+    session = build_session(config(fixture, "async", "auto", rate_hz=20.0))
+    schedule = session.runtime.schedule
+    p99 = max(session.runtime.refill_seconds)
+    assert len(session.runtime.refill_seconds) == ChunkingOptions().auto_runs
+    assert schedule.delay >= 1 and schedule.delay >= p99 * 20.0         # at least the refill's time in steps
+    assert session.control.inference_delay_steps == str(schedule.delay)   # what bags and capsules record
+    ticks(session, fixture, 0, range(0, 3))
+    assert session.commit().chunk.delay == schedule.delay
+
+
+def test_chunk_schedule_numbers():
+    from capsule_ros.runtime.policy import ChunkCadence
+    cadence = ChunkCadence(length=100, horizon=100, reads=("x",))
+    assert ChunkSchedule.resolve(cadence, "sync", 0).end == 100
+    s = ChunkSchedule.resolve(cadence, "async", 6)
+    assert (s.delay, s.horizon, s.end) == (6, 94, 100)                  # ACT 100/100: 94 rows per chunk
+    assert "rows 6..99" in s.describe()
+    with pytest.raises(ValueError, match="horizon 0 must be in"):
+        ChunkCadence(length=4, horizon=0, reads=("x",))
