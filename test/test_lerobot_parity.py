@@ -9,6 +9,7 @@ and every action is compared. ROS-free: nothing here imports rclpy or LeRobot.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -273,8 +274,42 @@ def test_weights_load_strictly_by_lerobot_names(checkpoints, cases, tmp_path):
     save_file(tensors, str(directory / MODEL_FILE))
     with pytest.raises(ConfigError) as err:
         build_act(directory, cases["act_ensemble"].ports)
-    assert "missing ['model.action_head.weight']" in str(err.value)
-    assert "unexpected ['model.action_head.weight_renamed']" in str(err.value)
+    assert "1 missing (model.action_head.weight)" in str(err.value)
+    assert "1 unexpected (model.action_head.weight_renamed)" in str(err.value)
+
+
+def test_a_diffusion_checkpoint_trained_with_compile_model_is_served(checkpoints, cases, tmp_path):
+    """LeRobot's ``compile_model: true`` saves the U-Net under ``diffusion.unet._orig_mod.*``
+    (torch.compile's wrapper); LeRobot serves such a file, and so does capsule_ros, with the
+    same actions. A file that still does not fit is refused in one short line."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    directory = shutil.copytree(checkpoints["diffusion"], tmp_path / "compiled")
+    tensors = load_file(str(directory / MODEL_FILE))
+    save_file({k.replace("diffusion.unet.", "diffusion.unet._orig_mod."): v for k, v in tensors.items()},
+              str(directory / MODEL_FILE))
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "compile_model": True}))
+    case = cases["diffusion"]
+    runtime = PolicyRuntime(build_policy(directory, case.ports), RuntimeConfig(device="cpu"))
+    runtime.reset(episode=0, seed=case.seed(0))
+    got = np.stack([case.feed(runtime, 0, t) for t in range(20)])
+    assert got.tobytes() == case.outputs["action"][0, :20].tobytes()
+    both = load_file(str(directory / MODEL_FILE))
+    both["diffusion.unet.final_conv.1.bias"] = both["diffusion.unet._orig_mod.final_conv.1.bias"].clone()
+    save_file(both, str(directory / MODEL_FILE))
+    with pytest.raises(ConfigError, match=r"holds both 'diffusion.unet.final_conv.1.bias' and its torch.compile "
+                                          r"name .* compile_model: false"):
+        build_policy(directory, case.ports)
+    removed = {k: v for k, v in tensors.items() if not k.startswith("diffusion.unet.down_modules")}
+    save_file({k.replace("diffusion.unet.", "diffusion.unet._orig_mod."): v for k, v in removed.items()},
+              str(directory / MODEL_FILE))
+    with pytest.raises(ConfigError) as err:
+        build_policy(directory, case.ports)
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 600, message
+    assert re.search(r"\d+ missing \(diffusion\.unet\.down_modules\.0\.\S+, .* and \d+ more\)", message), message
 
 
 def test_config_is_all_validation_reads(checkpoints):

@@ -76,7 +76,7 @@ def test_load_is_strict_lists_every_difference_and_changes_nothing(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_weights(module, path)
     message = str(err.value)
-    assert "missing ['1.bias']" in message and "unexpected ['extra']" in message
+    assert "1 missing (1.bias)" in message and "1 unexpected (extra)" in message
     assert "0.weight: file (3, 5)" in message and "model (3, 4)" in message
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
     good = tmp_path / "good.safetensors"

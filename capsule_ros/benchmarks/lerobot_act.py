@@ -58,13 +58,19 @@ def act_config(quick: bool, features: Optional[Dict[str, Any]] = None) -> Dict[s
 
 
 def _statistics(config: Dict[str, Any], keys) -> Dict[str, torch.Tensor]:
-    """mean/std per feature: ImageNet's for the camera, spread-out values for vectors."""
+    """The statistics each feature's normalisation mode reads: mean/std (ImageNet's for a
+    camera, spread-out values for vectors) or min/max (a camera's [0, 1], [-2, 2]-ish ranges
+    for vectors)."""
     gen = torch.Generator().manual_seed(1)
     features = {**config["input_features"], **config["output_features"]}
     out = {}
     for key in keys:
-        shape = features[key]["shape"]
-        if features[key]["type"] == "VISUAL":
+        shape, kind = features[key]["shape"], features[key]["type"]
+        mode = config["normalization_mapping"][kind]
+        if mode == "MIN_MAX":
+            low = torch.zeros(3, 1, 1) if kind == "VISUAL" else -1.5 - torch.rand(shape, generator=gen)
+            out[f"{key}.min"], out[f"{key}.max"] = low, (torch.ones(3, 1, 1) if kind == "VISUAL" else -low)
+        elif kind == "VISUAL":
             out[f"{key}.mean"] = torch.tensor(IMAGENET[0]).reshape(3, 1, 1)
             out[f"{key}.std"] = torch.tensor(IMAGENET[1]).reshape(3, 1, 1)
         else:
@@ -89,17 +95,12 @@ def _pipeline(name: str, registry_name: str, config: Dict[str, Any], keys) -> Di
     return {"name": name, "steps": [*before, step, *after]}
 
 
-def write_act_checkpoint(directory: Path, quick: bool = False, seed: int = 0,
-                         features: Optional[Dict[str, Any]] = None) -> Path:
-    """Write the benchmark's ``pretrained_model/`` into ``directory`` (``features``: see
-    ``act_config``); returns it."""
-    from capsule_ros.policies.lerobot.act import ACTPolicy
-    from capsule_ros.policies.lerobot.checkpoint import read_checkpoint, read_normalization
-    from capsule_ros.policies.lerobot.features import bind_features, port_shape_for
-    from capsule_ros.runtime.arena import BufferKind, BufferSpec
+def write_config_and_processors(directory: Path, config: Dict[str, Any]):
+    """config.json and the processor files of a checkpoint (``_pipeline``, ``_statistics``);
+    returns it read back (``policies.lerobot.checkpoint.read_checkpoint``)."""
+    from capsule_ros.policies.lerobot.checkpoint import read_checkpoint
     from capsule_ros.runtime.weights import save_weights
     directory.mkdir(parents=True, exist_ok=True)
-    config = act_config(quick, features)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     inputs = list(config["input_features"])
     for name, registry_name, keys in (("policy_preprocessor", "normalizer_processor", inputs + [ACTION]),
@@ -108,11 +109,31 @@ def write_act_checkpoint(directory: Path, quick: bool = False, seed: int = 0,
         (directory / f"{name}.json").write_text(json.dumps(pipeline, indent=2))
         state_file = next(step["state_file"] for step in pipeline["steps"] if "state_file" in step)
         save_weights(directory / state_file, _statistics(config, keys))
-    checkpoint = read_checkpoint(directory)
+    return read_checkpoint(directory)
+
+
+def port_specs(checkpoint) -> Dict[str, Any]:
+    """{feature key: the INPUT buffer of the port that feeds it} (``PORTS`` names)."""
+    from capsule_ros.policies.lerobot.features import port_shape_for
+    from capsule_ros.runtime.arena import BufferKind, BufferSpec
     specs = {}
     for key, feature in checkpoint.inputs.items():
         shape, dtype = port_shape_for(feature.type, feature.shape)
         specs[key] = BufferSpec(PORTS.get(key, key.replace(".", "_")), shape, dtype, BufferKind.INPUT)
+    return specs
+
+
+def write_act_checkpoint(directory: Path, quick: bool = False, seed: int = 0,
+                         features: Optional[Dict[str, Any]] = None) -> Path:
+    """Write the benchmark's ``pretrained_model/`` into ``directory`` (``features``: see
+    ``act_config``); returns it."""
+    from capsule_ros.policies.lerobot.act import ACTPolicy
+    from capsule_ros.policies.lerobot.checkpoint import read_normalization
+    from capsule_ros.policies.lerobot.features import bind_features
+    from capsule_ros.runtime.weights import save_weights
+    config = act_config(quick, features)
+    checkpoint = write_config_and_processors(directory, config)
+    specs = port_specs(checkpoint)
     input_norms, action_norm = read_normalization(checkpoint)
     torch.manual_seed(seed)
     policy = ACTPolicy(checkpoint, bind_features(checkpoint, specs), input_norms, action_norm)
@@ -127,8 +148,8 @@ def write_act_checkpoint(directory: Path, quick: bool = False, seed: int = 0,
 
 
 def serving_config(checkpoint: Path) -> ServingConfig:
-    """config/policy.yaml serving the checkpoint: joint positions and an rgb8 camera, as
-    the guide (docs/lerobot.md) configures them."""
+    """config/policy.yaml serving the checkpoint (ACT or Diffusion): joint positions and an
+    rgb8 camera, as the guide (docs/lerobot.md) configures them."""
     from capsule_ros.config import load_params_file
     config = json.loads((checkpoint / "config.json").read_text())
     joints = config["input_features"][STATE]["shape"][0]
@@ -141,9 +162,10 @@ def serving_config(checkpoint: Path) -> ServingConfig:
         "top_camera": {"topic": "robot/top/image_raw", "type": "sensor_msgs/msg/Image", "fields": ["data"],
                        "shape": [height, width, 3], "dtype": "uint8", "encodings": ["rgb8"]},
     }
-    params["policy"] = {"kind": "lerobot_act", "weights": "",
-                        "lerobot_act": {"pretrained_model": str(checkpoint),
-                                        "features": [f"{key}:{port}" for key, port in PORTS.items()]}}
+    kind = {"act": "lerobot_act", "diffusion": "lerobot_diffusion"}[config["type"]]
+    params["policy"] = {"kind": kind, "weights": "",
+                        kind: {"pretrained_model": str(checkpoint),
+                               "features": [f"{key}:{port}" for key, port in PORTS.items()]}}
     params["capsules"]["directory"] = ""
     return ServingConfig.from_params(params)
 

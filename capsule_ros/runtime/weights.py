@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -50,9 +50,19 @@ def read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     return tensors, metadata
 
 
+SHOWN_NAMES = 5     # names listed per kind of problem in a load error (the rest are counted)
+
+
+def _names(kind: str, names: Sequence[str]) -> str:
+    shown = ", ".join(names[:SHOWN_NAMES])
+    more = f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else ""
+    return f"{len(names)} {kind} ({shown}{more})"
+
+
 def load_strict(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str) -> None:
     """Load ``tensors`` into ``module`` by name, all or nothing: ConfigError starting with
-    ``what`` and listing the missing, unexpected and mismatched (shape or dtype) names."""
+    ``what`` and naming the missing, unexpected and mismatched (shape or dtype) names, a
+    few of each with the counts, in one line."""
     expected = module.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -61,7 +71,9 @@ def load_strict(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: st
                         for k in set(tensors) & set(expected)
                         if tensors[k].shape != expected[k].shape or tensors[k].dtype != expected[k].dtype)
     if missing or unexpected or mismatched:
-        raise ConfigError(f"{what}: missing {missing}, unexpected {unexpected}, mismatched {mismatched}")
+        problems = [_names(kind, names) for kind, names in (("missing", missing), ("unexpected", unexpected),
+                                                             ("mismatched", mismatched)) if names]
+        raise ConfigError(f"{what}: {'; '.join(problems)}")
     module.load_state_dict(dict(tensors), strict=True)
 
 

@@ -17,6 +17,7 @@ any weights load); statistics and weights are read by the builders afterwards.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, Mapping, Optional, Tuple
@@ -26,6 +27,8 @@ from torch import nn
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.weights import load_strict, read_weights
+
+LOG = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 MODEL_FILE = "model.safetensors"
@@ -192,7 +195,28 @@ def load_model_weights(checkpoint: Checkpoint, module: nn.Module, *, training_on
     in the error.
     """
     path = checkpoint.directory / MODEL_FILE
-    tensors = read_weights(path)[0]
+    tensors = unwrap_compiled(read_weights(path)[0], path)
     skip = tuple(training_only)
     tensors = {k: v for k, v in tensors.items() if not k.startswith(skip)} if skip else tensors
     load_strict(module, tensors, f"{path} does not fit the {checkpoint.policy_type} policy its config.json describes")
+
+
+COMPILED = "._orig_mod."     # what torch.compile's wrapper puts in the names of the module it wraps
+
+
+def unwrap_compiled(tensors: Dict[str, torch.Tensor], path: Path) -> Dict[str, torch.Tensor]:
+    """The names a checkpoint would have without ``torch.compile``'s wrapper: a policy trained
+    with LeRobot's ``compile_model: true`` (Diffusion's U-Net) is saved under
+    ``diffusion.unet._orig_mod.*``; the wrapper holds no tensor of its own, so dropping the
+    segment gives the plain module's names (LeRobot loads such a file by compiling again)."""
+    if not any(COMPILED in name for name in tensors):
+        return tensors
+    out: Dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        plain = name.replace(COMPILED, ".")
+        if plain in out:
+            raise ConfigError(f"{path}: holds both {plain!r} and its torch.compile name {name!r}; save it again "
+                              "with compile_model: false")
+        out[plain] = value
+    LOG.info("%s: names of a torch.compile'd module (compile_model: true) read without '_orig_mod'", path)
+    return out

@@ -1,0 +1,241 @@
+"""`capsule-ros bench chunking`: a chunking policy's step through capsule_ros (sync and async
+chunking) against LeRobot's own loop, side by side in one run.
+
+Cases (``--cases``): ``act100`` (ACT, chunk 100, 100 action steps, 30 Hz), ``act10`` (ACT,
+chunk 100, 10 action steps, 30 Hz), ``diffusion`` (Diffusion Policy, 8 action steps, 10 Hz,
+10 DDPM steps); ``benchmarks/lerobot_act.py`` and ``lerobot_diffusion.py`` write the
+checkpoints (LeRobot's default architectures, one camera: 240 x 320 on a CPU, ALOHA's
+480 x 640 on a GPU; ``--quick``: small networks and a 96 x 128 camera). Every side gets the
+same checkpoint and the same seeded observations (joint positions as a random walk, a
+panning textured camera), one torch thread each on a CPU.
+
+Sides, each over ``--steps`` steps (default 3000) of one episode:
+
+- ``lerobot``: LeRobot's ``predict_action`` loop (its record / eval loop's call), run by
+  ``tools/lerobot_bench/select_action_loop.py`` in LeRobot's own environment
+  (``tools/lerobot_bench/setup.sh``; ``--lerobot-python`` or ``CAPSULE_ROS_LEROBOT_PYTHON``
+  names another). Without it that side is reported as not run, with the reason;
+- ``sync``: ``control.chunking: sync`` through a ``PolicySession`` (what the node runs per
+  control period: stage the inputs, tick = inputs in, step, outputs out and checked),
+  back to back as LeRobot's loop runs;
+- ``async``: ``control.chunking: async`` with ``inference_delay_steps: auto`` (fixed at
+  start from the refill's p99), paced at the case's rate with a deadline of one period,
+  the refill worker on its own thread (CPU) or stream (GPU).
+
+Figures per side: mean / p50 / p99 / max step (ms), deadline misses per 1000 steps
+(a step longer than the period; async: the session's own count, and its late refills),
+and the action jump at chunk seams: the largest |Δ action| between a step that starts a
+new chunk and the step before, against the largest within a chunk. The episode's first
+step plans the first chunk synchronously in every mode (nothing to overlap with): it is
+counted in the figures and also reported alone (``first_step_ms``); ``misses_steady``
+counts the misses after it. Ratios: sync mean and p99 over LeRobot's, async p99 over
+LeRobot's. ``actions_equal_lerobot``: sync's actions against LeRobot's, bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from capsule_ros.benchmarks.common import emit, environment, print_table, resolve_device
+from capsule_ros.benchmarks.lerobot_act import CAMERA, PORTS, STATE, serving_config, write_act_checkpoint
+from capsule_ros.benchmarks.lerobot_diffusion import write_diffusion_checkpoint
+from capsule_ros.runtime.chunking import Program
+
+REPO = Path(__file__).resolve().parents[2]
+LEROBOT_SCRIPT = REPO / "tools" / "lerobot_bench" / "select_action_loop.py"
+DEFAULT_LEROBOT_PYTHON = REPO / "tools" / "lerobot_bench" / ".venv" / "bin" / "python"
+TAKEOVERS = (Program.REFILL, Program.ADOPT, Program.ADOPT_REQUEST)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str                     # act | diffusion
+    rate_hz: float
+    chunk_size: int = 100         # ACT
+    n_action_steps: int = 100
+
+    def write(self, directory: Path, camera, quick: bool) -> Path:
+        if self.kind == "act":
+            features = {"chunk_size": self.chunk_size, "n_action_steps": self.n_action_steps,
+                        "input_features": {STATE: {"type": "STATE", "shape": [14]},
+                                           CAMERA: {"type": "VISUAL", "shape": [3, *camera]}}}
+            return write_act_checkpoint(directory, quick=quick, features=features)
+        return write_diffusion_checkpoint(directory, camera, quick=quick, n_action_steps=self.n_action_steps)
+
+
+CASES = {c.name: c for c in (Case("act100", "act", 30.0, 100, 100), Case("act10", "act", 30.0, 100, 10),
+                             Case("diffusion", "diffusion", 10.0, n_action_steps=8))}
+
+
+FRAMES = 64    # distinct camera frames, cycled (3000 frames of 480 x 640 would take 2.7 GB)
+
+
+def observations(steps: int, camera, seed: int = 0) -> Dict[str, np.ndarray]:
+    """Joint positions [steps, 14] (a smooth random walk) and ``FRAMES`` camera frames
+    [FRAMES, H, W, 3] (a random texture panned a pixel per frame); step t sees frame
+    t % FRAMES (``frame``)."""
+    rng = np.random.default_rng(seed)
+    joints = np.cumsum(rng.normal(0, 0.02, (steps, 14)), axis=0).astype(np.float32)
+    height, width = camera
+    scene = rng.integers(0, 256, (height, width + FRAMES, 3), dtype=np.uint8)
+    frames = np.stack([scene[:, t:t + width] for t in range(FRAMES)])
+    return {STATE: joints, CAMERA: frames}
+
+
+def at(values: np.ndarray, t: int) -> np.ndarray:
+    """The observation of step t (camera frames cycle)."""
+    return values[t % len(values)]
+
+
+def summary(seconds: Sequence[float], period: float, actions: np.ndarray, seams: Sequence[int]) -> Dict[str, Any]:
+    ms = np.asarray(seconds) * 1e3
+    jumps = np.abs(np.diff(actions, axis=0)).max(axis=1)              # |Δ action| from step t-1 to t, t >= 1
+    at_seam = np.zeros(len(jumps), bool)
+    at_seam[[s - 1 for s in seams if s >= 1]] = True
+    misses = ms > period * 1e3
+    return {"mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "first_step_ms": float(ms[0]),
+            "misses_per_1000": float(misses.sum() * 1000 / len(ms)), "misses_steady": int(misses[1:].sum()),
+            "seam_jump": float(jumps[at_seam].max()) if at_seam.any() else 0.0,
+            "within_chunk_jump": float(jumps[~at_seam].max()) if (~at_seam).any() else 0.0, "seams": len(seams)}
+
+
+def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.ndarray], period: float,
+                 tmp: Path) -> Dict[str, Any]:
+    """LeRobot's loop in its own environment, or why it did not run."""
+    if python is None or not python.exists():
+        return {"ran": False, "reason": f"no LeRobot environment at {python} (run tools/lerobot_bench/setup.sh or "
+                                        "pass --lerobot-python)"}
+    inputs, out = tmp / "observations.npz", tmp / "lerobot.npz"
+    np.savez(inputs, seed=np.asarray(0), **obs)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([str(python), str(LEROBOT_SCRIPT), "--checkpoint", str(checkpoint), "--observations",
+                           str(inputs), "--out", str(out)], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"ran": False, "reason": f"the LeRobot loop failed: {done.stderr.strip()[-600:]}"}
+    with np.load(out, allow_pickle=False) as data:
+        seconds, actions = data["seconds"], data["action"]
+        versions = {"lerobot": str(data["lerobot"]), "torch": str(data["torch"])}
+    refills = _lerobot_refills(checkpoint, len(seconds))
+    return {"ran": True, **versions, **summary(seconds, period, actions, refills), "_actions": actions}
+
+
+def _lerobot_refills(checkpoint: Path, steps: int) -> List[int]:
+    import json
+    n = json.loads((checkpoint / "config.json").read_text())["n_action_steps"]
+    return list(range(0, steps, n))
+
+
+def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.device, chunking: str, rate: float,
+                 paced: bool) -> Dict[str, Any]:
+    """The steps through a session (see the module docstring)."""
+    from capsule_ros.serving.factory import build_session
+    base = serving_config(checkpoint)
+    control = dataclasses.replace(base.control, mode="timer", rate_hz=rate, deadline_ms=0.0, chunking=chunking,
+                                  inference_delay_steps="auto", autostart=True)
+    runtime = dataclasses.replace(base.runtime, device=str(device), cpu_threads=1, seed=0)
+    session = build_session(dataclasses.replace(base, control=control, runtime=runtime))
+    session.enforce_deadline = paced
+    period = 1.0 / rate
+    steps = len(obs[STATE])
+    seconds, actions, seams = np.zeros(steps), [], []
+    ports = {PORTS[key]: value for key, value in obs.items()}
+    next_at = time.perf_counter()
+    for t in range(steps):
+        if paced:
+            next_at += period
+        for port, value in ports.items():
+            session.write_input(port, at(value, t))
+        start = time.perf_counter()
+        record = session.tick()
+        seconds[t] = time.perf_counter() - start
+        assert record is not None
+        actions.append(record.values)
+        if session.runtime.executor.last.program in TAKEOVERS:
+            seams.append(t)
+        if paced:
+            time.sleep(max(0.0, next_at - time.perf_counter()))
+    counters, chunk = session.counters, session.runtime.executor.counters
+    out = summary(seconds, period, np.stack(actions), seams)
+    consume = [s for t, s in enumerate(seconds) if t not in set(seams)]
+    out.update(consume_mean_ms=float(np.mean(consume) * 1e3) if consume else None,
+               refills=chunk.refills, late_refills=counters.late_refills,
+               session_deadline_misses=counters.deadline_misses if paced else None,
+               schedule=session.runtime.schedule.describe(), delay=session.runtime.schedule.delay,
+               refill_p99_ms=float(np.percentile(session.runtime.refill_seconds, 99) * 1e3)
+               if session.runtime.refill_seconds else None, graphs=session.runtime.plan.captured,
+               _actions=np.stack(actions))
+    session.release()
+    return out
+
+
+def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_python: Optional[Path]) -> dict:
+    camera = (96, 128) if quick else (480, 640) if device.type == "cuda" else (240, 320)
+    period = 1.0 / (50.0 if device.type == "cuda" else case.rate_hz)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        checkpoint = case.write(tmp / "pretrained_model", camera, quick)
+        obs = observations(steps, camera)
+        lerobot = lerobot_side(lerobot_python, checkpoint, obs, period, tmp) if device.type == "cpu" else \
+            {"ran": False, "reason": "LeRobot's loop is measured on the CPU only (no LeRobot on the GPU machine)"}
+        sync = session_side(checkpoint, obs, device, "sync", 1.0 / period, paced=False)
+        asynchronous = session_side(checkpoint, obs, device, "async", 1.0 / period, paced=True)
+    result = {"case": case.name, "camera": list(camera), "rate_hz": 1.0 / period, "steps": steps,
+              "lerobot": lerobot, "sync": sync, "async": asynchronous}
+    actions = {side: result[side].pop("_actions", None) for side in ("lerobot", "sync", "async")}
+    if lerobot.get("ran"):
+        result["sync_mean_over_lerobot"] = sync["mean_ms"] / lerobot["mean_ms"]
+        result["sync_p99_over_lerobot"] = sync["p99_ms"] / lerobot["p99_ms"]
+        result["async_p99_over_lerobot"] = asynchronous["p99_ms"] / lerobot["p99_ms"]
+        diff = np.abs(actions["sync"] - actions["lerobot"])
+        result["actions_equal_lerobot"] = bool(np.array_equal(actions["sync"].view(np.uint32),
+                                                              actions["lerobot"].view(np.uint32)))
+        result["actions_max_abs_diff"] = float(diff.max())
+    return result
+
+
+def run(device_name: str = "auto", quick: bool = False, steps: Optional[int] = None,
+        cases: Sequence[str] = tuple(CASES), lerobot_python: Optional[str] = None) -> dict:
+    device = resolve_device(device_name)
+    python = Path(lerobot_python or os.environ.get("CAPSULE_ROS_LEROBOT_PYTHON") or DEFAULT_LEROBOT_PYTHON)
+    steps = steps or (200 if quick else 3000)
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        raise SystemExit(f"--cases {unknown}: not among {list(CASES)}")
+    return {"bench": "chunking", **environment(device), "quick": quick,
+            "cases": [run_case(CASES[name], device, quick, steps, python) for name in cases]}
+
+
+def table(result: dict) -> None:
+    rows = []
+    for case in result["cases"]:
+        for side in ("lerobot", "sync", "async"):
+            r = case[side]
+            if not r.get("ran", True):
+                rows.append([case["case"], side, r["reason"][:60], "", "", "", "", "", ""])
+                continue
+            rows.append([case["case"], side, r["mean_ms"], r["p50_ms"], r["p99_ms"], r["max_ms"],
+                         r["misses_per_1000"], r["seam_jump"], r["within_chunk_jump"]])
+    print_table(f"bench chunking ({result['device']})", ["case", "side", "mean ms", "p50 ms", "p99 ms", "max ms",
+                                                         "misses/1000", "seam |Δa|", "within |Δa|"], rows)
+    for case in result["cases"]:
+        ratios = {k: case[k] for k in ("sync_mean_over_lerobot", "sync_p99_over_lerobot", "async_p99_over_lerobot",
+                                       "actions_equal_lerobot") if k in case}
+        print(case["case"], case["async"]["schedule"], ratios)
+
+
+def main(args) -> int:
+    cases = tuple(args.cases.split(",")) if getattr(args, "cases", None) else tuple(CASES)
+    emit(run(args.device, args.quick, getattr(args, "steps", None), cases, getattr(args, "lerobot_python", None)),
+         args.json, table)
+    return 0

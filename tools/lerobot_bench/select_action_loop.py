@@ -1,0 +1,65 @@
+"""LeRobot's own control loop over recorded observations, timed: the baseline of
+``capsule-ros bench chunking``. Runs in LeRobot's environment (not the project's):
+
+    PYTHONPATH=<repository root> tools/lerobot_bench/.venv/bin/python tools/lerobot_bench/select_action_loop.py \\
+        --checkpoint DIR --observations IN.npz --out OUT.npz [--threads 1]
+
+For every step: ``predict_action`` (LeRobot's observation conversion, preprocessor,
+``select_action``, postprocessor), as its record and eval loops call it, with the wall time
+of that call (an input array shorter than the others, the camera frames, cycles).
+Diffusion's noise comes from capsule_ros's counter-based RNG at each step
+(``tools/lerobot_fixtures/make_fixtures.CounterNoise``), so both sides sample alike and
+their actions can be compared bit for bit. ``IN.npz``: one array per input feature
+[steps, ...] and ``seed``; ``OUT.npz``: ``seconds`` [steps] and ``action`` [steps, A].
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import lerobot
+import numpy as np
+import torch
+from lerobot.policies.act.modeling_act import ACTPolicy
+from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
+from lerobot.policies.factory import make_pre_post_processors
+
+from tools.lerobot_fixtures.make_fixtures import CounterNoise, predict_action
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--observations", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with np.load(args.observations, allow_pickle=False) as data:
+        inputs = {k: data[k] for k in data.files}
+    seed = int(inputs.pop("seed"))
+    import json
+    kind = json.loads(open(f"{args.checkpoint}/config.json").read())["type"]
+    policy = (ACTPolicy if kind == "act" else DiffusionPolicy).from_pretrained(args.checkpoint)
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=args.checkpoint)
+    noise = CounterNoise(policy) if isinstance(policy, DiffusionPolicy) else None
+    steps = max(value.shape[0] for value in inputs.values())    # shorter arrays (camera frames) cycle
+    seconds, actions = np.zeros(steps), []
+    device = torch.device("cpu")
+    policy.reset()
+    pre.reset()
+    post.reset()
+    for t in range(steps):
+        if noise is not None:
+            noise.at(0, seed, t)
+        observation = {key: value[t % len(value)] for key, value in inputs.items()}
+        start = time.perf_counter()
+        action = predict_action(observation, policy, device, pre, post, use_amp=False)
+        seconds[t] = time.perf_counter() - start
+        actions.append(action.reshape(-1).numpy().copy())
+    np.savez(args.out, seconds=seconds, action=np.stack(actions).astype(np.float32),
+             lerobot=np.asarray(lerobot.__version__), torch=np.asarray(torch.__version__))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# LeRobot's own environment for `capsule-ros bench chunking` (its baseline loop) and for
+# tools/lerobot_fixtures/async_reference.py: Python 3.12 (LeRobot 0.6 needs >= 3.12), the
+# pinned set of requirements.txt, in tools/lerobot_bench/.venv. Never the product's .venv.
+# Idempotent; several GB (LeRobot pulls a CUDA build of torch, which runs on the CPU here).
+# CAPSULE_ROS_LEROBOT_PYTHON3=<python 3.12> picks the interpreter.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VENV="$HERE/.venv"
+PYTHON="${CAPSULE_ROS_LEROBOT_PYTHON3:-$(command -v python3.12 || echo "$HOME/.pyenv/versions/3.12.1/bin/python")}"
+STAMP="$VENV/.requirements.sha256"
+WANT="$(sha256sum "$HERE/requirements.txt" | cut -d' ' -f1)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+  echo "tools/lerobot_bench: up to date ($VENV)"
+  exit 0
+fi
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$HERE/requirements.txt"
+"$VENV/bin/python" -c "import lerobot, diffusers; print('lerobot', lerobot.__version__)"
+echo "$WANT" > "$STAMP"
