@@ -15,7 +15,9 @@ their actions can be compared bit for bit. ``IN.npz``: one array per input featu
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import lerobot
 import numpy as np
@@ -38,8 +40,7 @@ def main() -> None:
     with np.load(args.observations, allow_pickle=False) as data:
         inputs = {k: data[k] for k in data.files}
     seed = int(inputs.pop("seed"))
-    import json
-    kind = json.loads(open(f"{args.checkpoint}/config.json").read())["type"]
+    kind = json.loads((Path(args.checkpoint) / "config.json").read_text())["type"]
     policy = (ACTPolicy if kind == "act" else DiffusionPolicy).from_pretrained(args.checkpoint)
     pre, post = make_pre_post_processors(policy.config, pretrained_path=args.checkpoint)
     noise = CounterNoise(policy) if isinstance(policy, DiffusionPolicy) else None
