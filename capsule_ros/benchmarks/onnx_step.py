@@ -133,7 +133,8 @@ class PlainLoop:
 
     def reset(self) -> None:
         """A new episode: zero state, zero last action, the episode-start flag set."""
-        self.state = {name: np.zeros(self.shapes[name], np.float32) for name, _ in self.pairs}
+        self.state = {name: np.zeros([d if isinstance(d, int) else 1 for d in self.shapes[name]], np.float32)
+                      for name, _ in self.pairs}
         self.last = np.zeros(ACTIONS, np.float32)
         self.first = True
 

@@ -187,8 +187,7 @@ class OnnxPolicy(StatefulPolicy):
         binding.act()
         if binding.episode_start is not None:
             binding.episode_start.zero_()
-        binding.step.add_(1)
-        binding.position.add_(1)
+        torch._foreach_add_(binding.counters, 1)                       # step and position, one call
 
     def to(self, *args, **kwargs):
         """Like any module; a device the execution provider cannot serve is refused here,
@@ -240,12 +239,7 @@ class OnnxPolicy(StatefulPolicy):
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = torch.cuda.current_stream(device)
         mode = self.session_settings.cuda_graph
-        reason = f"the model has control flow ({', '.join(self.model.control_flow[:3])})" \
-            if self.model.control_flow else ""
-        if reason and mode == "on":
-            raise OnnxModelError(f"{self.model.where}: policy.onnx.cuda_graph is 'on' but {reason}, which a CUDA graph "
-                                 "cannot take; set cuda_graph: auto to serve it without one")
-        graph = mode != "off" and not reason
+        graph, reason = cuda_graph_choice(self.model, mode)
         if graph:
             try:
                 binding = _Binding(self, state, self._new_session("cuda", stream.cuda_stream, graph=True,
@@ -270,6 +264,17 @@ class OnnxPolicy(StatefulPolicy):
             LOG.warning("%s: served without a CUDA graph (slower): %s", self.model.where, reason)
         return _Binding(self, state, self._new_session("cuda", stream.cuda_stream, graph=False, device_id=index),
                         ("cuda", index), stream)
+
+
+def cuda_graph_choice(model: OnnxModel, mode: str) -> Tuple[bool, str]:
+    """(capture a CUDA graph?, why not) for ``policy.onnx.cuda_graph`` = ``mode``: a model
+    with control flow cannot be captured, which ``on`` refuses (OnnxModelError with the
+    reason) and ``auto`` serves without a graph (the reason is logged as a warning)."""
+    reason = f"the model has control flow ({', '.join(model.control_flow[:3])})" if model.control_flow else ""
+    if reason and mode == "on":
+        raise OnnxModelError(f"{model.where}: policy.onnx.cuda_graph is 'on' but {reason}, which a CUDA graph cannot "
+                             "take; set cuda_graph: auto to serve it without one")
+    return mode != "off" and not reason, reason
 
 
 class _Binding:
@@ -309,7 +314,7 @@ class _Binding:
         self.copies = _copies([p for p in roles.pairs if not p.in_place], view)
         self.act = _action_map(policy, raw, state[ACTION], state[CHUNK].reshape(-1))
         self.episode_start = view[roles.episode_start.name] if roles.episode_start is not None else None
-        self.step, self.position = state[STEP], state[POSITION]
+        self.counters = [state[STEP], state[POSITION]]
 
     def run(self) -> None:
         self.session.run_with_iobinding(self.io, self.run_options)
