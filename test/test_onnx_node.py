@@ -90,7 +90,8 @@ class Robot:
             self.sent[name] += 1
 
         def taken() -> bool:
-            return any(all(p.received >= self.sent[p.name] for p in s.ports if p.name in self.sent and p.name != "joints")
+            others = [name for name in self.sent if name != "joints"]
+            return any(all(p.received >= self.sent[p.name] for p in s.ports if p.name in others)
                        for s in self.client.drain(self.status))
         wait_for(taken, timeout=30, interval=0.01, what="the node to take the sensors")
         self.client.drain(self.actions)

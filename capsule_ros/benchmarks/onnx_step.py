@@ -203,7 +203,7 @@ def run_onnx(device: torch.device, quick: bool) -> dict:
             plain = PlainLoop(model, config.policy_settings)
             counter = {"served": 0, "plain": 0}
 
-            def served_step(runtime=runtime):
+            def served_step(runtime=runtime, counter=counter):
                 t = counter["served"] % reps
                 counter["served"] += 1
                 for name, view in runtime.staging.items():
@@ -212,7 +212,7 @@ def run_onnx(device: torch.device, quick: bool) -> dict:
                 runtime.step()
                 runtime.read_outputs()
 
-            def plain_step(plain=plain):
+            def plain_step(plain=plain, counter=counter):
                 t = counter["plain"] % reps
                 counter["plain"] += 1
                 plain.step(rows, t)
@@ -245,8 +245,9 @@ def table(result: dict) -> None:
     print_table(f"ONNX policy step on {result['device']} (us): LSTM {model['lstm']}, MLP {model['mlp']}",
                 ["served", "p50", "p99", "plain ORT p50", "plain p99", "ratio"], rows)
     capsule = result["capsule"]
-    print(f"served / plain = {result['ratio']:.3f} (target <= 1.1: {'met' if result['met'] else 'NOT met'}); capsule of "
-          f"{capsule['bytes']} bytes: snapshot {capsule['snapshot_us']:.3g} us, restore {capsule['restore_us']:.3g} us, "
+    print(f"served / plain = {result['ratio']:.3f} (target <= 1.1: {'met' if result['met'] else 'NOT met'}); "
+          f"capsule of {capsule['bytes']} bytes: snapshot {capsule['snapshot_us']:.3g} us, "
+          f"restore {capsule['restore_us']:.3g} us, "
           f"limit (one copy) {capsule['limit_us']:.3g} us, ratio {capsule['ratio_to_limit']:.2f}")
 
 

@@ -126,7 +126,8 @@ def resolve_roles(model: OnnxModel, state: Sequence[str], observation: str, acti
     act = _one(free_out, action, ACTION_NAMES, "output", "policy.onnx.action", where, shown)
     others = [t.name for t in free_in if t.name != obs.name]
     if others:
-        raise OnnxModelError(f"{where}: the model's inputs {others} are neither the observation ({obs.name!r}), a state "
+        raise OnnxModelError(f"{where}: the model's inputs {others} are neither the observation ({obs.name!r}), a "
+                             "state "
                              "(policy.onnx.state) nor the episode-start flag (policy.onnx.episode_start); capsule_ros "
                              f"cannot feed them {shown}")
     for tensor, what in ((obs, "observation input"), (act, "action output")):

@@ -87,7 +87,8 @@ class OnnxConfig(ConfigSection):
             raise ConfigError(f"{self.SECTION}.model: must name an .onnx file")
         self.dimension_sizes()
         if self.action_clip and (len(self.action_clip) != 2 or self.action_clip[0] > self.action_clip[1]):
-            raise ConfigError(f"{self.SECTION}.action_clip = {list(self.action_clip)}: must be [low, high], low <= high")
+            raise ConfigError(f"{self.SECTION}.action_clip = {list(self.action_clip)}: must be [low, high], "
+                              "low <= high")
         for name in ("action_scale", "action_offset"):
             if not getattr(self, name):
                 raise ConfigError(f"{self.SECTION}.{name}: give one value, or one per action")
@@ -133,7 +134,8 @@ def build(context: BuildContext) -> OnnxPolicy:
     if settings.execution_provider == "cuda":
         import onnxruntime
         if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-            raise ConfigError(f"policy.onnx.execution_provider is 'cuda' but this onnxruntime ({onnxruntime.__version__}) "
+            raise ConfigError(f"policy.onnx.execution_provider is 'cuda' but this onnxruntime "
+                              f"({onnxruntime.__version__}) "
                               f"has only {onnxruntime.get_available_providers()}: install onnxruntime-gpu of the same "
                               "version, or use execution_provider: cpu")
     model = read_model(Path(settings.model), dict(session.dims), where)

@@ -109,15 +109,20 @@ def _control_flow(graph) -> List[str]:
     return found
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _tensor(value, dims: Mapping[str, int], where: str, role: str) -> TensorInfo:
     kind = value.type.WhichOneof("value")
     if kind != "tensor_type":
-        raise OnnxModelError(f"{where}: {role} {value.name!r} is a {kind}, not a tensor; capsule_ros binds tensors only")
+        raise OnnxModelError(f"{where}: {role} {value.name!r} is a {kind}, not a tensor; capsule_ros binds "
+                             "tensors only")
     tensor = value.type.tensor_type
     dtype = ELEMENT_TYPES.get(tensor.elem_type)
     if dtype is None:
         raise OnnxModelError(f"{where}: {role} {value.name!r} has ONNX element type {tensor.elem_type}, which the "
-                             f"arena cannot hold (it holds {sorted(str(t).replace('torch.', '') for t in ELEMENT_TYPES.values())})")
+                             f"arena cannot hold (it holds {sorted(_name(t) for t in ELEMENT_TYPES.values())})")
     if not tensor.HasField("shape"):
         raise OnnxModelError(f"{where}: {role} {value.name!r} has no shape in the model; export it with fixed shapes")
     shape = []
@@ -128,12 +133,12 @@ def _tensor(value, dims: Mapping[str, int], where: str, role: str) -> TensorInfo
             shape.append(int(dims[dim.dim_param]))
         elif dim.HasField("dim_param"):
             raise OnnxModelError(
-                f"{where}: {role} {value.name!r} has the dynamic dimension {dim.dim_param!r} (axis {i}); every input and "
-                f"output is bound to a fixed arena buffer: give it a size with policy.onnx.dims: ['{dim.dim_param}=N'] "
-                "(1 for a batch dimension), or export the model with fixed shapes")
+                f"{where}: {role} {value.name!r} has the dynamic dimension {dim.dim_param!r} (axis {i}); every input "
+                f"and output is bound to a fixed arena buffer: give it a size with policy.onnx.dims: "
+                f"['{dim.dim_param}=N'] (1 for a batch dimension), or export the model with fixed shapes")
         else:
-            raise OnnxModelError(f"{where}: {role} {value.name!r} has an unknown size on axis {i}; export the model with "
-                                 "fixed shapes (dynamic_axes={}) or name the dimension and set policy.onnx.dims")
+            raise OnnxModelError(f"{where}: {role} {value.name!r} has an unknown size on axis {i}; export the model "
+                                 "with fixed shapes (dynamic_axes={}) or name the dimension and set policy.onnx.dims")
     return TensorInfo(value.name, dtype, tuple(shape))
 
 
@@ -155,8 +160,8 @@ def read_model(path: Path, dims: Mapping[str, int], where: str) -> OnnxModel:
     for location in _external_files(proto):
         external = (path.parent / location).resolve()
         if path.parent.resolve() not in external.parents or not external.is_file():
-            raise OnnxModelError(f"{where}: its weights are in the external data file {location!r}, which is not a file "
-                                 f"beside the model in {path.parent}")
+            raise OnnxModelError(f"{where}: its weights are in the external data file {location!r}, which is not a "
+                                 f"file beside the model in {path.parent}")
         blob = external.read_bytes()
         digest.update(f"|{location}|{len(blob)}|".encode())
         digest.update(blob)

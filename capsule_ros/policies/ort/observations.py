@@ -11,12 +11,14 @@ one string each (ROS parameters cannot be lists of mappings)::
   ``fields``; its values are that field's slice of the port's buffer.
 - functions (Isaac Lab's ``mdp`` names where it has one):
 
-  | function | value |
-  | --- | --- |
-  | ``value`` (and the aliases ``base_lin_vel``, ``base_ang_vel``, ``generated_commands``, ``joint_pos``, ``joint_vel``, ``joint_vel_rel``) | the values as they are (``joint_vel_rel``: Isaac Lab's default joint velocities are zero) |
-  | ``joint_pos_rel`` | the values minus ``policy.onnx.default_joint_pos`` |
-  | ``projected_gravity`` | gravity ``(0, 0, -1)`` in the body frame from an orientation quaternion ``(x, y, z, w)``: ``(2(wy - xz), -2(wx + yz), 2(x^2 + y^2) - 1)`` |
-  | ``last_action`` (no port) | the model's raw action output of the previous step (zeros after a reset) |
+  - ``value`` and its aliases ``base_lin_vel``, ``base_ang_vel``, ``generated_commands``,
+    ``joint_pos``, ``joint_vel``, ``joint_vel_rel``: the values as they are (Isaac Lab's
+    default joint velocities are zero);
+  - ``joint_pos_rel``: the values minus ``policy.onnx.default_joint_pos``;
+  - ``projected_gravity``: gravity ``(0, 0, -1)`` in the body frame from an orientation
+    quaternion ``(x, y, z, w)``: ``(2(wy - xz), -2(wx + yz), 2(x^2 + y^2) - 1)``;
+  - ``last_action`` (no port): the model's raw action output of the previous step
+    (zeros after a reset).
 
 - modifiers, each one number or one per value (comma separated): ``offset`` is
   subtracted, then ``clip=LO,HI`` clamps, then ``scale`` multiplies; Isaac Lab clips
@@ -95,12 +97,12 @@ def field_slices(port: Any) -> Dict[str, Tuple[int, int]]:
             continue
         known = FIELD_SIZES.get(port.type, {})
         base, _, last = name.rpartition(".")
-        sizes.append(known[name] if name in known else 1 if last in COMPONENTS and base in known else None)
+        sizes.append(known.get(name, 1 if last in COMPONENTS and base in known else None))
     if None in sizes:
         if len(fields) != 1:
             unknown = fields[sizes.index(None)]
-            raise ConfigError(f"cannot tell where field {unknown!r} lies in a {port.type} port of fields {fields}; give "
-                              "that field a port of its own")
+            raise ConfigError(f"cannot tell where field {unknown!r} lies in a {port.type} port of fields {fields}; "
+                              "give that field a port of its own")
         sizes = [size]
     out, start = {}, 0
     for name, n in zip(fields, sizes, strict=True):
@@ -160,7 +162,8 @@ def parse_term(text: str, ports: Mapping[str, Any], default_joint_pos: Sequence[
     for modifier in modifiers:
         key, _, value = modifier.partition("=")
         if key not in MODIFIERS or not value or key in values:
-            raise ConfigError(f"{where}: {modifier!r} is not one of {[f'{m}=...' for m in MODIFIERS]} (each at most once)")
+            raise ConfigError(f"{where}: {modifier!r} is not one of {[f'{m}=...' for m in MODIFIERS]} "
+                              "(each at most once)")
         values[key] = _numbers(value, f"{where} {key}")
     out = 3 if function == GRAVITY else size
     offset = values.get("offset", (0.0,))

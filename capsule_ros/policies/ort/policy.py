@@ -5,7 +5,7 @@ Buffers (``state_spec``), besides the ports' inputs and the standard ones:
 | buffer | kind | what |
 | --- | --- | --- |
 | ``onnx.<state input>`` | recurrent | each state the model takes (``onnx.h_in``, ``onnx.c_in``) |
-| ``onnx.<state output>`` | recurrent | where a state the model returns lands (``onnx.h_out``) unless it is written in place |
+| ``onnx.<state output>`` | recurrent | where a returned state lands (``onnx.h_out``), unless written in place |
 | ``onnx.<action output>`` | recurrent | the model's raw action: the ``last_action`` observation term of the next step |
 | ``onnx.<episode start>`` | meta | the episode-start flag, 1 until the first step of an episode has run |
 | ``onnx.<observation input>`` | output | the observation the model saw at this step |
