@@ -128,7 +128,8 @@ def test_policy_node_serves_every_service_and_exits_on_sigint(tmp_path, rclpy_co
 ROS_FREE_TESTS = ("test_runtime.py", "test_store.py", "test_fallback.py", "test_session_safety.py",
                   "test_capsule_file.py", "test_capsule_statemachine.py", "test_lerobot_parity.py", "test_sim_arm.py",
                   "test_policy_contract.py", "test_exported.py",
-                  "test_lerobot_kinds.py", "test_lerobot_bench.py", "test_lerobot_guide.py", "test_weights.py")
+                  "test_lerobot_kinds.py", "test_lerobot_bench.py", "test_lerobot_guide.py", "test_weights.py",
+                  "test_onnx.py")
 
 
 def test_ros_free_tests_run_without_ros():

@@ -14,6 +14,9 @@ against the module itself called eagerly with its state threaded through static 
 which is how it would run without capsule_ros. ``speedup`` is the eager module's step over
 the served program's (both without the step guard, so both do the same work).
 
+``--policy onnx`` times an Isaac Lab-style recurrent ``policy.onnx`` served through
+``policy.kind: onnx`` against a plain ONNX Runtime loop (``benchmarks/onnx_step.py``).
+
 ``--policy act`` times a LeRobot ACT checkpoint served through ``policy.kind: lerobot_act``
 at batch 1 (``benchmarks/lerobot_act.py`` writes it: ACTConfig's defaults, one 480 x 640
 camera, 14 joints; ``--quick`` a small one): the eager step and, on a GPU, the
@@ -196,6 +199,9 @@ def table(result: dict) -> None:
 
 
 def main(args) -> int:
+    if args.policy == "onnx":
+        from capsule_ros.benchmarks import onnx_step
+        return onnx_step.main(args)
     if args.policy == "exported":
         emit(run_exported(resolve_device(args.device), args.quick, args.module), args.json, table_exported)
     else:

@@ -37,10 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on a 2-core CPU")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bench.add_argument("--prefixes", type=int, nargs="*", help="reenter: prefix lengths in tokens")
-    bench.add_argument("--policy", choices=("builtin", "exported", "act"), default="builtin",
-                       help="step: the built-in policies; an exported program against its eager module; or "
+    bench.add_argument("--policy", choices=("builtin", "exported", "act", "onnx"), default="builtin",
+                       help="step: the built-in policies; an exported program against its eager module; "
                             "ACT from a LeRobot checkpoint (policy.kind lerobot_act) with the snapshot / restore "
-                            "of its state")
+                            "of its state; or an ONNX policy (policy.kind onnx) against a plain ONNX Runtime loop")
     bench.add_argument("--module", default="capsule_gru_policy.export:module",
                        help="step --policy exported: package.module:factory of the module to export "
                             "(default: %(default)s, the example package)")

@@ -59,6 +59,7 @@ BUILTIN = {
     "exported": "capsule_ros.policies.exported:POLICY_KIND",
     "lerobot_act": "capsule_ros.policies.lerobot.kinds:ACT_KIND",
     "lerobot_diffusion": "capsule_ros.policies.lerobot.kinds:DIFFUSION_KIND",
+    "onnx": "capsule_ros.policies.ort.kind:POLICY_KIND",
 }
 
 

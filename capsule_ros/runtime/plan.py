@@ -65,7 +65,8 @@ class GraphPlan:
         policy's step)."""
         self.policy = policy
         self.arena = arena
-        self.use_graphs = bool(use_graphs and arena.device.type == "cuda")
+        # a policy whose step runs outside torch (ONNX Runtime) is never captured by torch
+        self.use_graphs = bool(use_graphs and arena.device.type == "cuda" and policy.torch_graph_capture)
         self.eager_fallback = eager_fallback
         self.stream = stream
         self.debug_checks = debug_checks

@@ -109,6 +109,9 @@ class StatefulPolicy(nn.Module, abc.ABC):
 
     action_dim: int
     chunk_horizon: int
+    # False for a step that runs outside torch (ONNX Runtime's kernels): torch's CUDA graph
+    # capture cannot record it, so the plan runs it eagerly on CUDA too (it may capture its own).
+    torch_graph_capture: bool = True
 
     @abc.abstractmethod
     def state_spec(self) -> List[BufferSpec]:

@@ -34,7 +34,8 @@ S = TypeVar("S", bound=ConfigSection)
 
 MESSAGE_TYPES = (
     "sensor_msgs/msg/JointState", "sensor_msgs/msg/Imu", "sensor_msgs/msg/Image",
-    "geometry_msgs/msg/PoseStamped", "geometry_msgs/msg/PointStamped", "std_msgs/msg/Float32MultiArray",
+    "geometry_msgs/msg/PoseStamped", "geometry_msgs/msg/PointStamped", "geometry_msgs/msg/Twist",
+    "geometry_msgs/msg/TwistStamped", "std_msgs/msg/Float32MultiArray",
 )
 
 
