@@ -345,3 +345,67 @@ def test_chunk_schedule_numbers():
     assert "rows 6..99" in s.describe()
     with pytest.raises(ValueError, match="horizon 0 must be in"):
         ChunkCadence(length=4, horizon=0, reads=("x",))
+
+
+# -- CUDA: the programs as graphs, the refill on its own stream ------------------------------------
+
+def cuda_runtime(fixture: Fixture, chunking: str, delay: int, graphs: bool, worker: str = "auto") -> PolicyRuntime:
+    cfg = config(fixture, chunking, str(delay) if delay else "auto")
+    runtime_cfg = dataclasses.replace(cfg.runtime, device="cuda", cuda_graphs=graphs)
+    return PolicyRuntime(build_policy(cfg), runtime_cfg, chunking=chunking_options(cfg, worker=worker))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", CHUNKING)
+@pytest.mark.parametrize("chunking, delay", [("sync", 0), ("async", 3)])
+def test_cuda_graph_programs_equal_their_eager_plan_and_stay_close_to_lerobot(name, chunking, delay, fixtures):
+    """Every program of the schedule captured as a CUDA graph (async: the refill captured on
+    its own stream) gives the eager CUDA plan's actions bit for bit, and LeRobot's CPU actions
+    within the CUDA tolerance of test_lerobot_parity (other kernels, TF32 convolutions)."""
+    from capsule_ros.runtime.chunking import StreamRefill
+    fixture = fixtures[name]
+    graphed = cuda_runtime(fixture, chunking, delay, graphs=True)
+    eager = cuda_runtime(fixture, chunking, delay, graphs=False, worker="inline")
+    assert graphed.plan.captured and set(graphed.plan._graphs) == set(graphed.plan.programs)
+    if chunking == "async":
+        assert isinstance(graphed.executor.worker, StreamRefill) and graphed.executor.worker._plan_graph is not None
+    got = {key: np.stack(list(_stepped(runtime, fixture, 0, 40))) for key, runtime in (("graph", graphed),
+                                                                                         ("eager", eager))}
+    assert got["graph"].tobytes() == got["eager"].tobytes()
+    references = load_npz(FIXTURES / name / "async.npz")
+    reference = fixture.outputs["action"] if chunking == "sync" else references.get(f"action_d{delay}")
+    if reference is not None:                              # LeRobot's own loop, on the CPU
+        assert float(np.abs(got["graph"] - reference[0, :40]).max()) < 1e-2
+
+
+def _stepped(runtime: PolicyRuntime, fixture: Fixture, episode: int, steps: int):
+    runtime.reset(episode=episode, seed=fixture.seed(episode))
+    for t in range(steps):
+        stage(runtime, fixture, episode, t)
+        runtime.load_inputs()
+        runtime.step()
+        yield runtime.read_outputs().action
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunking, delay", [("sync", "auto"), ("async", "3")])
+def test_cuda_capsules_at_every_row_restore_byte_exactly_and_replay_bit_identically(fixtures, chunking, delay):
+    fixture = fixtures["diffusion"]
+    params = fixture.serving_params()
+    params["control"].update(chunking=chunking, inference_delay_steps=delay, deadline_ms=0.0)
+    params["runtime"]["device"] = "cuda"
+    session = build_session(ServingConfig.from_params(params))
+    assert session.runtime.plan.captured
+    end = session.runtime.schedule.end
+    original = ticks(session, fixture, 0, range(0, 3 * end))
+    for k in range(end, 2 * end + 1):
+        session.reset()
+        ticks(session, fixture, 0, range(0, k))
+        capsule = session.commit(label=f"row {k}")
+        snapshot = session.runtime.arena.storage.clone()
+        ticks(session, fixture, 0, range(k, k + 2))
+        session.reenter(capsule.id)
+        torch.cuda.synchronize()
+        assert torch.equal(session.runtime.arena.storage, snapshot), k
+        assert values(ticks(session, fixture, 0, range(k, 3 * end))) == values(original[k:]), k
+        session.drop(capsule.id)

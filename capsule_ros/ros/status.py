@@ -35,7 +35,11 @@ def runtime_status(session: PolicySession, stamp) -> RuntimeStatus:
         dropped_inputs=sum(a.counters.dropped_total for a in session.ports.values()),
         deadline_misses=s.counters.deadline_misses, step_errors=s.counters.step_errors,
         nonfinite_steps=s.counters.nonfinite_steps, last_fault=s.counters.last_fault,
-        ports=[port_status(a) for a in session.ports.values()])
+        late_refills=s.counters.late_refills, ports=[port_status(a) for a in session.ports.values()])
+    executor = session.runtime.executor
+    if executor is not None:
+        msg.chunking, msg.inference_delay_steps = executor.schedule.mode.value, executor.schedule.delay
+        msg.execution_horizon, msg.chunk_refills = executor.schedule.horizon, executor.counters.refills
     msg.header.stamp = stamp
     return msg
 
@@ -86,6 +90,10 @@ class DiagnosticsBuilder:
             "step_errors": status.step_errors, "nonfinite_steps": status.nonfinite_steps,
             "last_fault": status.last_fault,
         }
+        if status.chunking:
+            values.update(chunking=status.chunking, inference_delay_steps=status.inference_delay_steps,
+                          execution_horizon=status.execution_horizon, chunk_refills=status.chunk_refills,
+                          late_refills=status.late_refills)
         for p in status.ports:
             values[f"port.{p.name}.received"] = p.received
             values[f"port.{p.name}.dropped"] = (f"shape={p.dropped_shape} type={p.dropped_type} "
