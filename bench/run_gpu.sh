@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the CUDA tests and GPU benchmarks on a GPU machine without ROS, from a checkout:
 #   bash bench/run_gpu.sh [OUT_DIR] [TASK ...]
-# TASKs: tests, a benchmark name (snapshot step reenter commits lifecycle ...), step-exported
+# TASKs: tests, a benchmark name (snapshot step reenter commits lifecycle chunking ...), step-exported
 # (bench step --policy exported: the example package's module exported, served vs eager) or
 # step-act (bench step --policy act: ACT from a LeRobot checkpoint, graph vs eager, its capsule
 # vs the copy limit); default: all of them. Writes pytest output and one JSON per benchmark to
@@ -14,14 +14,14 @@ cd "$(dirname "$0")/.."
 OUT="${1:-bench/results/$(date -u +%Y-%m-%d)}"
 shift || true
 TASKS=("$@")
-[[ ${#TASKS[@]} -eq 0 ]] && TASKS=(tests snapshot step step-exported step-act reenter commits lifecycle)
+[[ ${#TASKS[@]} -eq 0 ]] && TASKS=(tests snapshot step step-exported step-act reenter commits lifecycle chunking)
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/examples/gru_policy${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CAPSULE_ROS_WITHOUT_ROS=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 for task in "${TASKS[@]}"; do
   if [[ "$task" == tests ]]; then
     python3 -m pytest test/test_runtime.py test/test_store.py test/test_lerobot_parity.py \
-      test/test_policy_contract.py test/test_exported.py test/test_lerobot_bench.py -m cuda -q \
+      test/test_policy_contract.py test/test_exported.py test/test_lerobot_bench.py test/test_chunking.py -m cuda -q \
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.txt"
     continue
   fi

@@ -380,16 +380,22 @@ def test_initial_values_and_the_seeded_rng_are_kept_by_an_exported_program(tmp_p
 def test_graph_captured_exported_step_equals_the_exported_module_run_eagerly_on_the_gpu(program):
     runtime = PolicyRuntime(ExportedPolicy.from_file(program), RuntimeConfig(device="cuda", cuda_graphs=True))
     assert runtime.plan.captured
-    eager = ExportedPolicy.from_file(program).to("cuda")          # the program's module, called step by step
+    eager = ExportedPolicy.from_file(program).to("cuda")          # the programs, called in the module's own loop
+    observe, plan, emit = (eager.programs[phase] for phase in ("observe", "plan", "emit"))
     state = [torch.zeros((1, *s.shape), dtype=s.dtype, device="cuda") for s in eager.interface.state]
     obs = observations(4 * HORIZON + 1, 6)
     served = step_all(runtime, obs)
+    chunk = None
     with torch.inference_mode():
         for t, row in enumerate(obs):
             joints, goal = (torch.from_numpy(v[None]).cuda() for v in (row[:4], row[4:]))
-            action, chunk, *state = eager.program(joints, goal, *state)
+            state = list(observe(joints, goal, *state))
+            if t % HORIZON == 0:
+                chunk = plan(state[0])
+            rows = torch.clamp(t % HORIZON + torch.arange(HORIZON, device="cuda"), max=HORIZON - 1)
+            action, upcoming, *state = emit(chunk[:, t % HORIZON], chunk[:, rows], *state)
             assert served[t][0].tobytes() == action[0].cpu().numpy().tobytes(), t
-            assert served[t][1].tobytes() == chunk[0].cpu().numpy().tobytes(), t
+            assert served[t][1].tobytes() == upcoming[0].cpu().numpy().tobytes(), t
 
 
 def test_bench_step_exported_times_the_served_program_against_the_eager_module():

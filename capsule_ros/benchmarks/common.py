@@ -86,6 +86,10 @@ class ArenaHost:
     fingerprint: str
     stream: Optional[torch.cuda.Stream]
 
+    def chunk_mark(self) -> None:
+        """A bare arena has no chunk schedule."""
+        return None
+
 
 def random_arena(layout: ArenaLayout, device: torch.device, seed: int = 0) -> ArenaHost:
     """An arena filled with random bytes (never benchmark on zeros)."""

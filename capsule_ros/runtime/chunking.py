@@ -45,7 +45,6 @@ runtime's schedule, and re-issues a pending request from the restored ``chunk.re
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import enum
 import math
 from dataclasses import dataclass
@@ -66,6 +65,7 @@ from capsule_ros.runtime.policy import (
     State,
     StatefulPolicy,
 )
+from capsule_ros.runtime.streams import on_stream
 
 FRESH = "chunk.fresh"            # the worker's arena: the chunk its last plan wrote
 
@@ -206,7 +206,7 @@ class InlineRefill(RefillWorker):
     without concurrency. For replicas (the recompute fallback), regeneration, checks."""
 
     def submit(self, live_stream: Optional[torch.cuda.Stream]) -> None:
-        with torch.cuda.stream(live_stream) if live_stream is not None else contextlib.nullcontext():
+        with on_stream(live_stream):
             self.copy_request()
             self.run_plan()
 
@@ -280,7 +280,7 @@ class StreamRefill(RefillWorker):
         assert self.stream is not None and live_stream is not None
         self.stream.wait_stream(live_stream)
         copied, done = torch.cuda.Event(), torch.cuda.Event()
-        with torch.cuda.stream(self.stream), torch.inference_mode():
+        with on_stream(self.stream), torch.inference_mode():
             if self._copy_graph is not None and self._plan_graph is not None:
                 self._copy_graph.replay()
                 copied.record(self.stream)

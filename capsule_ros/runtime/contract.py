@@ -116,9 +116,8 @@ def check_state_contract(runtime: PolicyRuntime) -> None:
                 snapshot = arena.storage.clone()
                 first = [_run(runtime, row, outputs) for row in rows]
                 end = arena.storage.clone()
-                passes = [("repeated", False)] + ([("repeated eagerly, against the captured graph (capture froze "
-                                                    "what the step keeps outside its buffers)", True)]
-                                                  if plan.captured else [])
+                passes = [("", False)] + ([(" run eagerly, against the captured graph (capture froze what the step "
+                                            "keeps outside its buffers)", True)] if plan.captured else [])
                 buffers: List[str] = []
                 for what, eager in passes:
                     runtime.load_state(snapshot)
@@ -127,7 +126,7 @@ def check_state_contract(runtime: PolicyRuntime) -> None:
                         if not torch.equal(again, first[i]):
                             names = _differing(runtime, again, first[i], outputs_start, BufferKind.META,
                                                BufferKind.OUTPUT)
-                            differs.append(f"{names} after {what} step {i + 1}")
+                            differs.append(f"{names} after repeated step {i + 1}{what}")
                             break
                     if differs:
                         break

@@ -22,7 +22,6 @@ inputs, uploads none.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -50,6 +49,7 @@ from capsule_ros.runtime.contract import check_state_contract
 from capsule_ros.runtime.fingerprint import compute_fingerprint, device_kind, weights_digest
 from capsule_ros.runtime.plan import STEP_PROGRAM, GraphPlan
 from capsule_ros.runtime.policy import ACTION, CHUNK, CHUNK_CURSOR, EPISODE, POSITION, STEP, StatefulPolicy
+from capsule_ros.runtime.streams import on_stream
 
 LOG = logging.getLogger(__name__)
 
@@ -309,19 +309,21 @@ class PolicyRuntime:
         """name -> numpy view of the host staging buffer of each input (write these)."""
         return self._staging_views
 
-    def load_inputs(self, row: Optional[torch.Tensor] = None) -> None:
+    def load_inputs(self, row: Optional[torch.Tensor] = None) -> bool:
         """Copy the whole staging area (or ``row``, the same bytes from elsewhere, e.g. an
         input log already on the device) into the arena's input region: one copy, ordered
         on the runtime's stream. On CUDA the copy is asynchronous: the staging area must not
-        change until the step's outputs are read (``PolicySession.tick`` ensures it)."""
+        change until the step's outputs are read (``PolicySession.tick`` ensures it). Returns
+        whether it copied: a chunking policy's step that reads no input uploads none."""
         if self.executor is not None and not self.executor.reads_inputs():
-            return                                   # the next step runs no network and reads no input
+            return False                             # the next step runs no network and reads no input
         source = self.input_staging if row is None else row
         if self.stream is None:
             self._input_region.copy_(source)
-            return
-        with torch.cuda.stream(self.stream):
+            return True
+        with on_stream(self.stream):
             self._input_region.copy_(source, non_blocking=True)
+        return True
 
     def load_state(self, data: torch.Tensor) -> None:
         """Overwrite the whole arena with ``data`` (uint8, the arena's size), ordered on the
@@ -373,7 +375,7 @@ class PolicyRuntime:
         if self.stream is None:
             self._out_host.copy_(self._output_region)
         else:
-            with torch.cuda.stream(self.stream):
+            with on_stream(self.stream):
                 self._out_host.copy_(self._output_region, non_blocking=True)
             self.stream.synchronize()
         v = self._out_views
@@ -404,7 +406,7 @@ class PolicyRuntime:
             self.executor.resume(mark, self.stream)
 
     def _stream_ctx(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        return on_stream(self.stream)
 
     def close(self) -> None:
         """Release the arena, graphs, staging and weights (the node's lifecycle ``cleanup``);

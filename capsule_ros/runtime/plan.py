@@ -33,7 +33,6 @@ and write freed memory, so a mismatch raises instead.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Callable, Dict, List, Mapping, Optional
 
@@ -42,6 +41,7 @@ import torch
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.arena import BufferKind, StateArena
 from capsule_ros.runtime.policy import StatefulPolicy
+from capsule_ros.runtime.streams import on_stream
 
 LOG = logging.getLogger(__name__)
 STEP_PROGRAM = "step"
@@ -81,7 +81,7 @@ class GraphPlan:
 
     # -- capture ---------------------------------------------------------------------------
     def _stream_ctx(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        return on_stream(self.stream)
 
     def _warm_up(self, fn) -> None:
         """Run ``fn`` ``warmup_steps`` times (the caller restores the arena)."""

@@ -33,12 +33,15 @@ class InputLog:
         self._start_generation = self.generation
         self._cuts.clear()
 
-    def append(self, step: int, row: np.ndarray) -> None:
-        """Log the inputs of the step taken from state ``step`` (must be the next one)."""
+    def append(self, step: int, row: Optional[np.ndarray]) -> None:
+        """Log the inputs of the step taken from state ``step`` (must be the next one).
+        ``row`` None: the step read no inputs (a chunking policy's consume step), so there
+        is nothing to copy; a replay of the same schedule skips them too."""
         if self.length >= self.capacity or step != self.base_step + self.length:
             self.length = self.capacity + 1 if self.length >= self.capacity else self.length
             return   # the log no longer covers the timeline beyond this point
-        self._rows[self.length] = row
+        if row is not None:
+            self._rows[self.length] = row
         self.length += 1
 
     def truncate(self, step: int) -> None:

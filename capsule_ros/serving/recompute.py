@@ -108,8 +108,8 @@ class Recompute:
         else:
             self.start(capsule)
 
-    def log_step(self, step: int, row: np.ndarray) -> None:
-        """The inputs of the step just taken from state ``step``."""
+    def log_step(self, step: int, row: Optional[np.ndarray]) -> None:
+        """The inputs of the step just taken from state ``step`` (None: it read none)."""
         self.log.append(step, row)
 
     # -- the fallback ----------------------------------------------------------------------------

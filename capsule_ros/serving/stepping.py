@@ -50,7 +50,7 @@ class GuardedStep:
     serialises calls (the session's boundary lock)."""
 
     def __init__(self, runtime: PolicyRuntime, inputs: SensorInputs, counters: SessionCounters,
-                 log_step: Callable[[int, np.ndarray], None]):
+                 log_step: Callable[[int, Optional[np.ndarray]], None]):
         self.runtime = runtime
         self.inputs = inputs
         self.counters = counters
@@ -100,10 +100,10 @@ class GuardedStep:
     def _run(self, from_step: int, deadline_s: Optional[float], forced_late: bool,
              watchdog: Optional[DeadlineWatchdog]) -> StepResult:
         fault, out, start = StepFault.NONE, None, time.perf_counter()
-        refill_late = False
+        refill_late, uploaded = False, True
         with self.inputs.lock:
             try:
-                self.runtime.load_inputs()
+                uploaded = self.runtime.load_inputs()
                 refill_late = self.runtime.step().late
                 out = self.runtime.read_outputs()
                 if not (np.isfinite(out.action).all() and np.isfinite(out.chunk).all()):
@@ -113,7 +113,7 @@ class GuardedStep:
                 self.counters.last_fault = f"{type(exc).__name__}: {exc}"
                 LOG.debug("step failed", exc_info=True)
             if fault == StepFault.NONE or not self.runtime.guarded:
-                self.log_step(from_step, self.runtime.input_staging.numpy())
+                self.log_step(from_step, self.runtime.input_staging.numpy() if uploaded else None)
         seconds = time.perf_counter() - start
         overran = watchdog.disarm() if watchdog is not None else False
         self.latency.record(seconds)
