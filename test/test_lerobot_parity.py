@@ -156,11 +156,11 @@ def test_buffers_have_the_documented_kinds(cases):
     for name in ("act_queue", "diffusion", "diffusion_ddim_env"):     # the chunk cadence's standard buffers
         assert kinds[name]["chunk.actions"] == BufferKind.CHUNK, name
         assert kinds[name]["chunk.cursor"] == kinds[name]["chunk.pending"] == BufferKind.META, name
-    assert kinds["act_queue"]["chunk.request.joints"] == BufferKind.CHUNK      # an async request's copy of an input
+    assert kinds["act_queue"]["chunk.request.joints"] == BufferKind.REQUEST    # an async request's copy of an input
     assert "chunk.actions" not in kinds["act_ensemble"]                       # ensembling: the network every step
     assert kinds["act_ensemble"]["act.ensemble"] == kinds["act_ensemble"]["act.ensemble_count"] == BufferKind.CHUNK
     assert kinds["diffusion"]["diffusion.obs.front_camera"] == BufferKind.CONV
-    assert kinds["diffusion"]["chunk.request.diffusion.obs.front_camera"] == BufferKind.CHUNK
+    assert kinds["diffusion"]["chunk.request.diffusion.obs.front_camera"] == BufferKind.REQUEST
     assert kinds["diffusion_ddim_env"]["diffusion.obs.env_state"] == BufferKind.CONV
 
 

@@ -143,7 +143,8 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
     base = serving_config(checkpoint)
     control = dataclasses.replace(base.control, mode="timer", rate_hz=rate, deadline_ms=0.0, chunking=chunking,
                                   inference_delay_steps="auto", autostart=True,
-                                  input_log_steps=len(obs[STATE]))       # the episode's inputs, as a node logs them
+                                  input_log_steps=len(obs[STATE]),       # the episode's inputs, as a node logs them
+                                  input_log_max_mb=1e7)                  # (rows are touched only when logged)
     runtime = dataclasses.replace(base.runtime, device=str(device), cpu_threads=1, seed=0)
     session = build_session(dataclasses.replace(base, control=control, runtime=runtime))
     session.enforce_deadline = paced

@@ -336,8 +336,9 @@ class ChunkExecutor:
         last_row = s.end - 1
 
         def act() -> None:
-            index = torch.clamp(cursor, max=last_row)                 # a state out of range cannot index out
-            upcoming = chunk.index_select(0, torch.clamp(index + self._rows, max=last_row))
+            # rows cursor, cursor + 1, ... (the last executed row repeated); clamped both ways,
+            # so that no state, however it was made, indexes outside the chunk
+            upcoming = chunk.index_select(0, torch.clamp(cursor + self._rows, min=0, max=last_row))
             policy.emit(views, upcoming[0], upcoming)
             cursor.add_(1)
 

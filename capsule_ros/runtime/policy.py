@@ -89,7 +89,7 @@ def chunk_specs(length: int, action_dim: int, reads: Sequence[BufferSpec]) -> Li
     return [BufferSpec(CHUNK_ACTIONS, (length, action_dim), torch.float32, BufferKind.CHUNK),
             BufferSpec(CHUNK_CURSOR, (1,), torch.int64, BufferKind.META),
             BufferSpec(CHUNK_PENDING, (1,), torch.int64, BufferKind.META),
-            *(BufferSpec(REQUEST_PREFIX + spec.name, spec.shape, spec.dtype, BufferKind.CHUNK) for spec in reads)]
+            *(BufferSpec(REQUEST_PREFIX + spec.name, spec.shape, spec.dtype, BufferKind.REQUEST) for spec in reads)]
 
 
 def standard_specs(action_dim: int, chunk_horizon: int) -> List[BufferSpec]:

@@ -15,6 +15,7 @@ class BufferKind(str, enum.Enum):
     """What a buffer holds; the order here is the arena's layout order."""
 
     INPUT = "input"          # fixed-shape sensor inputs, written by the host each step
+    REQUEST = "request"      # an asynchronous chunk refill's copy of what the plan reads (runtime.chunking)
     KV = "kv"                # attention key/value cache
     RECURRENT = "recurrent"  # linear-recurrent layer state
     CONV = "conv"            # short causal convolution state
@@ -24,7 +25,11 @@ class BufferKind(str, enum.Enum):
 
 
 KIND_ORDER = tuple(BufferKind)
-# Buffers that define the policy's execution state (everything but the I/O staging areas).
+# Buffers that define the policy's execution state (everything but the I/O staging areas),
+# and what a step guard puts back when it undoes a step. REQUEST buffers are state too (a
+# capsule holds them), but only while ``chunk.pending`` says a request is out, and the step
+# that writes them also sets that flag, which the guard does put back: so they stay out of
+# the guard's copy (they hold a copy of the inputs, often the largest buffers).
 STATE_KINDS = (BufferKind.KV, BufferKind.RECURRENT, BufferKind.CONV, BufferKind.CHUNK, BufferKind.META)
 
 # dtype name -> bytes per element (the names torch prints without "torch.")

@@ -285,8 +285,9 @@ class ACTPolicy(LeRobotPolicy):
         chunk.copy_(self._predict(state))
 
     def emit(self, state: State, action: torch.Tensor, upcoming: torch.Tensor) -> None:
-        state[ACTION].copy_(self.action_norm.unnormalize(action))
-        state[CHUNK].copy_(self.action_norm.unnormalize(upcoming))
+        chunk = self.action_norm.unnormalize(upcoming)          # element-wise: row 0 is the action's own bits
+        state[CHUNK].copy_(chunk)
+        state[ACTION].copy_(chunk[0])
         self.advance(state)
 
     def step(self, state: State) -> None:

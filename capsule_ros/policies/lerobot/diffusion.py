@@ -341,8 +341,9 @@ class DiffusionPolicy(LeRobotPolicy):
         chunk.copy_(trajectory[self.n_obs_steps - 1:])
 
     def emit(self, state: State, action: torch.Tensor, upcoming: torch.Tensor) -> None:
-        state[ACTION].copy_(self.action_norm.unnormalize(action))
-        state[CHUNK].copy_(self.action_norm.unnormalize(upcoming))
+        chunk = self.action_norm.unnormalize(upcoming)          # element-wise: row 0 is the action's own bits
+        state[CHUNK].copy_(chunk)
+        state[ACTION].copy_(chunk[0])
         self.advance(state)
 
     def step(self, state: State) -> None:
