@@ -182,7 +182,7 @@ class PolicySession:
                 self.counters.ticks_waiting_for_inputs += 1
                 return None
             deadline = self.control.effective_deadline_s() if self.enforce_deadline else None
-            result = self.stepper.run(self.step, deadline, forced_late=late)
+            result = self.stepper.run(self.step, deadline, forced_late=late, enforce=self.enforce_deadline)
             self.step = result.step
             out = result.outputs
             if result.fault != StepFault.NONE or out is None:

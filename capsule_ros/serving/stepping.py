@@ -9,7 +9,9 @@ action (``control.deadline_action``) and the fault is counted:
   out *at* the deadline from the watchdog's thread, while the step still runs.
 - ``LATE`` also when a chunking policy's step takes over a chunk whose asynchronous
   refill had not finished by then (``late_refills``): the step waits for it, so its
-  state is exact whatever the timing, and hands out the safe action.
+  state is exact whatever the timing, and hands out the safe action. That is a timing
+  event, so only a session that enforces deadlines has it (``enforce``; a replay instead
+  re-enacts the recorded ones, ``forced_late``).
 - ``ERROR``: the step raised. ``NONFINITE``: its outputs held NaN or Inf. With the step
   guard (``runtime.guard_steps``) the state is put back exactly as before the step, so
   later steps behave as if it never ran; without it the state is left as the step left it.
@@ -85,20 +87,22 @@ class GuardedStep:
         finally:
             self.runtime.load_state(saved)
 
-    def run(self, from_step: int, deadline_s: Optional[float], forced_late: bool = False) -> StepResult:
+    def run(self, from_step: int, deadline_s: Optional[float], forced_late: bool = False,
+            enforce: bool = True) -> StepResult:
         """One step from state step ``from_step`` (``deadline_s`` None: no deadline;
-        ``forced_late``: count it late whatever its time, e.g. a replay re-enacting a miss)."""
+        ``forced_late``: count it late whatever its time, e.g. a replay re-enacting a miss;
+        ``enforce`` False: timing makes no step late, a late refill included)."""
         watchdog = self._watchdog if deadline_s is not None else None
         if watchdog is not None and deadline_s is not None:
             watchdog.arm(deadline_s)
         self.idle.clear()
         try:
-            return self._run(from_step, deadline_s, forced_late, watchdog)
+            return self._run(from_step, deadline_s, forced_late, watchdog, enforce)
         finally:
             self.idle.set()
 
     def _run(self, from_step: int, deadline_s: Optional[float], forced_late: bool,
-             watchdog: Optional[DeadlineWatchdog]) -> StepResult:
+             watchdog: Optional[DeadlineWatchdog], enforce: bool) -> StepResult:
         fault, out, start = StepFault.NONE, None, time.perf_counter()
         refill_late, uploaded = False, True
         with self.inputs.lock:
@@ -120,6 +124,7 @@ class GuardedStep:
         if fault != StepFault.NONE or out is None:
             return StepResult(out, fault, self._after_fault(fault, from_step), seconds, overran)
         self.counters.steps += 1
+        refill_late = refill_late and enforce
         if refill_late:
             self.counters.late_refills += 1
             self.counters.last_fault = f"the refill taking over at step {from_step + 1} had not finished in time"
