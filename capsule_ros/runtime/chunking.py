@@ -509,7 +509,7 @@ def resolve_delay(setting: str) -> Optional[int]:
     return None if setting == "auto" else int(setting)
 
 
-def measured_delay(seconds: Sequence[float], rate_hz: float, margin: float = 1.25) -> int:
+def measured_delay(seconds: Sequence[float], rate_hz: float, margin: float = 1.5) -> int:
     """The delay (steps) for ``auto``: the refill's p99 (of the timed plans) with a margin
     for the control loop sharing the machine, in control periods, at least 1."""
     p99 = float(np.percentile(np.asarray(seconds), 99))

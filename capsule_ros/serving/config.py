@@ -117,7 +117,7 @@ class ControlConfig(ConfigSection):
                             "steps earlier (docs/chunking.md)", choices=("sync", "async"), read_only=True)
     inference_delay_steps: str = setting("auto", "async chunking: steps between a refill's request and the step its "
                                          "chunk takes over (fixed, recorded in capsules and bags); auto: the refill's "
-                                         "p99 measured at activate, over rate_hz, with a 25% margin",
+                                         "p99 measured at activate, over rate_hz, with a 50% margin",
                                          pattern=r"auto|[1-9][0-9]{0,5}", read_only=True)
     execution_horizon: int = setting(0, "chunking: actions executed from each chunk (0 = the policy's own, e.g. "
                                      "LeRobot's n_action_steps; async: at most the chunk's length less the delay)",
