@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from capsule_ros.config import ConfigSection, setting
-from capsule_ros.errors import InvalidArgument
+from capsule_ros.errors import ConfigError, InvalidArgument
 from capsule_ros.runtime.arena import STATE_KINDS, ArenaLayout, BufferKind, StateArena
 from capsule_ros.runtime.chunking import (
     ChunkExecutor,
@@ -260,7 +260,14 @@ class PolicyRuntime:
                 delay = measured_delay(self.refill_seconds, options.rate_hz)
                 LOG.info("inference_delay_steps auto: refill p99 %.1f ms at %.1f Hz -> %d steps",
                          max(self.refill_seconds) * 1e3, options.rate_hz, delay)
-        schedule = ChunkSchedule.resolve(cadence, options.mode, delay, options.horizon)
+        try:
+            schedule = ChunkSchedule.resolve(cadence, options.mode, delay, options.horizon)
+        except ConfigError as exc:
+            if options.mode != "async" or options.delay is not None:
+                raise
+            raise ConfigError(f"inference_delay_steps auto measured a refill of {max(self.refill_seconds) * 1e3:.1f} "
+                              f"ms (p99 of {len(self.refill_seconds)}) at control.rate_hz {options.rate_hz:g}: "
+                              f"{delay} steps with its margin; {exc}") from None
         LOG.info("chunk schedule: %s", schedule.describe())
         return ChunkExecutor(policy, self.arena, cadence, schedule, worker)
 
