@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 import torch
@@ -211,9 +211,12 @@ class PolicyRuntime:
         self.chunking = chunking
         self.refill_seconds: List[float] = []           # timed plans (async auto delay), for reports
         self.executor = self._chunk_executor(policy, chunking) if policy.cadence() is not None else None
+        state_start, state_end = self.layout.byte_range(*STATE_KINDS, BufferKind.OUTPUT)
+        self._state_region = self.arena.storage[state_start:state_end]
+        self._undo = torch.empty_like(self._state_region) if config.guard_steps else None
         self.plan = GraphPlan(policy, self.arena, use_graphs=config.cuda_graphs, stream=self.stream,
                               debug_checks=config.debug_checks, eager_fallback=config.graph_fallback == "eager",
-                              programs=self.executor.programs() if self.executor is not None else None)
+                              programs=self._programs())
         self.inputs = dict(inputs or {})
         self.fingerprint = _fingerprint or runtime_fingerprint(policy, config, self.inputs)
         pin = self.device.type == "cuda"
@@ -233,9 +236,6 @@ class PolicyRuntime:
             if slot.spec.kind in (BufferKind.META, BufferKind.OUTPUT):
                 raw = self._out_host[slot.offset - out_start:slot.end - out_start]
                 self._out_views[slot.spec.name] = raw.view(slot.spec.dtype).view(slot.spec.shape).numpy()
-        state_start, state_end = self.layout.byte_range(*STATE_KINDS, BufferKind.OUTPUT)
-        self._state_region = self.arena.storage[state_start:state_end]
-        self._undo = torch.empty_like(self._state_region) if config.guard_steps else None
         self.reset(episode=0)
         self.plan.prepare()
         if self.executor is not None and self.executor.worker is not None:
@@ -244,6 +244,23 @@ class PolicyRuntime:
             check_state_contract(self)
         LOG.info("runtime on %s: arena %d bytes in %d buffers, graphs=%s, fingerprint %s",
                  self.device, self.layout.nbytes, len(self.layout), self.plan.captured, self.fingerprint[:12])
+
+    def _programs(self) -> Dict[str, Callable[[], None]]:
+        """The plan's programs: the policy's step, or its chunk schedule's; with the step
+        guard each begins by keeping the state it may change (``undo_step``), inside the
+        same graph on a GPU (one launch less per step)."""
+        programs = self.executor.programs() if self.executor is not None else {
+            STEP_PROGRAM: lambda: self.policy.step(self.arena.views)}
+        undo, state = self._undo, self._state_region
+        if undo is None:
+            return programs
+
+        def guarded(program: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                undo.copy_(state)
+                program()
+            return run
+        return {name: guarded(program) for name, program in programs.items()}
 
     # -- state ------------------------------------------------------------------------------
     def _chunk_executor(self, policy: StatefulPolicy, options: ChunkingOptions) -> ChunkExecutor:
@@ -347,9 +364,6 @@ class PolicyRuntime:
         and whether a takeover's refill was late (empty for a policy without a cadence).
         ``eager``: run the captured program's Python instead (the start-up check)."""
         program = self.executor.before_step(self.stream) if self.executor is not None else None
-        if self._undo is not None:
-            with self._stream_ctx():
-                self._undo.copy_(self._state_region, non_blocking=True)
         self.plan.step(program.value if program is not None else STEP_PROGRAM, eager=eager)
         if self.executor is None or program is None:
             return RefillReport()
