@@ -99,7 +99,7 @@ def test_commit_success_stores_the_capsule_id(env):
     # the node has it
     event = events_of(driver, CapsuleEvent.COMMIT)[-1]
     assert event.capsule_id == capsule_id
-    assert capsule_id in [c.id for c in client.capsules.list_capsules().capsules]
+    assert capsule_id in [c.id for c in client.capsules.list().capsules]
 
 
 def test_unreachable_when_no_node_has_that_name(env):

@@ -69,7 +69,7 @@ def test_the_full_lifecycle_from_another_process(managed):
     assert lifecycle.change("configure") is True
     assert lifecycle.state() == "inactive"
     with pytest.raises(ServiceRefused) as refused:
-        client.capsules.list_capsules()
+        client.capsules.list()
     assert refused.value.error_code == ErrorCode.WRONG_STATE
 
     assert lifecycle.change("activate") is True
@@ -150,7 +150,7 @@ def test_cleanup_releases_the_runtime_and_a_new_configure_starts_fresh(managed):
     committed = client.capsules.commit(label="kept in memory").capsule
     assert lifecycle.change("deactivate") and lifecycle.change("cleanup")
     assert lifecycle.change("configure") and lifecycle.change("activate")
-    assert [c.id for c in client.capsules.list_capsules().capsules if c.id == committed.id] == [], \
+    assert [c.id for c in client.capsules.list().capsules if c.id == committed.id] == [], \
         "a capsule in memory outlived cleanup"
     driver.send_goal()
     again = driver.run(observations(4, 7))                          # the same policy from its initial state

@@ -183,13 +183,13 @@ def test_fork_list_save_drop_load(node):
     capsule = client.capsules.commit(label="source").capsule
     fork = client.capsules.fork(capsule.id, label="branch").capsule
     assert fork.id != capsule.id and fork.parent_id == capsule.id and fork.step == capsule.step
-    ids = [c.id for c in client.capsules.list_capsules().capsules]
+    ids = [c.id for c in client.capsules.list().capsules]
     assert capsule.id in ids and fork.id in ids
     saved = client.capsules.save(fork.id)
     assert os.path.exists(saved.path) and stat.S_IMODE(os.stat(saved.path).st_mode) == 0o600
     assert saved.capsule.persisted
     client.capsules.drop(fork.id)
-    listed = {c.id: c for c in client.capsules.list_capsules().capsules}
+    listed = {c.id: c for c in client.capsules.list().capsules}
     assert listed[fork.id].tier == listed[fork.id].TIER_DISK          # only on disk now
     loaded = client.capsules.load(fork.id).capsule
     assert loaded.id == fork.id and loaded.step == fork.step and loaded.tier != loaded.TIER_DISK
@@ -201,7 +201,7 @@ def test_fork_list_save_drop_load(node):
     assert action_bytes(from_source) == action_bytes(from_fork)
     client.capsules.drop(fork.id, from_disk=True)
     assert not os.path.exists(saved.path)
-    current = client.capsules.list_capsules(current_episode_only=True).capsules
+    current = client.capsules.list(current_episode_only=True).capsules
     assert all(c.episode_id == capsule.episode_id for c in current)
 
 

@@ -46,16 +46,16 @@ def test_fork_shares_the_bytes_and_outlives_its_source():
     run(runtime, observations(5, 1))
     before = arena_bytes(runtime)
     source = store.snapshot(runtime, episode_id=1, step=5)
-    free = store.pools[Tier.DEVICE].free
+    free = store.stats().free_slabs[Tier.DEVICE]
     fork = store.fork(source.id, label="branch")
-    assert store.pools[Tier.DEVICE].free == free and fork.parent_id == source.id
+    assert store.stats().free_slabs[Tier.DEVICE] == free and fork.parent_id == source.id
     store.drop(source.id)
-    assert store.pools[Tier.DEVICE].free == free      # still referenced by the fork
+    assert store.stats().free_slabs[Tier.DEVICE] == free      # still referenced by the fork
     run(runtime, observations(5, 2))
     store.restore(fork.id, runtime)
     assert arena_bytes(runtime) == before
     store.drop(fork.id)
-    assert store.pools[Tier.DEVICE].free == free + 1
+    assert store.stats().free_slabs[Tier.DEVICE] == free + 1
 
 
 def test_unknown_and_malformed_ids_are_refused_and_counted():

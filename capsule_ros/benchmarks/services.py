@@ -45,7 +45,7 @@ def run(device_name: str = "cpu", quick: bool = False) -> dict:
         goal = client.node.create_publisher(PointStamped, f"{NS}/arm/goal", 10)
         wait_until(lambda: joints.get_subscription_count() > 0 and goal.get_subscription_count() > 0, 60,
                    "policy_node")
-        capsules.list_capsules(server_wait_s=60.0)
+        capsules.list(server_wait_s=60.0)
 
         def feed():
             msg, g = JointState(), PointStamped()

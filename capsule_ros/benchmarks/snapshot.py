@@ -66,7 +66,7 @@ def bench_state(name: str, layout: ArenaLayout, device: torch.device, reps: int)
 
     wall_snap = time_calls(snapshot_once, reps, torch.device("cpu"))   # host: call until the copy is done
     wall_rest = time_calls(restore_once, reps, torch.device("cpu"))
-    store.flush_timings()
+    store.stats()                                                   # moves finished copy timings in
     copy_snap = store.snapshot_latency.samples()[-reps:]                   # the copy itself (events on GPU)
     copy_rest = store.restore_latency.samples()[-reps:]
 

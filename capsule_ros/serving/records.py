@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 if TYPE_CHECKING:
     from capsule_ros.capsules.store import Capsule
+    from capsule_ros.serving.ports import PortAdapter, PortDrop
 
 
 class EpisodeState(enum.IntEnum):
@@ -97,6 +98,31 @@ class EventRecord:
     detail: str = ""
 
 
+class EpisodeStart(NamedTuple):
+    """What ``reset`` answers: the new episode and the capsule it started from (None: the initial state)."""
+
+    episode_id: int
+    capsule: Optional[Capsule]
+
+
+@dataclass(frozen=True)
+class RecordResult:
+    """What ``record`` answers: the bag being (or just) written and, when it stopped, the
+    messages written."""
+
+    bag_path: str
+    messages: int = 0
+
+
+class Fed(NamedTuple):
+    """What became of one sensor message (``PolicySession.feed``)."""
+
+    accepted: bool                     # staged (else dropped and counted: ``drop`` says why)
+    drop: Optional[PortDrop]
+    stepped: bool                      # it was a trigger message and ran a tick
+    record: Optional[ActionRecord]     # that tick's action (None: nothing to publish)
+
+
 @dataclass(frozen=True)
 class ReenterResult:
     capsule: Optional[Capsule]       # None when resuming an interrupt without a capsule
@@ -119,6 +145,29 @@ class SessionCounters:
 
 
 @dataclass(frozen=True)
+class PortPicture:
+    """One port in a status picture: its counters and the age of its last message (ms,
+    -1 before the first), on the session's clock."""
+
+    name: str
+    topic: str
+    received: int
+    dropped: Dict[str, int]
+    stale_steps: int
+    age_ms: float
+
+    @classmethod
+    def of(cls, adapter: PortAdapter, now_ns: int) -> PortPicture:
+        c = adapter.counters
+        return cls(adapter.name, adapter.config.topic, c.received, dict(c.dropped), c.stale_steps,
+                   adapter.age_ms(now_ns))
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+
+@dataclass(frozen=True)
 class SessionStatus:
     """A consistent picture of the session, taken at a step boundary (``PolicySession.status``)."""
 
@@ -137,17 +186,19 @@ class SessionStatus:
     evictions: int
     demotions: int
     stamp_ns: int = 0
+    ports: Tuple[PortPicture, ...] = ()
 
     @classmethod
-    def of(cls, session) -> SessionStatus:
-        """The picture of a ``PolicySession``; its caller holds the boundary lock."""
-        from capsule_ros.capsules.store import Tier
-        store, c = session.store, session.store.counters
-        store.flush_timings()
+    def of(cls, session: Any) -> SessionStatus:
+        """The picture of a ``PolicySession``; its caller holds the boundary."""
+        stats = session.store.stats()
+        c = stats.counters
+        now = session.clock_ns()
         return cls(state=session.state, episode_id=session.episode_id, step=session.step, lineage=session.lineage,
                    counters=SessionCounters(**vars(session.counters)),
-                   step_ms=session.stepper.latency.percentiles_ms(50, 95, 99),
-                   restore_ms=store.restore_latency.percentiles_ms(50, 95, 99),
-                   capsules={int(t): store.count(t) for t in Tier}, hits={int(t): c.hits[t] for t in Tier},
+                   step_ms=session.stepper.latency.percentiles_ms(50, 95, 99), restore_ms=stats.restore_ms,
+                   capsules={int(t): n for t, n in stats.capsules.items()},
+                   hits={int(t): n for t, n in c.hits.items()},
                    restores=c.restores, misses=c.misses, invalidations=c.invalidations, evictions=c.evictions,
-                   demotions=c.demotions, stamp_ns=session.clock_ns())
+                   demotions=c.demotions, stamp_ns=now,
+                   ports=tuple(PortPicture.of(adapter, now) for adapter in session.ports.values()))
