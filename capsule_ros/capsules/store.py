@@ -14,7 +14,7 @@ small objects for callers that work across a lock or must not fail half-way: a
 ``Reservation`` (room for one capsule taken ahead, ``reserve``) and a ``Loan`` (a
 capsule's bytes lent to a reader outside the caller's lock, ``lend``). ``adopt`` lets a
 capsule read from its file in, ``hold`` is the session's own pin. Queries: ``get``,
-``find``, ``list``, ``in``, ``len`` and ``stats``.
+``find``, ``list``, ``in`` and ``stats``. ``test/test_store.py`` keeps the face this size.
 
 Slabs come from fixed pools sized by byte budgets at construction, so the hot verbs
 (snapshot, restore) never allocate. Forks share their source's bytes (capsules are
@@ -155,16 +155,12 @@ class Reservation:
         self._payload: Optional[Payload] = payload
         self._pool = pool
 
-    def take(self) -> Payload:
+    def _take(self) -> Payload:
         """The reserved payload, once (the store's ``snapshot``)."""
         if self._payload is None:
             raise InvalidArgument("this reservation was used or released already")
         payload, self._payload = self._payload, None
         return payload
-
-    @property
-    def open(self) -> bool:
-        return self._payload is not None
 
     def release(self) -> None:
         """Give the room back (unused)."""
@@ -297,9 +293,6 @@ class CapsuleStore:
     def __contains__(self, capsule_id: str) -> bool:
         return capsule_id in self._capsules
 
-    def __len__(self) -> int:
-        return len(self._capsules)
-
     def get(self, capsule_id: str) -> Capsule:
         check_capsule_id(capsule_id)
         try:
@@ -338,7 +331,7 @@ class CapsuleStore:
         capsule_id = check_capsule_id(capsule_id) if capsule_id else new_capsule_id(episode_id, step)
         if capsule_id in self._capsules:
             raise InvalidArgument(f"capsule id {capsule_id!r} already exists")
-        payload = into.take() if into is not None else self._new_payload(protect=())
+        payload = into._take() if into is not None else self._new_payload(protect=())
         self._copy(dst=payload.slab, src=runtime.arena.storage, runtime=runtime, payload=payload,
                    timing=self.snapshot_latency)
         capsule = Capsule(capsule_id, label, parent_id, episode_id, step, self.nbytes, self.fingerprint,

@@ -14,7 +14,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     from capsule_ros.capsules.store import Capsule
-    from capsule_ros.serving.ports import PortAdapter, PortDrop
 
 
 class EpisodeState(enum.IntEnum):
@@ -114,15 +113,6 @@ class RecordResult:
     messages: int = 0
 
 
-class Fed(NamedTuple):
-    """What became of one sensor message (``PolicySession.feed``)."""
-
-    accepted: bool                     # staged (else dropped and counted: ``drop`` says why)
-    drop: Optional[PortDrop]
-    stepped: bool                      # it was a trigger message and ran a tick
-    record: Optional[ActionRecord]     # that tick's action (None: nothing to publish)
-
-
 @dataclass(frozen=True)
 class ReenterResult:
     capsule: Optional[Capsule]       # None when resuming an interrupt without a capsule
@@ -157,7 +147,8 @@ class PortPicture:
     age_ms: float
 
     @classmethod
-    def of(cls, adapter: PortAdapter, now_ns: int) -> PortPicture:
+    def of(cls, adapter: Any, now_ns: int) -> PortPicture:
+        """The picture of a ``capsule_ros.serving.ports.PortAdapter``."""
         c = adapter.counters
         return cls(adapter.name, adapter.config.topic, c.received, dict(c.dropped), c.stale_steps,
                    adapter.age_ms(now_ns))

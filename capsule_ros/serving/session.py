@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -66,7 +66,6 @@ from capsule_ros.serving.records import (
     EpisodeState,
     EventKind,
     EventRecord,
-    Fed,
     HoldMode,
     ReenterResult,
     SessionCounters,
@@ -79,6 +78,15 @@ LOG = logging.getLogger(__name__)
 MAX_LABEL = 256
 # Errors of a capsule that cannot be restored from its bytes: re-entering it tries the fallback.
 UNRESTORABLE = (CorruptCapsule, NotFound, FingerprintMismatch, CapsuleIOError, PermissionDenied, InvalidArgument)
+
+
+class Fed(NamedTuple):
+    """What became of one sensor message (``PolicySession.feed``)."""
+
+    accepted: bool                     # staged (else dropped and counted: ``drop`` says why)
+    drop: Optional[PortDrop]
+    stepped: bool                      # it was a trigger message and ran a tick
+    record: Optional[ActionRecord]     # that tick's action (None: nothing to publish)
 
 
 class PolicySession:
