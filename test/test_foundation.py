@@ -123,7 +123,8 @@ def test_policy_node_serves_every_service_and_exits_on_sigint(tmp_path, rclpy_co
 # ROS-free test modules: what runs on a GPU machine, which has no ROS 2.
 ROS_FREE_TESTS = ("test_runtime.py", "test_store.py", "test_fallback.py", "test_session_safety.py",
                   "test_capsule_file.py", "test_capsule_statemachine.py", "test_lerobot_parity.py", "test_sim_arm.py",
-                  "test_policy_contract.py", "test_exported.py",
+                  "test_policy_contract.py", "test_exported.py", "test_session_loop.py", "test_verbs.py",
+                  "test_prose.py",
                   "test_lerobot_kinds.py", "test_lerobot_bench.py", "test_lerobot_guide.py", "test_weights.py")
 
 
