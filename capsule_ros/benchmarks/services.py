@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Dict, List
 
 import numpy as np
 
@@ -58,7 +59,7 @@ def run(device_name: str = "cpu", quick: bool = False) -> dict:
         feeder = threading.Thread(target=feed, daemon=True)
         feeder.start()
         time.sleep(0.5)
-        samples = {"commit": [], "reenter": [], "reset": []}
+        samples: Dict[str, List[float]] = {"commit": [], "reenter": [], "reset": []}
         for i in range(calls):
             t0 = time.perf_counter()
             capsule = capsules.commit(label=f"bench {i}").capsule

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from typing import Dict, List
+from typing import Any, Dict, List, cast
 
 import torch
 
@@ -38,9 +38,10 @@ CPU_TARGET = 1.5            # the default policy's within 1.5 x limit_us on a CP
 def state_layouts() -> Dict[str, ArenaLayout]:
     default = ServingConfig.from_file(config_path("policy.yaml"))
     reference = ServingConfig.from_file(config_path("reference_hybrid.yaml"))
-    out = {"default": ArenaLayout(hybrid_state_spec(default.policy_settings, input_specs(default)))}
+    hybrid: Any = reference.policy_settings                  # the configs' policy.kind is hybrid
+    out = {"default": ArenaLayout(hybrid_state_spec(cast(Any, default.policy_settings), input_specs(default)))}
     for tokens in (2048, 16384):
-        cfg = dataclasses.replace(reference.policy_settings, max_context=tokens)
+        cfg = dataclasses.replace(hybrid, max_context=tokens)
         out[f"hybrid-{tokens // 1024}k"] = ArenaLayout(hybrid_state_spec(cfg, input_specs(reference)))
     return out
 
@@ -119,7 +120,7 @@ def bench_state(name: str, layout: ArenaLayout, device: torch.device, reps: int)
     }
     limit_us = pct(limit)["p50"]
     snapshot_us, restore_us = methods["arena"]["snapshot"]["p50"], methods["arena"]["restore"]["p50"]
-    result = {"state": name, "bytes": nbytes, "mib": nbytes / 2**20, "buffers": len(layout),
+    result: Dict[str, Any] = {"state": name, "bytes": nbytes, "mib": nbytes / 2**20, "buffers": len(layout),
               "snapshot_us": snapshot_us, "restore_us": restore_us, "limit_us": limit_us,
               "ratio_to_limit": max(snapshot_us, restore_us) / limit_us, "methods": methods}
     if device.type == "cuda":

@@ -60,7 +60,8 @@ INTERRUPT_KEY = "/capsule/interrupt"          # Interrupt writes the boundary ca
 FORK_KEY = "/capsule/fork"                    # Fork writes the new capsule's id
 OUTCOME_PREFIX = "/capsule/outcome"           # + "/<service>": the last ServiceOutcome
 
-# Defaults. The node answers within 20 ms at p99, but it may take up to its
+# Defaults. The node's answers are meant to take milliseconds (the target is a p99 of
+# 20 ms: docs/benchmarks.md, "Services"), but it may take up to its
 # control.service_timeout_ms (500 ms by default) waiting for a step boundary before it
 # answers BUSY. A client that gives up sooner can report SERVICE_TIMEOUT for a call the node
 # then applies (a late commit, reset or re-entry), so the call timeout sits above that
@@ -114,7 +115,8 @@ class ServiceOutcome:
         if self.success:
             return f"{self.service}: ok: {self.message}"
         code = f": {self.error_name}" if self.error_code is not None else ""
-        return f"{self.service}: {self.failure.value}{code}: {self.message}"
+        failure = self.failure.value if self.failure is not None else "FAILED"
+        return f"{self.service}: {failure}{code}: {self.message}"
 
 
 # -- spinning -----------------------------------------------------------------------------------
@@ -170,7 +172,7 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
         for key in list(self.results) + ([self.outcome_key] if self.outcome_key else []):
             self.blackboard.register_key(key=key, access=Access.WRITE)
         self._node = node
-        self._client = None
+        self._client: Any = None
         self.outcome: Optional[ServiceOutcome] = None
         self._reset_call()
 
@@ -187,7 +189,7 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
     def _reset_call(self) -> None:
         self._request = None
         self._invalid: Optional[str] = None
-        self._future = None
+        self._future: Any = None
         self._started = time.monotonic()
         self._sent_at: Optional[float] = None
 
@@ -233,7 +235,7 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
             return Status.RUNNING
         if self._future.done():
             return self._on_done()
-        waited = now - self._sent_at
+        waited = now - (self._sent_at if self._sent_at is not None else now)
         if waited > self.call_timeout_s:
             self._drop_pending()
             return self._finish(FailureKind.SERVICE_TIMEOUT, None,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from rclpy.node import Node
 
@@ -80,8 +80,8 @@ class LifecycleClient:
         from lifecycle_msgs.srv import ChangeState, GetState
         self.node, self.node_path = node, node_path.rstrip("/")
         self.server_wait_s, self.call_timeout_s = server_wait_s, call_timeout_s
-        self._get = node.create_client(GetState, f"{self.node_path}/get_state")
-        self._change = node.create_client(ChangeState, f"{self.node_path}/change_state")
+        self._get: Any = node.create_client(GetState, f"{self.node_path}/get_state")
+        self._change: Any = node.create_client(ChangeState, f"{self.node_path}/change_state")
 
     def state(self) -> str:
         """The current state's label: unconfigured, inactive, active, finalized..."""
@@ -120,7 +120,8 @@ class CapsuleClient:
         self.node_path = node_path.rstrip("/")
         self.server_wait_s = server_wait_s
         self.call_timeout_s = call_timeout_s
-        self._clients = {v.name: node.create_client(srv_type(v), f"{self.node_path}/{v.service}") for v in VERBS}
+        self._clients: Dict[str, Any] = {v.name: node.create_client(srv_type(v), f"{self.node_path}/{v.service}")
+                                         for v in VERBS}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         """``client.<verb>(...)`` (see the class docstring)."""

@@ -108,8 +108,8 @@ class CancelAwareActionServer(ActionServer):
 class Run:
     """One goal's run (shared by its worker and the control loop under RunPolicyServer's lock)."""
 
-    goal_handle: object
-    goal: object
+    goal_handle: Any
+    goal: Any
     episode_id: int = 0
     steps: int = 0
     wake: threading.Event = field(default_factory=threading.Event)

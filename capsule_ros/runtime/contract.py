@@ -13,7 +13,7 @@ step is also run eagerly, through the policy's own ``step``, and must match. The
 from before the check, so the live state is untouched.
 
 Cost: five steps and three copies of the arena, once per start (``runtime.state_check``;
-docs/bring-your-own-policy.md has measured figures). What it cannot see: hidden state
+docs/benchmarks.md, "Start-up state check"). What it cannot see: hidden state
 that changes nothing within two steps (a counter acting every hundred steps), and
 randomness outside the arena that happens to repeat. It runs only with
 ``runtime.deterministic`` on: without it bit-identity is not promised.
@@ -127,7 +127,7 @@ def check_state_contract(runtime: PolicyRuntime) -> None:
                                        "(capture froze what the step keeps outside its buffers)")
             except PolicyStepError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the user's step failed on other inputs: say so
+            except Exception as exc:
                 raise PolicyStepError(f"the policy's step fails during the start-up state check (seeded random "
                                       f"inputs): {type(exc).__name__}: {exc}; fix the step or set "
                                       "runtime.state_check: false") from exc

@@ -130,7 +130,7 @@ class GraphPlan:
         saved = self.arena.storage.clone()
         try:
             self._warm_up(step)
-        except Exception as exc:  # noqa: BLE001 - any failure of the user's step: say which inputs
+        except Exception as exc:
             inputs = ", ".join(f"{slot.spec.name} {str(slot.spec.dtype).replace('torch.', '')}"
                                f"{list(slot.spec.shape)}" for slot in self.arena.layout
                                if slot.spec.kind == BufferKind.INPUT)

@@ -148,7 +148,7 @@ class CapsuleSaver:
         (NotFound when the capsule was dropped from disk meanwhile). The file work starts
         between two steps: on a CPU a save's Python and a step's share one interpreter
         lock, and starting in the gap after a step lowers the step p99 during back-to-back
-        persisting commits (docs/benchmarks.md, "Persisting commits"). It waits at most
+        persisting commits (docs/benchmarks.md, "Saves start in the gap after a step"). It waits at most
         ``SAVE_GAP_WAIT_S`` for that gap."""
         with self._host_bytes(job.loan) as data:
             if self.between_steps is not None:

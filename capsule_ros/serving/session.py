@@ -596,7 +596,7 @@ class PolicySession:
                             capsule.parent_id if capsule else "", episode, step, rollback, fallback, detail)
         try:
             self.on_event(event)
-        except Exception:  # noqa: BLE001 - an observer must not break the state machine
+        except Exception:
             LOG.exception("capsule event observer failed")
 
 
