@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from fixtures.make_bags import NODE_PARAMS, Driver, K, N, observations, record_events, record_rollback
-from harness import REPO, ClientNode, restore_node, set_params_ok, start_policy_node, wait_for
+from fixtures.make_bags import NODE_PARAMS, K, N, observations, record_events, record_rollback
+from harness import REPO, ClientNode, Driver, restore_node, set_params_ok, start_policy_node, wait_for
 
 from capsule_ros.bag.edit import rewrite_bag
 from capsule_ros.bag.reader import ACTION, BAG_INFO_FIELDS, ActionInfo, BagScan, RecordedEvent, Recording
