@@ -1,15 +1,20 @@
 """capsule_ros: serve a PyTorch robot policy from ROS 2 with execution-state capsules.
 
-Layers, each importable on its own (only ``capsule_ros.ros`` and the generated
-``capsule_ros.msg`` / ``capsule_ros.srv`` need ROS):
+Layers, lowest first, each importable on its own (only ``capsule_ros.ros`` and above, and
+the generated ``capsule_ros.msg`` / ``capsule_ros.srv`` / ``capsule_ros.action``, need ROS;
+docs/architecture.md has the map):
 
-- ``capsule_ros.runtime``: state arena, policy protocol, graph plan, reference policies.
-- ``capsule_ros.capsules``: capsule store (snapshot, restore, fork, tiers), fingerprint,
-  on-disk format.
-- ``capsule_ros.serving``: the episode session (state machine, boundary-applied
-  requests, input log, recompute fallback): what the node does, without ROS.
-- ``capsule_ros.ros``: the ROS 2 node, a thin layer over ``serving``.
+- ``capsule_ros.runtime``: the state arena, the policy protocol, the graph plan, the
+  runtime with its step guard, the graph fingerprint, safetensors weights.
+- ``capsule_ros.policies``: the policy kinds: the reference hybrid policy and the shipped
+  default weights, exported ``torch.export`` programs, LeRobot ACT / Diffusion.
+- ``capsule_ros.capsules``: the capsule store (snapshot, restore, fork, drop, move between
+  tiers), the on-disk format and the capsule directory.
+- ``capsule_ros.serving``: the episode session (state machine, the verb table, its step
+  boundary, input log, recompute fallback): what the node does, without ROS.
 - ``capsule_ros.bag``: rosbag2 record and step-by-step replay.
+- ``capsule_ros.ros``: the ROS 2 node, a thin layer over ``serving``; ``capsule_ros.bt``:
+  py_trees leaves; ``capsule_ros.cli``: the ``capsule-ros`` command.
 """
 import pkgutil
 
@@ -18,6 +23,6 @@ import pkgutil
 # repository root), extend __path__ so `capsule_ros.msg` / `capsule_ros.srv` still resolve.
 __path__ = pkgutil.extend_path(__path__, __name__)
 
-from capsule_ros._meta import version as _version  # noqa: E402
+from capsule_ros._meta import version as _version
 
 __version__ = _version()

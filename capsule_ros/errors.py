@@ -1,7 +1,8 @@
 """Typed errors shared by every layer, each carrying the error code the services answer.
 
 The numbers are the ``error_code`` constants of every ``capsule_ros/srv`` service
-(test_interfaces checks they agree). Raise the most specific class; the node maps any
+(test_foundation.py::test_interfaces_share_error_codes_and_response_fields checks they
+agree). Raise the most specific class; the node maps any
 ``CapsuleRosError`` to its code and any other exception to ``INTERNAL``.
 """
 from enum import IntEnum

@@ -1,10 +1,17 @@
-"""Test helpers: start the installed executables as processes, and a client node that
-talks to them over real topics and services."""
+"""The tests' one harness: start the installed executables as processes, a client node
+that talks to them over real topics and services, a driver that feeds a trigger-mode
+policy node like a robot, parameters, and putting a shared node back as a fresh one.
+
+Every helper a test module needs is here (test modules import from this module only)."""
 from __future__ import annotations
 
+import os
 import queue
+import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
 
 from capsule_ros.polling import wait_until
 from capsule_ros.ros import processes
@@ -21,11 +28,31 @@ def deep_merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def unique_ns(prefix: str) -> str:
+    """A namespace no other node of this test session uses."""
+    return f"/{prefix}{os.getpid() % 1000}{int(time.monotonic() * 1000) % 100000}"
+
+
 def start_policy_node(tmp_path: Path, params: Optional[Dict[str, Any]] = None, *, namespace: str = "",
                       params_file: Path = DEFAULT_PARAMS, tag: str = "policy") -> ManagedProcess:
     """policy_node with config/policy.yaml plus overrides; capsules in a directory of the test."""
     overrides = deep_merge({"capsules": {"directory": str(tmp_path / f"{tag}-capsules")}}, params or {})
     return processes.start_policy_node(tmp_path, overrides, namespace=namespace, params_file=params_file, tag=tag)
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
+    """``capsule_ros.polling.wait_until`` with the tests' defaults."""
+    return wait_until(predicate, timeout, what, interval)
+
+
+def observations(n: int, seed: int) -> np.ndarray:
+    """``n`` joint-state rows (2 positions, 2 velocities), the same for the same seed."""
+    return np.random.default_rng(seed).uniform(-1.0, 1.0, size=(n, 4))
+
+
+def action_bytes(actions: Sequence[Any]) -> List[tuple]:
+    """The bits of a list of Action messages: values and chunk (what bit-identity compares)."""
+    return [(np.asarray(a.values, np.float32).tobytes(), np.asarray(a.chunk, np.float32).tobytes()) for a in actions]
 
 
 class ClientNode:
@@ -37,6 +64,7 @@ class ClientNode:
         from capsule_ros.ros.spinning import SpinThread
         self.rclpy = rclpy_module
         self.node = rclpy_module.create_node(name)
+        self.node_path = node_path
         self._spin = SpinThread(self.node)
         self.capsules = CapsuleClient(self.node, node_path, server_wait_s=30.0, call_timeout_s=5.0)
         self._queues: Dict[str, queue.Queue] = {}
@@ -64,6 +92,123 @@ class ClientNode:
         self.node.destroy_node()
 
 
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
-    """``capsule_ros.polling.wait_until`` with the tests' defaults."""
-    return wait_until(predicate, timeout, what, interval)
+def set_params(client: ClientNode, node_path: Optional[str] = None, **values: Any) -> list:
+    """Set parameters of a node (names with ``__`` for ``.``; the type from the value:
+    float, int, bool, str); the SetParametersResult of each."""
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+
+    def value_of(value: Any) -> ParameterValue:
+        if isinstance(value, bool):
+            return ParameterValue(type=ParameterType.PARAMETER_BOOL, bool_value=value)
+        if isinstance(value, float):
+            return ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=value)
+        if isinstance(value, int):
+            return ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
+        return ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=str(value))
+
+    service = client.node.create_client(SetParameters, f"{node_path or client.node_path}/set_parameters")
+    try:
+        assert service.wait_for_service(timeout_sec=30)
+        params = [Parameter(name=name.replace("__", "."), value=value_of(v)) for name, v in values.items()]
+        future = service.call_async(SetParameters.Request(parameters=params))
+        wait_for(future.done, timeout=30, what="set_parameters")
+        return list(future.result().results)
+    finally:
+        client.node.destroy_client(service)
+
+
+def set_params_ok(client: ClientNode, node_path: Optional[str] = None, **values: Any) -> None:
+    """``set_params``; every one must be accepted."""
+    results = set_params(client, node_path, **values)
+    assert all(r.successful for r in results), results
+
+
+def restore_node(client: ClientNode, params: Mapping[str, Any]) -> None:
+    """Put a node shared by a module's tests back as a fresh one comes up on the same
+    capsule directory, so each test starts from the same state whatever ran before it: no
+    recording, the module's run-time parameters (``params``, names with ``__``), a new
+    episode from the initial state, and no capsule in memory but that episode's root. The
+    capsule files stay (a fresh node lists them too; the module's fixtures may need them),
+    and so do the node's staged inputs and its counters."""
+    from capsule_ros.errors import ErrorCode
+    stopped = client.capsules.record(False, check=False)
+    assert stopped.success or stopped.error_code == ErrorCode.WRONG_STATE, stopped.message
+    if params:
+        set_params_ok(client, None, **params)
+    episode = client.capsules.reset().episode_id
+    for capsule in client.capsules.list().capsules:
+        if capsule.tier != capsule.TIER_DISK and capsule.label != f"episode {episode} start":
+            client.capsules.drop(capsule.id)
+
+
+class Driver:
+    """Feeds a trigger-mode node one joint-state message at a time, like a robot, and
+    collects what it publishes (actions, status, capsule events)."""
+
+    def __init__(self, client: ClientNode, ns: str, depth: int = 2000):
+        from geometry_msgs.msg import PointStamped
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
+        from sensor_msgs.msg import JointState
+
+        from capsule_ros.msg import Action, CapsuleEvent, RuntimeStatus
+        reliable = QoSProfile(depth=depth, reliability=ReliabilityPolicy.RELIABLE)
+        self.client, self.ns, self.capsules = client, ns, client.capsules
+        self.JointState, self.PointStamped = JointState, PointStamped
+        self.actions = client.subscribe(Action, f"{ns}/capsule_policy/action", reliable)
+        self.status = client.subscribe(RuntimeStatus, f"{ns}/capsule_policy/status")
+        self.events = client.subscribe(CapsuleEvent, f"{ns}/capsule_policy/capsule_events", reliable)
+        self.joints_pub = client.publisher(JointState, f"{ns}/arm/joint_states", reliable)
+        self.goal_pub = client.publisher(PointStamped, f"{ns}/arm/goal", reliable)
+        self.stamp = 1
+        self.goals_sent = 0
+        client.wait_for_subscribers(self.joints_pub)
+        client.wait_for_subscribers(self.goal_pub)
+
+    def latest_status(self, timeout: float = 10.0):
+        """A status published after this call (the queue may hold older ones)."""
+        ClientNode.drain(self.status)
+        return self.status.get(timeout=timeout)
+
+    def port(self, name: str, timeout: float = 10.0):
+        """The latest status of port ``name``."""
+        return next(p for p in self.latest_status(timeout).ports if p.name == name)
+
+    def send_goal(self, x: float = 0.3, y: float = 0.4, *, wait: bool = True) -> None:
+        """Publish a goal; with ``wait``, until the node took it (topics are not ordered
+        between them, and a step needs every input)."""
+        msg = self.PointStamped()
+        msg.header.stamp.sec = self.stamp
+        msg.point.x, msg.point.y = float(x), float(y)
+        self.goal_pub.publish(msg)
+        self.goals_sent += 1
+        if wait:
+            wait_for(lambda: self.port("goal").received >= self.goals_sent, timeout=60, what="the goal to be taken")
+
+    def joint_msg(self, values, stamp: Optional[int] = None):
+        msg = self.JointState()
+        if stamp is None:
+            self.stamp += 1
+            stamp = self.stamp
+        msg.header.stamp.sec = int(stamp)
+        msg.name = ["shoulder", "elbow"]
+        msg.position = [float(values[0]), float(values[1])]
+        msg.velocity = [float(values[2]), float(values[3])]
+        return msg
+
+    def step(self, values, timeout: float = 30.0, expect_action: bool = True):
+        """Publish one joint state; the action it triggered. ``expect_action=False``: the
+        node counted the message and published nothing for it (returns None)."""
+        ClientNode.drain(self.actions)
+        if not expect_action:
+            before = self.port("joints").received
+            published = self.latest_status().actions_published
+        self.joints_pub.publish(self.joint_msg(values))
+        if expect_action:
+            return self.actions.get(timeout=timeout)
+        wait_for(lambda: self.port("joints").received > before, timeout=timeout, what="the joint state to be taken")
+        assert self.latest_status().actions_published == published, "an action came of it"
+        return None
+
+    def run(self, observations, expect_action: bool = True) -> list:
+        return [self.step(o, expect_action=expect_action) for o in observations]

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from fixtures.make_bags import NODE_PARAMS, Driver, K, N, observations, record_events, record_rollback
-from harness import REPO, ClientNode, start_policy_node, wait_for
+from fixtures.make_bags import NODE_PARAMS, K, N, observations, record_events, record_rollback
+from harness import REPO, ClientNode, Driver, restore_node, set_params_ok, start_policy_node, wait_for
 
 from capsule_ros.bag.edit import rewrite_bag
 from capsule_ros.bag.reader import ACTION, BAG_INFO_FIELDS, ActionInfo, BagScan, RecordedEvent, Recording
@@ -50,6 +50,16 @@ def live(tmp_path_factory, rclpy_context):
     finally:
         client.close()
         assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture
+def node(live):
+    """The module's node for a test that drives it: restored to a fresh node's state first
+    (``restore_node``), so each such test stands alone."""
+    restore_node(live.client, {"control__mode": "trigger", "control__rate_hz": 20.0, "control__deadline_ms": 5000.0,
+                               "ports__goal__staleness_ms": 0.0})
+    ClientNode.drain(live.driver.actions)
+    return live
 
 
 def run_cli(*args, timeout=180):
@@ -150,7 +160,7 @@ def test_node_mode_verifies_a_bag(live):
 
 
 @pytest.mark.ros
-def test_record_cli_asks_the_node_to_record(live, tmp_path):
+def test_record_cli_asks_the_node_to_record(node, tmp_path):
     """`capsule-ros record` until Ctrl-C, while a reset episode runs: a verifiable sqlite3 bag."""
     out = tmp_path / "cli_bag"
     proc = subprocess.Popen([*CLI, "record", "--node", f"{NS}/capsule_policy", "--out", str(out),
@@ -159,9 +169,9 @@ def test_record_cli_asks_the_node_to_record(live, tmp_path):
     try:
         started = proc.stderr.readline()
         assert started.startswith("recording"), started + proc.stderr.read()
-        live.driver.capsules.reset()
-        live.driver.send_goal(0.1, 0.2)
-        live.driver.run(observations(5, 40))
+        node.driver.capsules.reset()
+        node.driver.send_goal(0.1, 0.2)
+        node.driver.run(observations(5, 40))
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
@@ -193,45 +203,29 @@ def test_bag_started_mid_run_is_verified_from_a_reentered_capsule_file(live, tmp
     assert verdict.first_divergence.what == "missing" and "['goal']" in verdict.first_divergence.detail
 
 
-def set_parameters(client, **values) -> None:
-    """Set parameters of the live node (e.g. control.mode) and check they were taken."""
-    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
-    from rcl_interfaces.srv import SetParameters
-    service = client.node.create_client(SetParameters, f"{NS}/capsule_policy/set_parameters")
-    assert service.wait_for_service(timeout_sec=10)
-    params = []
-    for name, value in values.items():
-        v = ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=value) if isinstance(value, float) \
-            else ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
-        params.append(Parameter(name=name.replace("__", "."), value=v))
-    future = service.call_async(SetParameters.Request(parameters=params))
-    wait_for(future.done, timeout=10, what="set_parameters")
-    assert all(r.successful for r in future.result().results), future.result().results
-    client.node.destroy_client(service)
-
-
 @pytest.mark.ros
-def test_timer_mode_bag_steps_where_the_node_acted(live, tmp_path):
+def test_timer_mode_bag_steps_where_the_node_acted(node, tmp_path):
     """In timer mode steps follow the wall clock; in process, the replay steps at each
     recorded action with the inputs the bag delivered before it."""
     import time
-    driver = live.driver
-    set_parameters(live.client, control__mode="timer", control__rate_hz=50.0)
+    driver = node.driver
+    set_params_ok(node.client, None, control__mode="timer", control__rate_hz=50.0)
     try:
-        driver.capsules.record(True, str(tmp_path / "timer"), "mcap")
+        wait_for(lambda: driver.actions.qsize() >= 2, timeout=10, what="the timer's first steps")
+        driver.capsules.record(True, str(tmp_path / "timer"), "mcap")   # of a node that was running already
         driver.send_goal(0.2, -0.3)                       # inputs first: the replay only has the bag's
-        received = driver.latest_joints_received()
-        driver.joints.publish(driver.joint_state(observations(1, 50)[0]))
-        wait_for(lambda: driver.latest_joints_received() > received, timeout=10, what="the joint state")
+        received = driver.port("joints").received
+        driver.joints_pub.publish(driver.joint_msg(observations(1, 50)[0]))
+        wait_for(lambda: driver.port("joints").received > received, timeout=10, what="the joint state")
         driver.capsules.reset()
         for values in observations(8, 51):                # a sensor at 25 Hz, the policy at 50 Hz
-            driver.joints.publish(driver.joint_state(values))
+            driver.joints_pub.publish(driver.joint_msg(values))
             time.sleep(0.04)
         ClientNode.drain(driver.actions)
         wait_for(lambda: driver.actions.qsize() >= 3, timeout=10, what="steps after the last joint state")
         driver.capsules.record(False)
     finally:
-        set_parameters(live.client, control__mode="trigger")
+        set_params_ok(node.client, None, control__mode="trigger")
     verdict = replay_bag(tmp_path / "timer")
     assert verdict.mode == "timer" and verdict.start == "a reset to the initial state"
     assert verdict.identical, (verdict.first_divergence, verdict.notes)
@@ -264,13 +258,13 @@ def test_params_file_overrides_or_supplies_the_config(live, tmp_path):
 
 
 @pytest.mark.ros
-def test_recordings_with_persisting_commits_at_random_moments_all_verify(live, tmp_path):
+def test_recordings_with_persisting_commits_at_random_moments_all_verify(node, tmp_path):
     """20 recordings of a robot stepping at 100 Hz while a behaviour tree commits with
     persist at random moments (the steps during each save carry the new lineage, as the
     events say): every one verifies."""
     import random
     import time
-    driver, rng = live.driver, random.Random(20261130)
+    driver, rng = node.driver, random.Random(20261130)
     verdicts = []
     for i in range(20):
         driver.capsules.reset()
@@ -279,7 +273,7 @@ def test_recordings_with_persisting_commits_at_random_moments_all_verify(live, t
 
         def stream():
             while not stop.is_set():
-                driver.joints.publish(driver.joint_state(next(rows)))
+                driver.joints_pub.publish(driver.joint_msg(next(rows)))
                 time.sleep(0.01)
         streamer = threading.Thread(target=stream)
         streamer.start()
@@ -294,6 +288,34 @@ def test_recordings_with_persisting_commits_at_random_moments_all_verify(live, t
     bad = [(i, v.first_divergence, v.notes) for i, v in enumerate(verdicts) if v.exit_code() != 0]
     assert bad == [], f"{len(bad)} of 20 honest recordings did not verify: {bad[:2]}"
     assert all(v.steps_compared >= 10 and v.events_replayed.get("COMMIT") for v in verdicts)
+
+
+@pytest.mark.ros
+def test_the_in_process_replay_counts_the_stale_steps_the_node_counted(node, tmp_path):
+    """Staleness is judged on the receiver's clock: the node's, and in a replay the log
+    time (when the node received each message). A goal that goes stale during a recording
+    makes the replay's session count the stale steps the node counted."""
+    import time
+
+    from capsule_ros.bag.replay import Replayer
+    from capsule_ros.bag.targets import InProcessTarget
+    driver = node.driver
+    set_params_ok(node.client, None, ports__goal__staleness_ms=1000.0)
+    before = driver.port("goal").stale_steps
+    bag = driver.capsules.record(True, str(tmp_path / "stale"), "mcap").bag_path
+    driver.send_goal(0.1, 0.2)                         # after the start: the bag has when the node took it
+    driver.run(observations(2, 70))                    # fresh
+    time.sleep(1.6)                                    # the scenario: the goal ages past its 1000 ms
+    driver.run(observations(2, 71))                    # stale
+    driver.capsules.record(False)
+    counted = driver.port("goal").stale_steps - before
+    assert counted >= 2
+    with Recording(Path(bag)) as recording:
+        target = InProcessTarget(recording.config, None)
+        verdict = Replayer(recording, target, ReplayOptions()).run()
+    assert verdict.identical, (verdict.first_divergence, verdict.notes)
+    assert target.session.ports["goal"].counters.stale_steps == counted
+    assert target.session.ports["joints"].counters.stale_steps == 0
 
 
 @pytest.mark.ros
@@ -334,18 +356,18 @@ def test_a_replay_that_skips_actions_is_not_called_verified(live, tmp_path, caps
 
 
 @pytest.mark.ros
-def test_recorded_deadline_misses_are_reenacted_and_compared(live, tmp_path):
+def test_recorded_deadline_misses_are_reenacted_and_compared(node, tmp_path):
     """Steps that missed their deadline published HOLD; in process the replay re-enacts the
     misses and compares the held values; through a node it cannot, and says so (partial)."""
-    driver = live.driver
+    driver = node.driver
     driver.capsules.reset()
     bag = driver.capsules.record(True, str(tmp_path / "late"), "mcap").bag_path
     driver.run(observations(4, 60))
-    set_parameters(live.client, control__deadline_ms=0.001)
+    set_params_ok(node.client, None, control__deadline_ms=0.001)
     try:
         held = driver.run(observations(4, 61))
     finally:
-        set_parameters(live.client, control__deadline_ms=5000.0)
+        set_params_ok(node.client, None, control__deadline_ms=5000.0)
     driver.run(observations(4, 62))
     driver.capsules.record(False)
     assert all(a.source == a.SOURCE_HOLD for a in held)

@@ -19,9 +19,8 @@ import time
 import numpy as np
 import py_trees
 import pytest
-from harness import REPO, ClientNode, start_policy_node, wait_for
+from harness import REPO, ClientNode, Driver, observations, restore_node, start_policy_node, unique_ns, wait_for
 from py_trees.common import Status
-from test_node import Driver, observations
 
 import capsule_ros.bt as bt
 
@@ -31,17 +30,26 @@ NODE = f"{NS}/capsule_policy"
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, rclpy_context):
+def shared(tmp_path_factory, rclpy_context):
     tmp = tmp_path_factory.mktemp("bt_node")
     proc = start_policy_node(tmp, {"policy": {"weights": ""}, "control": {"deadline_ms": 2000.0}}, namespace=NS)
     client = ClientNode(rclpy_context, "bt_test_client", node_path=NODE)
     driver = Driver(client, NS)
     driver.send_goal()
-    wait_for(lambda: any(p.name == "goal" and p.received >= 1 for p in driver.latest_status().ports),
-             timeout=30, what="the goal to be received")
     yield proc, client, driver
     client.close()
     assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture
+def env(shared):
+    """The module's node, restored to a fresh node's state before each test (the trees
+    commit, interrupt, re-enter and drop on it)."""
+    proc, client, driver = shared
+    restore_node(client, {})
+    for q in (driver.actions, driver.events):
+        ClientNode.drain(q)
+    return shared
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +107,7 @@ def test_commit_success_stores_the_capsule_id(env):
     # the node has it
     event = events_of(driver, CapsuleEvent.COMMIT)[-1]
     assert event.capsule_id == capsule_id
-    assert capsule_id in [c.id for c in client.capsules.list_capsules().capsules]
+    assert capsule_id in [c.id for c in client.capsules.list().capsules]
 
 
 def test_unreachable_when_no_node_has_that_name(env):
@@ -314,6 +322,27 @@ def test_example_main_against_a_live_node(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "GraspWithRetries: FAILURE after 2 grasp attempt(s)" in out.stdout, out.stdout
     assert "rolled back to" in out.stdout and "not at the goal after 5 steps" in out.stdout
+
+
+def test_a_trees_first_call_to_a_just_started_node_is_answered(tmp_path, rclpy_context):
+    """A tree that starts with the node sends its first call the moment the service is
+    discovered, and gets the answer within the leaf's default call timeout (1 s), also on
+    a busy machine: the node offers its services once it can answer them. (They used to be
+    discoverable during start-up's configure and activate, before the node spun: the first
+    request was not lost, its answer came after the tree had given up.)"""
+    from capsule_ros.bt import DEFAULT_CALL_TIMEOUT_S, Commit
+    ns = unique_ns("btfirst")
+    client = ClientNode(rclpy_context, f"bt_first_client_{ns.strip('/')}", node_path=f"{ns}/capsule_policy")
+    proc = start_policy_node(tmp_path, {"policy": {"weights": ""}}, namespace=ns, tag="first")
+    try:
+        leaf = Commit(node_path=f"{ns}/capsule_policy", label="first call", server_wait_s=120.0)
+        assert leaf.call_timeout_s == DEFAULT_CALL_TIMEOUT_S
+        status, *_ = run(leaf, client, timeout=150.0)
+        assert status == Status.SUCCESS, (leaf.feedback_message, proc.log()[-2000:])
+        assert leaf.outcome.response.capsule.label == "first call"
+    finally:
+        client.close()
+        assert proc.stop() == 0, proc.log()
 
 
 def feeding(driver, period=0.02):

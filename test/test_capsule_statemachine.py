@@ -7,7 +7,7 @@ temporary directory, through random sequences of rules:
 
   steps (ticks on seeded observations), commit (persist / pin), steps_then_commit,
   interrupt, reenter (own capsule / any id / "" / unknown / malformed), reset, fork,
-  save, load, drop (memory / memory and disk / store.demote_to_disk), forget (drop one
+  save, load, drop (memory / memory and disk / store.move to DISK), forget (drop one
   of this process's capsules and damage or delete its file, maybe re-enter it at once),
   fault (flip a bit / truncate a file, plant a ``.part``, disk full on the next write)
   and restart (crash, crash mid-save leaving a ``.part``, stray ``.part``, or a new
@@ -34,7 +34,7 @@ Invariants, per operation and after every rule:
 - the store's copies equal the model; a capsule marked persisted holds its file's
   bytes; pinned and held capsules (timeline root, interrupt capsule) are never evicted;
   the timeline root is held; the live state's step and episode are the session's;
-  ``list_capsules`` is the store plus the directory;
+  ``list`` is the store plus the directory;
 - no orphan files: only ``<known id>.capsule``, ``quarantine/`` and the ``.part`` files
   the test planted; no ``.part`` after a save (even a failed one); after a restart the
   leftovers are in ``quarantine/`` and in ``CapsuleDirectory.recovered``.
@@ -219,7 +219,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         self.mem: Dict[str, bytes] = {}            # bytes the store's copy of an id must hold
         self.made: Dict[str, Made] = {}            # ledger: capsules this process made
         self.pinned: set = set()                   # pinned, not dropped/released by the user
-        self.released: set = set()                 # memory released by the user (demote_to_disk)
+        self.released: set = set()                 # memory released by the user (store.move to DISK)
         self.since_boot = 0
         self.process += 1
         self.session.reset()
@@ -313,10 +313,11 @@ class CapsuleMachine(RuleBasedStateMachine):
     def store_full(self) -> bool:
         """No slab can be freed: every payload in memory belongs to a pinned or held capsule."""
         store = self.session.store
-        if any(pool.free for pool in store.pools.values()):
+        stats = store.stats()
+        if any(stats.free_slabs.values()):
             return False
         protected = {id(c.payload) for c in store.list() if c.payload is not None and (c.pinned or c.held)}
-        return len(protected) >= sum(pool.capacity for pool in store.pools.values())
+        return len(protected) >= sum(stats.capacity.values())
 
     def expect_refusal(self, exc, *types):
         assert exc is not None, f"expected a refusal with {[t.__name__ for t in types]}, got success"
@@ -586,12 +587,12 @@ class CapsuleMachine(RuleBasedStateMachine):
         REPORT["load: from disk"] += 1
 
     @precondition(lambda self: self.ids)
-    @rule(index=IDX, how=st.sampled_from(["memory", "disk", "demote_to_disk"]))
+    @rule(index=IDX, how=st.sampled_from(["memory", "disk", "move_to_disk"]))
     @counted
     def drop(self, index, how):
-        """session.drop (memory, or memory and disk) or store.demote_to_disk."""
-        if how == "demote_to_disk":
-            return self.demote_to_disk(self.pick(index))
+        """session.drop (memory, or memory and disk) or store.move(..., Tier.DISK)."""
+        if how == "move_to_disk":
+            return self.move_to_disk(self.pick(index))
         from_disk = how == "disk"
         capsule_id = self.pick(index)
         s = self.session
@@ -614,10 +615,10 @@ class CapsuleMachine(RuleBasedStateMachine):
             self.on_tl.pop(capsule_id, None)
         REPORT["drops"] += 1
 
-    def demote_to_disk(self, capsule_id):
+    def move_to_disk(self, capsule_id):
         store = self.session.store
         found = store.find(capsule_id)
-        _, exc = self.attempt("demote_to_disk", lambda: store.demote_to_disk(capsule_id))
+        _, exc = self.attempt("move_to_disk", lambda: store.move(capsule_id, Tier.DISK))
         if found is None:
             return self.expect_refusal(exc, NotFound)
         if found.path is None:
@@ -764,7 +765,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         s = self.session
         for capsule in s.store.list():
             if capsule.payload is not None:
-                data = s.store.host_copy(capsule.id).numpy().tobytes()
+                data = capsule_bytes(s, capsule.id)
                 assert data == self.mem.get(capsule.id), f"the store's copy of {capsule.id} is not the model's"
                 if capsule.path is not None and self.intact(capsule.id):
                     assert self.disk[capsule.id].data == data, \
@@ -797,7 +798,7 @@ class CapsuleMachine(RuleBasedStateMachine):
     @invariant()
     def listing_is_memory_and_disk(self):
         s = self.session
-        listed = {c.id for c in s.list_capsules()}
+        listed = {c.id for c in s.list()}
         in_store = {c.id for c in s.store.list()}
         on_disk = {n[:-len(SUFFIX)] for n in os.listdir(self.root) if n.endswith(SUFFIX)}
         assert in_store <= listed <= in_store | on_disk, (listed, in_store, on_disk)
@@ -821,6 +822,12 @@ class CapsuleMachine(RuleBasedStateMachine):
         quarantine = self.root / QUARANTINE
         count = len(os.listdir(quarantine)) if quarantine.is_dir() else 0
         assert count == self.quarantined, f"{count} files in quarantine, expected {self.quarantined}"
+
+
+def capsule_bytes(session: PolicySession, capsule_id: str) -> bytes:
+    """A capsule's bytes, through a loan (the store's way to read them)."""
+    with session.store.lend(capsule_id) as loan:
+        return loan.copy().numpy().tobytes()
 
 
 def _diff(before, after) -> str:
@@ -908,9 +915,9 @@ def test_regression_root_capsules_of_two_processes_never_share_an_id(machine):
     _feed(s, 3, 2)
     s.reset()                                      # the same episode number in the new process
     assert s.log_root_id != first_root
-    mine = s.store.host_copy(s.log_root_id).numpy().tobytes()
+    mine = capsule_bytes(s, s.log_root_id)
     theirs = s.load(first_root)                    # the old process's root loads as its own capsule
-    assert theirs.id == first_root and s.store.host_copy(first_root).numpy().tobytes() != mine
+    assert theirs.id == first_root and capsule_bytes(s, first_root) != mine
 
 
 def test_regression_a_refused_reset_leaves_the_live_state(machine):
@@ -928,7 +935,7 @@ def test_regression_a_refused_fallback_keeps_the_capsule_entry(machine):
     s = machine.session
     _feed(s, 3, 1)
     capsule = s.commit("x", persist=True)
-    s.store.demote_to_disk(capsule.id)             # disk-only entry
+    s.store.move(capsule.id, Tier.DISK)            # disk-only entry
     path = machine.path(capsule.id)
     blob = bytearray(path.read_bytes())
     blob[-1] ^= 1

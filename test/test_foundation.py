@@ -13,16 +13,13 @@ import xml.etree.ElementTree as ET
 import pytest
 from harness import REPO, ClientNode, start_policy_node, wait_for
 
-SERVICE_NAMES = ("commit", "reset", "interrupt", "reenter", "fork", "list_capsules", "drop_capsule",
-                 "save_capsule", "load_capsule")
-SRV_TYPES = ("Commit", "Reset", "Interrupt", "Reenter", "Fork", "ListCapsules", "DropCapsule", "SaveCapsule",
-             "LoadCapsule", "Record")
+from capsule_ros.serving.verbs import VERBS
 
 
 def test_interfaces_share_error_codes_and_response_fields():
     from capsule_ros import msg, srv
     from capsule_ros.errors import ErrorCode
-    for name in SRV_TYPES:
+    for name in (verb.srv for verb in VERBS):
         srv_type = getattr(srv, name)
         response = srv_type.Response()
         assert isinstance(response.success, bool) and response.message == "" and response.error_code == 0, name
@@ -93,8 +90,7 @@ def test_policy_node_serves_every_service_and_exits_on_sigint(tmp_path, rclpy_co
     node = start_policy_node(tmp_path, namespace="/foundation")
     client = ClientNode(rclpy_context, "foundation_client", node_path="/foundation/capsule_policy")
     try:
-        expected = {f"/foundation/capsule_policy/{name}": f"capsule_ros/srv/{t}"
-                    for name, t in zip(SERVICE_NAMES + ("record",), SRV_TYPES, strict=True)}
+        expected = {f"/foundation/capsule_policy/{verb.service}": f"capsule_ros/srv/{verb.srv}" for verb in VERBS}
 
         def advertised():
             found = {n: t[0] for n, t in client.node.get_service_names_and_types()}
@@ -127,7 +123,8 @@ def test_policy_node_serves_every_service_and_exits_on_sigint(tmp_path, rclpy_co
 # ROS-free test modules: what runs on a GPU machine, which has no ROS 2.
 ROS_FREE_TESTS = ("test_runtime.py", "test_store.py", "test_fallback.py", "test_session_safety.py",
                   "test_capsule_file.py", "test_capsule_statemachine.py", "test_lerobot_parity.py", "test_sim_arm.py",
-                  "test_policy_contract.py", "test_exported.py",
+                  "test_policy_contract.py", "test_exported.py", "test_session_loop.py", "test_verbs.py",
+                  "test_prose.py", "test_chunking.py",
                   "test_lerobot_kinds.py", "test_lerobot_bench.py", "test_lerobot_guide.py", "test_weights.py",
                   "test_onnx.py")
 

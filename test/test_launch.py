@@ -122,7 +122,7 @@ def test_default_launch_serves_the_policy_node_alone(default_launch, rclpy_conte
     client = ClientNode(rclpy_context, "launch_default_client", node_path="/capsule_policy")
     try:
         wait_for_commit(client, "launched")
-        assert "launched" in [c.label for c in client.capsules.list_capsules().capsules]
+        assert "launched" in [c.label for c in client.capsules.list().capsules]
         assert sorted(launched.pids) == ["policy_node"]                    # use_sim defaults to false
         names = {(ns, n) for n, ns in client.node.get_node_names_and_namespaces()}
         assert ("/", "capsule_policy") in names and ("/", "arm_sim") not in names

@@ -88,3 +88,70 @@ def test_ros_free_layers_never_import_ros(layer):
             if target.split(".")[0] in ros and not (module == "capsule_ros.paths" and target.startswith("ament")):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
     assert found == []
+
+
+def import_graph() -> dict:
+    """module -> the package's modules it imports (every import, TYPE_CHECKING ones too)."""
+    known = {module for module, _ in modules()}
+    graph = {}
+    for module, path in modules():
+        deps = set()
+        for _, target in imports(path):
+            while target and target not in known:
+                target = target.rsplit(".", 1)[0] if "." in target else ""
+            if target and target != module:
+                deps.add(target)
+        graph[module] = deps
+    return graph
+
+
+@pytest.mark.parametrize("package", ["capsule_ros.capsules", "capsule_ros.serving", "capsule_ros.bag",
+                                     "capsule_ros.ros", "capsule_ros.bt"])
+def test_no_import_circle_inside_a_layer(package):
+    """Within a layer, modules import each other one way: the node builds its servers and
+    its facade, the servers know the facade only (no node <-> services <-> run_policy)."""
+    graph = import_graph()
+    inside = {m for m in graph if m.startswith(package + ".")}
+    circles, state, path = [], {}, []
+
+    def visit(module):
+        state[module] = "open"
+        path.append(module)
+        for dep in sorted(graph[module] & inside):
+            if state.get(dep) == "open":
+                circles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(inside):
+        if module not in state:
+            visit(module)
+    assert circles == []
+
+
+BOUNDARY_ENTRIES = {"held", "blocking", "unless_busy"}
+
+
+def test_only_the_session_module_enters_its_boundary():
+    """Every use of the session's boundary is in serving/session.py: its parts (capsule
+    files, the recompute fallback, the guarded step), the node, the servers and the replay
+    never take the lock, so what runs under it can be read in one module."""
+    found = []
+    for module, path in modules():
+        if module in ("capsule_ros.serving.session", "capsule_ros.serving.boundary"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in BOUNDARY_ENTRIES | {"boundary"} \
+                    and not (node.attr in BOUNDARY_ENTRIES and not _on_boundary(node)):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.Name) and node.id in ("Boundary", "BoundaryLock"):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.id}")
+    assert found == [], "the boundary outside serving/session.py:\n" + "\n".join(found)
+
+
+def _on_boundary(node: ast.Attribute) -> bool:
+    """``<something>.boundary.held`` (and the other entries)."""
+    value = node.value
+    return isinstance(value, ast.Attribute) and value.attr == "boundary"

@@ -3,22 +3,13 @@ services (~/change_state, ~/get_state) from this process, against the installed
 executable in its own process; the library's Python logging reaching /rosout."""
 from __future__ import annotations
 
-import os
-import queue
-import time
-
 import numpy as np
 import pytest
-from harness import ClientNode, start_policy_node, wait_for
-from test_node import Driver, action_bytes, observations
+from harness import ClientNode, Driver, action_bytes, observations, set_params, start_policy_node, unique_ns, wait_for
 
 from capsule_ros.errors import ErrorCode
 
 pytestmark = pytest.mark.ros
-
-
-def unique_ns(prefix: str) -> str:
-    return f"/{prefix}{os.getpid() % 1000}{int(time.monotonic() * 1000) % 100000}"
 
 
 @pytest.fixture
@@ -40,15 +31,7 @@ def managed(tmp_path, rclpy_context):
 
 
 def set_string_param(client: ClientNode, node_path: str, name: str, value: str) -> bool:
-    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
-    from rcl_interfaces.srv import SetParameters
-    service = client.node.create_client(SetParameters, f"{node_path}/set_parameters")
-    assert service.wait_for_service(timeout_sec=10)
-    future = service.call_async(SetParameters.Request(parameters=[Parameter(
-        name=name, value=ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value))]))
-    wait_for(future.done, timeout=10, what="set_parameters")
-    client.node.destroy_client(service)
-    return future.result().results[0].successful
+    return set_params(client, node_path, **{name.replace(".", "__"): value})[0].successful
 
 
 def test_the_full_lifecycle_from_another_process(managed):
@@ -69,14 +52,12 @@ def test_the_full_lifecycle_from_another_process(managed):
     assert lifecycle.change("configure") is True
     assert lifecycle.state() == "inactive"
     with pytest.raises(ServiceRefused) as refused:
-        client.capsules.list_capsules()
+        client.capsules.list()
     assert refused.value.error_code == ErrorCode.WRONG_STATE
 
     assert lifecycle.change("activate") is True
     driver = Driver(client, ns)
     driver.send_goal()
-    wait_for(lambda: any(p.name == "goal" and p.received for p in driver.latest_status().ports), timeout=30,
-             what="the goal")
     driver.run(observations(3, 1))
     anchor = client.capsules.commit(label="before the pause").capsule
     obs = observations(10, 2)
@@ -93,9 +74,11 @@ def test_the_full_lifecycle_from_another_process(managed):
     with pytest.raises(ServiceRefused) as refused:
         client.capsules.commit()
     assert refused.value.error_code == ErrorCode.WRONG_STATE
+    published = driver.latest_status().actions_published            # an inactive node does not step:
+    wait_for(lambda: driver.joints_pub.get_subscription_count() == 0, timeout=30,   # it reads no port
+             what="the inactive node to drop its port subscriptions")
     driver.joints_pub.publish(driver.joint_msg(obs[5]))
-    with pytest.raises(queue.Empty):                                # an inactive node does not step
-        driver.actions.get(timeout=1.0)
+    assert driver.latest_status().actions_published == published and driver.actions.empty()
 
     assert lifecycle.change("activate") is True                     # resumes from the deactivate's capsule
     after = driver.run(obs[5:])
@@ -144,14 +127,13 @@ def test_cleanup_releases_the_runtime_and_a_new_configure_starts_fresh(managed):
     assert lifecycle.change("configure") and lifecycle.change("activate")
     driver = Driver(client, ns)
     driver.send_goal()
-    wait_for(lambda: any(p.name == "goal" and p.received for p in driver.latest_status().ports), timeout=30,
-             what="the goal")
     first = driver.run(observations(4, 7))
     committed = client.capsules.commit(label="kept in memory").capsule
     assert lifecycle.change("deactivate") and lifecycle.change("cleanup")
     assert lifecycle.change("configure") and lifecycle.change("activate")
-    assert [c.id for c in client.capsules.list_capsules().capsules if c.id == committed.id] == [], \
+    assert [c.id for c in client.capsules.list().capsules if c.id == committed.id] == [], \
         "a capsule in memory outlived cleanup"
-    driver.send_goal()
+    driver.send_goal(wait=False)          # the new session counts its ports from 0
+    wait_for(lambda: driver.port("goal").received >= 1, timeout=60, what="the goal to be taken")
     again = driver.run(observations(4, 7))                          # the same policy from its initial state
     assert np.array_equal(np.asarray([a.values for a in again]), np.asarray([a.values for a in first]))

@@ -3,82 +3,36 @@ bit-identical re-entry, interrupt/hold, deadlines, status, parameters, malformed
 
 Every test talks to the installed executable in its own process over real topics and
 services; the policy has random (seeded) weights so the tests do not depend on training.
+The tests of the module's node get it restored to a fresh node's state (``node``); those
+that need another configuration start their own.
 """
 from __future__ import annotations
 
 import os
-import queue
 import stat
 
 import numpy as np
 import pytest
-from harness import ClientNode, start_policy_node, wait_for
-from rclpy.qos import QoSProfile, ReliabilityPolicy
+from harness import (
+    ClientNode,
+    Driver,
+    action_bytes,
+    observations,
+    restore_node,
+    set_params,
+    start_policy_node,
+    wait_for,
+)
 
 pytestmark = pytest.mark.ros
 NS = "/tn"
-RELIABLE = QoSProfile(depth=2000, reliability=ReliabilityPolicy.RELIABLE)
-
-
-class Driver:
-    """Feeds a trigger-mode node one joint-state message at a time and collects actions."""
-
-    def __init__(self, client: ClientNode, ns: str):
-        from geometry_msgs.msg import PointStamped
-        from sensor_msgs.msg import JointState
-
-        from capsule_ros.msg import Action, CapsuleEvent, RuntimeStatus
-        self.client, self.ns = client, ns
-        self.JointState, self.PointStamped = JointState, PointStamped
-        self.actions = client.subscribe(Action, f"{ns}/capsule_policy/action", RELIABLE)
-        self.status = client.subscribe(RuntimeStatus, f"{ns}/capsule_policy/status")
-        self.events = client.subscribe(CapsuleEvent, f"{ns}/capsule_policy/capsule_events", RELIABLE)
-        self.joints_pub = client.publisher(JointState, f"{ns}/arm/joint_states", RELIABLE)
-        self.goal_pub = client.publisher(PointStamped, f"{ns}/arm/goal", RELIABLE)
-        self.stamp = 1
-        client.wait_for_subscribers(self.joints_pub)
-        client.wait_for_subscribers(self.goal_pub)
-
-    def latest_status(self, timeout=5.0):
-        """A status published after this call (the queue may hold older ones)."""
-        ClientNode.drain(self.status)
-        return self.status.get(timeout=timeout)
-
-    def send_goal(self, x=0.3, y=0.4):
-        msg = self.PointStamped()
-        msg.header.stamp.sec = self.stamp
-        msg.point.x, msg.point.y = float(x), float(y)
-        self.goal_pub.publish(msg)
-
-    def joint_msg(self, values, stamp=None):
-        msg = self.JointState()
-        if stamp is None:
-            self.stamp += 1
-            stamp = self.stamp
-        msg.header.stamp.sec = int(stamp)
-        msg.name = ["shoulder", "elbow"]
-        msg.position = [float(values[0]), float(values[1])]
-        msg.velocity = [float(values[2]), float(values[3])]
-        return msg
-
-    def step(self, values, timeout=10.0):
-        """Publish one joint state; return the action it triggered."""
-        ClientNode.drain(self.actions)
-        self.joints_pub.publish(self.joint_msg(values))
-        return self.actions.get(timeout=timeout)
-
-    def run(self, observations):
-        return [self.step(o) for o in observations]
-
-
-def action_bytes(actions):
-    return [(np.asarray(a.values, np.float32).tobytes(), np.asarray(a.chunk, np.float32).tobytes()) for a in actions]
+BASELINE = {"control__deadline_ms": 2000.0}      # the run-time parameters every test starts from
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory, rclpy_context):
+def shared(tmp_path_factory, rclpy_context):
     tmp = tmp_path_factory.mktemp("trigger_node")
-    params = {"policy": {"weights": ""}, "control": {"deadline_ms": 2000.0},
+    params = {"policy": {"weights": ""}, "control": {"deadline_ms": BASELINE["control__deadline_ms"]},
               # a flood of 1,000 messages must not overflow the readers' history (it would be lost
               # in DDS before the node could count it)
               "ports": {"joints": {"qos": "reliable", "depth": 2000}, "goal": {"depth": 2000}}}
@@ -86,15 +40,20 @@ def node(tmp_path_factory, rclpy_context):
     client = ClientNode(rclpy_context, "node_test_client", node_path=f"{NS}/capsule_policy")
     driver = Driver(client, NS)
     driver.send_goal()
-    wait_for(lambda: any(p.name == "goal" and p.received >= 1 for p in driver.latest_status().ports),
-             timeout=30, what="the goal to be received")
     yield proc, client, driver, tmp
     client.close()
     assert proc.stop() == 0, proc.log()
 
 
-def observations(n, seed):
-    return np.random.default_rng(seed).uniform(-1.0, 1.0, size=(n, 4))
+@pytest.fixture
+def node(shared):
+    """The module's node, put back before each test as a fresh one comes up (``restore_node``):
+    the tests reset, commit, interrupt, drop and set parameters on it."""
+    proc, client, driver, tmp = shared
+    restore_node(client, BASELINE)
+    for q in (driver.actions, driver.events):
+        ClientNode.drain(q)
+    return shared
 
 
 def test_trigger_mode_publishes_one_action_per_message(node):
@@ -156,10 +115,7 @@ def test_hold_last_and_silent_modes(node):
     assert held.source == held.SOURCE_HOLD and list(held.values) == list(last.values)
     client.capsules.reenter()
     client.capsules.interrupt(hold_mode=Interrupt.Request.HOLD_SILENT, commit=False)
-    ClientNode.drain(driver.actions)
-    driver.joints_pub.publish(driver.joint_msg(observations(1, 9)[0]))
-    with pytest.raises(queue.Empty):
-        driver.actions.get(timeout=1.0)
+    driver.step(observations(1, 9)[0], expect_action=False)     # taken, and no action came of it
     client.capsules.reenter()
 
 
@@ -183,13 +139,13 @@ def test_fork_list_save_drop_load(node):
     capsule = client.capsules.commit(label="source").capsule
     fork = client.capsules.fork(capsule.id, label="branch").capsule
     assert fork.id != capsule.id and fork.parent_id == capsule.id and fork.step == capsule.step
-    ids = [c.id for c in client.capsules.list_capsules().capsules]
+    ids = [c.id for c in client.capsules.list().capsules]
     assert capsule.id in ids and fork.id in ids
     saved = client.capsules.save(fork.id)
     assert os.path.exists(saved.path) and stat.S_IMODE(os.stat(saved.path).st_mode) == 0o600
     assert saved.capsule.persisted
     client.capsules.drop(fork.id)
-    listed = {c.id: c for c in client.capsules.list_capsules().capsules}
+    listed = {c.id: c for c in client.capsules.list().capsules}
     assert listed[fork.id].tier == listed[fork.id].TIER_DISK          # only on disk now
     loaded = client.capsules.load(fork.id).capsule
     assert loaded.id == fork.id and loaded.step == fork.step and loaded.tier != loaded.TIER_DISK
@@ -201,7 +157,7 @@ def test_fork_list_save_drop_load(node):
     assert action_bytes(from_source) == action_bytes(from_fork)
     client.capsules.drop(fork.id, from_disk=True)
     assert not os.path.exists(saved.path)
-    current = client.capsules.list_capsules(current_episode_only=True).capsules
+    current = client.capsules.list(current_episode_only=True).capsules
     assert all(c.episode_id == capsule.episode_id for c in current)
 
 
@@ -330,22 +286,9 @@ def test_status_and_diagnostics_are_published(node, rclpy_context):
 
 
 def test_parameters_are_validated_with_a_reason(node):
-    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
-    from rcl_interfaces.srv import SetParameters
     proc, client, driver, _ = node
-    cli = client.node.create_client(SetParameters, f"{NS}/capsule_policy/set_parameters")
-    assert cli.wait_for_service(timeout_sec=10)
-
     def set_param(name, value):
-        if isinstance(value, float):
-            v = ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=value)
-        elif isinstance(value, str):
-            v = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
-        else:
-            v = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
-        future = cli.call_async(SetParameters.Request(parameters=[Parameter(name=name, value=v)]))
-        wait_for(future.done, timeout=5, what="set_parameters")
-        return future.result().results[0]
+        return set_params(client, None, **{name.replace(".", "__"): value})[0]
 
     bad = set_param("control.rate_hz", -5.0)          # refused by the descriptor's range
     assert not bad.successful and "-5.0" in bad.reason
@@ -355,7 +298,6 @@ def test_parameters_are_validated_with_a_reason(node):
     assert not read_only.successful
     good = set_param("control.deadline_ms", 1500.0)
     assert good.successful
-    assert set_param("control.deadline_ms", 2000.0).successful      # as the module's node was configured
 
 
 def test_deadline_miss_publishes_the_safe_action_never_a_stale_chunk(tmp_path, rclpy_context):
@@ -365,8 +307,6 @@ def test_deadline_miss_publishes_the_safe_action_never_a_stale_chunk(tmp_path, r
     try:
         driver = Driver(client, "/deadline")
         driver.send_goal()
-        wait_for(lambda: any(p.name == "goal" and p.received for p in driver.latest_status().ports), timeout=30,
-                 what="goal")
         actions = driver.run(observations(10, 19))
         assert all(a.source == a.SOURCE_ZERO and len(a.chunk) == 0 and list(a.values) == [0.0, 0.0]
                    for a in actions)
@@ -391,7 +331,7 @@ def test_timer_mode_steps_at_the_control_rate(tmp_path, rclpy_context):
     try:
         driver = Driver(client, "/timer")
         def first_action():       # best-effort joint states: repeat until the inputs are in
-            driver.send_goal()
+            driver.send_goal(wait=False)
             driver.joints_pub.publish(driver.joint_msg([0.1, 0.2, 0.0, 0.0]))
             return driver.actions.qsize() > 0
         wait_for(first_action, timeout=30, interval=0.1, what="the first timer action")

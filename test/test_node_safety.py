@@ -6,16 +6,24 @@ four concurrent clients, and start-up errors.
 from __future__ import annotations
 
 import os
-import queue
 import subprocess
 import threading
 import time
 
 import numpy as np
 import pytest
-from harness import DEFAULT_PARAMS, ClientNode, start_policy_node, wait_for
+from harness import (
+    DEFAULT_PARAMS,
+    ClientNode,
+    Driver,
+    action_bytes,
+    observations,
+    set_params_ok,
+    start_policy_node,
+    unique_ns,
+    wait_for,
+)
 from rclpy.qos import QoSProfile, ReliabilityPolicy
-from test_node import Driver, action_bytes, observations
 
 from capsule_ros.policies.registry import kind_names
 
@@ -24,44 +32,24 @@ RELIABLE = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
 STRESS_S = float(os.environ.get("CAPSULE_STATUS_STRESS_S", "60"))
 
 
-def set_params(client: ClientNode, node_path: str, **values) -> None:
-    """Set parameters of the node (names with '__' for '.'); they must be accepted."""
-    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
-    from rcl_interfaces.srv import SetParameters
-    service = client.node.create_client(SetParameters, f"{node_path}/set_parameters")
-    assert service.wait_for_service(timeout_sec=10)
-    params = [Parameter(name=name.replace("__", "."),
-                        value=ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=float(value)))
-              for name, value in values.items()]
-    future = service.call_async(SetParameters.Request(parameters=params))
-    wait_for(future.done, timeout=10, what="set_parameters")
-    assert all(r.successful for r in future.result().results), future.result().results
-    client.node.destroy_client(service)
-
-
 @pytest.fixture
 def served(tmp_path, rclpy_context):
     """A fresh node per test (these tests change its configuration and state)."""
-    ns = f"/safe{os.getpid() % 1000}{int(time.monotonic() * 1000) % 100000}"
+    ns = unique_ns("safe")
     proc = start_policy_node(tmp_path, {"policy": {"weights": ""}, "control": {"deadline_ms": 5000.0},
                                         "ports": {"joints": {"qos": "reliable", "depth": 100}}},
                              namespace=ns)
     client = ClientNode(rclpy_context, f"safety_client_{ns.strip('/')}", node_path=f"{ns}/capsule_policy")
     driver = Driver(client, ns)
     driver.send_goal()
-    wait_for(lambda: any(p.name == "goal" and p.received for p in driver.latest_status().ports), timeout=30,
-             what="the goal")
     yield proc, client, driver, ns, tmp_path
     client.close()
     assert proc.stop() == 0, proc.log()
 
 
-def no_action(driver, timeout=0.5) -> bool:
-    try:
-        driver.actions.get(timeout=timeout)
-    except queue.Empty:
-        return True
-    return False
+def published(driver) -> int:
+    """The node's count of published actions, from a status taken after this call."""
+    return driver.latest_status().actions_published
 
 
 def test_values_beyond_float32_never_reach_the_actuators(served):
@@ -69,6 +57,7 @@ def test_values_beyond_float32_never_reach_the_actuators(served):
     driver.run(observations(3, 1))
     anchor = client.capsules.commit(label="before the overflow").capsule
     ClientNode.drain(driver.actions)
+    before = published(driver)
     for value in (1e39, -1e39, 1e300):
         driver.joints_pub.publish(driver.joint_msg([value, 0.1, 0.0, 0.0]))
     huge_goal = driver.PointStamped()
@@ -77,7 +66,7 @@ def test_values_beyond_float32_never_reach_the_actuators(served):
     driver.goal_pub.publish(huge_goal)
     wait_for(lambda: {p.name: p.dropped_nonfinite for p in driver.latest_status().ports} == {"joints": 3, "goal": 1},
              timeout=10, what="the four messages to be dropped as non-finite")
-    assert no_action(driver), "a refused message made a step"
+    assert published(driver) == before and driver.actions.empty(), "a refused message made a step"
     obs = observations(8, 2)
     after = driver.run(obs)
     assert all(np.isfinite(a.values).all() and a.source == a.SOURCE_POLICY for a in after)
@@ -89,10 +78,11 @@ def test_a_future_stamped_message_is_dropped_and_the_port_keeps_flowing(served):
     proc, client, driver, ns, _ = served
     now = time.time()
     ClientNode.drain(driver.actions)
+    before = published(driver)
     driver.joints_pub.publish(driver.joint_msg([0.1, 0.2, 0.0, 0.0], stamp=int(now + 3600)))
     wait_for(lambda: next(p.dropped_future for p in driver.latest_status().ports if p.name == "joints") == 1,
              timeout=10, what="the future-stamped message to be dropped")
-    assert no_action(driver)
+    assert published(driver) == before and driver.actions.empty()
     for i in range(5):                                 # correctly stamped messages still act
         driver.joints_pub.publish(driver.joint_msg([0.1, 0.2, 0.0, 0.0], stamp=int(now) - 10 + i))
         assert driver.actions.get(timeout=5).source == 0
@@ -110,9 +100,9 @@ def test_hold_on_missed_deadlines_holds_the_last_on_time_action(served):
     anchor = client.capsules.commit(label="before the deadline").capsule
     obs = observations(8, 4)
     on_time = driver.run(obs[:3])
-    set_params(client, f"{ns}/capsule_policy", control__deadline_ms=0.001)       # every step is late now
+    set_params_ok(client, None, control__deadline_ms=0.001)       # every step is late now
     held = driver.run(obs[3:])
-    set_params(client, f"{ns}/capsule_policy", control__deadline_ms=5000.0)
+    set_params_ok(client, None, control__deadline_ms=5000.0)
     assert all(a.source == a.SOURCE_HOLD and len(a.chunk) == 0 for a in held)
     assert all(list(a.values) == list(on_time[-1].values) for a in held), "HOLD published a late step's action"
     client.capsules.reenter(anchor.id)

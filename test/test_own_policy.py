@@ -17,8 +17,8 @@ import sys
 import numpy as np
 import pytest
 import yaml
-from fixtures.make_bags import Driver, K, N, observations, record_rollback
-from harness import REPO, ClientNode, start_policy_node, wait_for
+from fixtures.make_bags import K, N, observations, record_rollback
+from harness import REPO, ClientNode, Driver, action_bytes, restore_node, start_policy_node, wait_for
 from runtime_fixtures import GRU_FACTORY, GRU_PARAMS, eager_gru
 
 from capsule_ros.bag.replay import replay_bag
@@ -36,8 +36,15 @@ def serve(tmp, rclpy_context, namespace: str, params_file):
     return proc, client, Driver(client, namespace)
 
 
+def restored(served):
+    """A module's node, restored to a fresh node's state for the next test (``restore_node``)."""
+    restore_node(served[1], {})
+    ClientNode.drain(served[2].actions)
+    return served
+
+
 @pytest.fixture(scope="module")
-def gru_node(tmp_path_factory, rclpy_context):
+def gru_shared(tmp_path_factory, rclpy_context):
     tmp = tmp_path_factory.mktemp("gru")
     proc, client, driver = serve(tmp, rclpy_context, "/tgru", GRU_PARAMS)
     yield proc, client, driver, tmp
@@ -45,8 +52,18 @@ def gru_node(tmp_path_factory, rclpy_context):
     assert proc.stop() == 0, proc.log()
 
 
+@pytest.fixture
+def gru_node(gru_shared):
+    return restored(gru_shared)
+
+
+@pytest.fixture
+def exported_node(exported_shared):
+    return restored(exported_shared)
+
+
 @pytest.fixture(scope="module")
-def exported_node(tmp_path_factory, rclpy_context):
+def exported_shared(tmp_path_factory, rclpy_context):
     """The example module exported with the settings of its parameter file, served from a
     copy of that file with policy.kind: exported."""
     tmp = tmp_path_factory.mktemp("exported")
@@ -65,10 +82,6 @@ def exported_node(tmp_path_factory, rclpy_context):
     yield proc, client, driver, tmp
     client.close()
     assert proc.stop() == 0, proc.log()
-
-
-def action_bytes(actions) -> list:
-    return [np.asarray(a.values, np.float32).tobytes() + np.asarray(a.chunk, np.float32).tobytes() for a in actions]
 
 
 def rollback_replays(driver, tmp) -> None:
@@ -122,7 +135,7 @@ def test_exported_program_through_policy_node_equals_the_eager_module_bit_for_bi
     actions = driver.run(joints)
     rows = np.concatenate([joints.astype(np.float32), np.tile(np.float32([0.3, 0.4]), (len(joints), 1))], axis=1)
     assert [a.step for a in actions] == list(range(1, len(joints) + 1))
-    assert action_bytes(actions) == [a.tobytes() + c.reshape(-1).tobytes() for a, c in eager_gru(rows)]
+    assert action_bytes(actions) == [(a.tobytes(), c.reshape(-1).tobytes()) for a, c in eager_gru(rows)]
 
 
 def test_exported_program_through_policy_node_rolls_back_and_replays_from_its_bag(exported_node):

@@ -3,14 +3,12 @@ policy_node: a step budget, feedback, cancel, one goal at a time, a cancel that 
 before its goal, and runs ended by other clients or by deactivation."""
 from __future__ import annotations
 
-import os
 import queue
 import time
 import uuid
 
 import pytest
-from harness import ClientNode, start_policy_node, wait_for
-from test_node import Driver, observations
+from harness import ClientNode, Driver, observations, start_policy_node, unique_ns, wait_for
 
 from capsule_ros.errors import ErrorCode
 
@@ -44,6 +42,15 @@ class Runner:
         wait_for(future.done, timeout=timeout, what="the result")
         return future.result()
 
+    def collect_feedback(self, count: int, timeout: float = 30.0):
+        """The next ``count`` feedback messages and when each arrived (monotonic seconds)."""
+        messages, arrived = [], []
+        deadline = time.monotonic() + timeout
+        while len(messages) < count:
+            messages.append(self.feedback.get(timeout=max(deadline - time.monotonic(), 0.01)))
+            arrived.append(time.monotonic())
+        return messages, arrived
+
     @staticmethod
     def cancel(handle):
         future = handle.cancel_goal_async()
@@ -52,15 +59,13 @@ class Runner:
 
 
 def start(tmp_path, rclpy_context, prefix, **control):
-    ns = f"/{prefix}{os.getpid() % 1000}{int(time.monotonic() * 1000) % 100000}"
+    ns = unique_ns(prefix)
     proc = start_policy_node(tmp_path, {"policy": {"weights": ""},
                                         "control": {"deadline_ms": 5000.0, **control},
                                         "ports": {"joints": {"qos": "reliable", "depth": 100}}}, namespace=ns)
     client = ClientNode(rclpy_context, f"run_client_{ns.strip('/')}", node_path=f"{ns}/capsule_policy")
     driver = Driver(client, ns)
     driver.send_goal()
-    wait_for(lambda: any(p.name == "goal" and p.received for p in driver.latest_status().ports), timeout=30,
-             what="the goal")
     return proc, client, driver, Runner(client, f"{ns}/capsule_policy"), ns
 
 
@@ -104,10 +109,10 @@ def test_feedback_cancel_and_one_goal_at_a_time(timer_node):
     proc, client, driver, runner, _ = timer_node
     Result = runner.RunPolicy.Result
     handle = runner.send(reset=True, hold_mode=1)
+    accepted = time.monotonic()
     assert handle.accepted
-    time.sleep(1.0)
-    feedback = ClientNode.drain(runner.feedback)
-    assert len(feedback) >= 8, f"{len(feedback)} feedback messages in 1 s"     # 10 Hz, with slack for start-up
+    feedback, arrived = runner.collect_feedback(8)                   # 10 Hz, with slack for start-up:
+    assert arrived[-1] - accepted <= 1.0, f"8 feedback messages took {arrived[-1] - accepted:.2f} s"   # 8 in 1 s
     assert feedback[-1].steps > feedback[0].steps and feedback[-1].last_action.source == 0
 
     second = runner.send(max_steps=3)                               # refused with its reason; the first runs on
@@ -117,8 +122,7 @@ def test_feedback_cancel_and_one_goal_at_a_time(timer_node):
                                                                                ErrorCode.BUSY)
     assert "another goal is running" in second_result.result.message
     ClientNode.drain(runner.feedback)
-    time.sleep(0.3)
-    assert ClientNode.drain(runner.feedback), "the first goal stopped"
+    runner.collect_feedback(1, timeout=5.0)                          # the first goal still runs
 
     assert runner.cancel(handle).return_code == 0
     result = runner.result(handle)

@@ -247,7 +247,7 @@ def test_session_rollback_and_recompute_fallback_are_bit_identical(device, tmp_p
     original = feed(obs[20:])
     assert session.reenter(capsule.id).rollback
     assert first_divergence(feed(obs[20:]), original) is None
-    session.store.demote_to_disk(capsule.id)          # only its file is left ...
+    session.store.move(capsule.id, Tier.DISK)         # only its file is left ...
     path = tmp_path / "capsules" / f"{capsule.id}.capsule"
     blob = bytearray(path.read_bytes())
     blob[-100] ^= 0x10                                  # ... and it is damaged

@@ -235,7 +235,7 @@ def test_a_drop_during_a_save_is_never_undone(tmp_path, monkeypatch):
     assert not path.exists() and not list(path.parent.glob("*.part"))
     with pytest.raises(NotFound):
         session.reenter(capsule.id)
-    assert capsule.id not in {c.id for c in session.list_capsules()}
+    assert capsule.id not in {c.id for c in session.list()}
 
 
 def test_a_drop_after_a_save_removes_the_file(tmp_path):
@@ -305,7 +305,7 @@ def test_status_never_waits_for_a_service_nor_reads_the_store_meanwhile(tmp_path
     held, done = threading.Event(), threading.Event()
 
     def service():
-        with session.at_boundary():
+        with session.boundary.held():           # a verb that holds the boundary a while
             held.set()
             session.store.snapshot(session.runtime, label="meanwhile", episode_id=1, step=session.step)
             done.wait(5)

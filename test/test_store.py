@@ -37,7 +37,7 @@ def test_pinned_and_held_capsules_are_never_evicted():
     held = store.snapshot(runtime, episode_id=1, step=2, held=True)
     with pytest.raises(ResourceExhausted):
         store.snapshot(runtime, episode_id=1, step=3)
-    assert pinned.id in store and held.id in store and len(store) == 2
+    assert pinned.id in store and held.id in store and len(store.list()) == 2
 
 
 def test_fork_shares_the_bytes_and_outlives_its_source():
@@ -46,16 +46,16 @@ def test_fork_shares_the_bytes_and_outlives_its_source():
     run(runtime, observations(5, 1))
     before = arena_bytes(runtime)
     source = store.snapshot(runtime, episode_id=1, step=5)
-    free = store.pools[Tier.DEVICE].free
+    free = store.stats().free_slabs[Tier.DEVICE]
     fork = store.fork(source.id, label="branch")
-    assert store.pools[Tier.DEVICE].free == free and fork.parent_id == source.id
+    assert store.stats().free_slabs[Tier.DEVICE] == free and fork.parent_id == source.id
     store.drop(source.id)
-    assert store.pools[Tier.DEVICE].free == free      # still referenced by the fork
+    assert store.stats().free_slabs[Tier.DEVICE] == free      # still referenced by the fork
     run(runtime, observations(5, 2))
     store.restore(fork.id, runtime)
     assert arena_bytes(runtime) == before
     store.drop(fork.id)
-    assert store.pools[Tier.DEVICE].free == free + 1
+    assert store.stats().free_slabs[Tier.DEVICE] == free + 1
 
 
 def test_unknown_and_malformed_ids_are_refused_and_counted():
@@ -68,3 +68,76 @@ def test_unknown_and_malformed_ids_are_refused_and_counted():
     with pytest.raises(InvalidArgument):
         store.snapshot(runtime, episode_id=1, step=1, capsule_id="bad/id")
     assert store.counters.misses == 1
+
+
+# The store's face: five verbs, the two small objects it hands out, letting a file's
+# capsule in, the session's pin, the queries. Growing it is a decision, not a drift.
+STORE_FACE = {"snapshot", "restore", "fork", "drop", "move",          # the verbs
+              "reserve", "lend", "adopt", "hold",                     # reservations, loans, files, the session's pin
+              "get", "find", "list", "stats", "close"}                # queries and lifetime
+
+
+def public_methods(cls) -> set:
+    return {name for name, value in vars(cls).items() if callable(value) and not name.startswith("_")}
+
+
+def test_the_store_keeps_its_small_face_and_the_package_uses_all_of_it():
+    import re
+    from pathlib import Path
+
+    from capsule_ros.capsules.store import CapsuleStore, Loan, Reservation
+    assert public_methods(CapsuleStore) == STORE_FACE
+    assert public_methods(Reservation) == {"release"} and public_methods(Loan) == {"host_bytes", "copy", "end"}
+    package = Path(__file__).resolve().parents[1] / "capsule_ros"
+    code = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name != "store.py")
+    unused = sorted(name for name in STORE_FACE | {"release", "host_bytes", "copy", "end"}
+                    if not re.search(rf"\.{name}\(", code))
+    assert unused == [], f"public only for the tests: {unused}"
+
+
+def test_a_reservation_is_all_or_nothing_and_given_back_once():
+    runtime = make_runtime()
+    store = make_store(runtime, device_mb=slabs_mb(runtime, 1), host_mb=0)
+    room = store.reserve()
+    assert store.stats().free_slabs[Tier.DEVICE] == 0
+    with pytest.raises(ResourceExhausted):
+        store.reserve()                               # nothing left, nothing changed
+    capsule = store.snapshot(runtime, episode_id=1, step=0, into=room)
+    room.release()                                    # used: a no-op
+    assert store.stats().free_slabs[Tier.DEVICE] == 0 and capsule.id in store
+    with pytest.raises(InvalidArgument):
+        store.snapshot(runtime, episode_id=1, step=1, into=room)
+    store.drop(capsule.id)
+    unused = store.reserve()
+    unused.release()
+    unused.release()
+    assert store.stats().free_slabs[Tier.DEVICE] == 1
+
+
+def test_a_loan_keeps_a_dropped_capsules_bytes_until_it_ends():
+    runtime = make_runtime()
+    store = make_store(runtime, device_mb=slabs_mb(runtime, 1), host_mb=0)
+    run(runtime, observations(3, 4))
+    before = runtime.arena.storage.numpy().tobytes()
+    capsule = store.snapshot(runtime, episode_id=1, step=3)
+    with store.lend(capsule.id) as loan:
+        store.drop(capsule.id)
+        assert store.stats().free_slabs[Tier.DEVICE] == 0       # the slab stays with the loan
+        with pytest.raises(ResourceExhausted):
+            store.snapshot(runtime, episode_id=1, step=4)
+        assert loan.copy().numpy().tobytes() == before
+    assert store.stats().free_slabs[Tier.DEVICE] == 1
+
+
+def test_move_between_tiers_and_to_disk():
+    runtime = make_runtime()
+    store = make_store(runtime, device_mb=slabs_mb(runtime, 1), host_mb=slabs_mb(runtime, 1))
+    capsule = store.snapshot(runtime, episode_id=1, step=0)
+    assert store.move(capsule.id, Tier.HOST).tier == Tier.HOST
+    with pytest.raises(InvalidArgument, match="not persisted"):
+        store.move(capsule.id, Tier.DISK)            # it would be lost
+    capsule.path = "/capsules/x.capsule"              # as a save records it
+    assert store.move(capsule.id, Tier.DISK).tier == Tier.DISK
+    assert store.stats().free_slabs == {Tier.DEVICE: 1, Tier.HOST: 1, Tier.DISK: 0}
+    with pytest.raises(NotFound, match="only on disk"):
+        store.move(capsule.id, Tier.DEVICE)

@@ -15,7 +15,7 @@
 docs/rosbag-replay.md is the user's guide.
 """
 
-from capsule_ros._lazy import lazy_exports  # noqa: E402
+from capsule_ros._lazy import lazy_exports
 
 _EXPORTS = {
     "Recording": "capsule_ros.bag.reader",

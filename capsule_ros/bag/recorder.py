@@ -5,8 +5,8 @@ metadata (see ``capsule_ros.bag.metadata``). Its callers give log times that str
 increase in write order (``max(last + 1, stamp)``), so readers that sort by time keep
 the order the node processed messages in: replay depends on it.
 
-``NodeRecorder`` is the node's side (``PolicyNode.recorder``): callers on any thread
-(control loop, watchdog, services) only take a short lock to stamp a message and queue
+``NodeRecorder`` is the node's side (``capsule_ros.ros.publishing.NodeRecording`` holds
+it): callers on any thread (control loop, watchdog, services) only take a short lock to stamp a message and queue
 it; one writer thread serialises and writes, so disk I/O never stalls a control step.
 """
 from __future__ import annotations

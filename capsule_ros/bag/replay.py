@@ -37,22 +37,33 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import enum
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from capsule_ros.bag.ablation import ABLATIONS
 from capsule_ros.bag.errors import ReplaySetupError
-from capsule_ros.bag.reader import EVENT, SENSOR, BagScan, Entry, RecordedEvent, Recording, capsule_id_position
+from capsule_ros.bag.reader import (
+    EVENT,
+    SENSOR,
+    ActionInfo,
+    BagScan,
+    Entry,
+    RecordedEvent,
+    Recording,
+    capsule_id_position,
+)
 from capsule_ros.bag.schedule import Scheduler, stream_key
-from capsule_ros.bag.targets import InProcessTarget
+from capsule_ros.bag.targets import InProcessTarget, ReplayTarget
 from capsule_ros.bag.verdict import Act, Divergence, Verdict, differences, max_abs_diff
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.errors import CapsuleRosError
 from capsule_ros.runtime.schema import BufferKind
 from capsule_ros.serving.records import ActionSource, EventKind, HoldMode
+from capsule_ros.serving.verbs import VERBS
 
 
 @dataclass(frozen=True)
@@ -89,39 +100,47 @@ def starts_initial(scan: BagScan) -> bool:
             and first.step == 1 and first.lineage == "" and first.source == ActionSource.POLICY)
 
 
+class Anchor(enum.Enum):
+    """What the replay knows of the target's state (the module docstring's *anchor*)."""
+
+    NONE = "none"                                  # no anchor yet: recorded actions are before the anchor
+    AFTER_INITIAL_INPUTS = "after initial inputs"  # the initial state, once the recording's initial inputs are in
+    HELD = "held"                                  # the target's state is the recording's: actions are compared
+    LOST = "lost"                                  # verification paused until the next anchor: actions are skipped
+
+
 class Replayer:
     """Replays one opened recording on one target (see the module docstring)."""
 
-    def __init__(self, recording: Recording, target, options: ReplayOptions):
+    def __init__(self, recording: Recording, target: ReplayTarget, options: ReplayOptions):
         self.recording = recording
-        self.scan = recording.scan()
         self.target = target
         self.options = options
-        self.config = recording.config
-        self.mode = self.config.control.mode
-        self.trigger = self.config.control.trigger_port
         self.verdict = Verdict(bag=str(recording.path), storage=recording.storage, target=target.kind,
-                               mode=self.mode, messages=self.scan.messages,
+                               mode=recording.config.control.mode, messages=recording.scan().messages,
                                fingerprint_recorded=recording.meta.fingerprint, fingerprint_replay=target.fingerprint,
                                versions_recorded=dict(recording.meta.versions))
-        self.anchored = False
-        self.ever_anchored = False
-        self._anchor_after_initial_inputs = False
-        self.hold_unknown = False                   # a skipped deadline miss: the node's HOLD values are unknown
-        self.capsules: Dict[str, str] = {}          # recorded capsule id -> the replay's
-        self.episodes: Dict[int, int] = {}          # recorded episode id -> the replay's
-        self.fifo: Deque[_Pending] = collections.deque()
-        self.ticks = 0
-        self.sensors_seen = 0
-        self.inputs: List[str] = []                 # ports with messages since the last step
-        self.recorded_hold: Optional[HoldMode] = None
-        self._action_times = [a.time for a in self.scan.actions]
+        self._scan = recording.scan()
+        self._mode = recording.config.control.mode
+        self._trigger = recording.config.control.trigger_port
+        self._anchor = Anchor.NONE
+        self._recorded_hold: Optional[HoldMode] = None   # the recording is interrupted, with this hold mode
+        self._hold_unknown = False                 # a skipped deadline miss: the node's HOLD values are unknown
+        self._capsules: Dict[str, str] = {}        # recorded capsule id -> the replay's
+        self._episodes: Dict[int, int] = {}        # recorded episode id -> the replay's
+        self._fifo: Deque[_Pending] = collections.deque()
+        self._ticks = 0
+        self._sensors_seen = 0
+        self._inputs: List[str] = []               # ports with messages since the last step
+        self._action_times = [a.time for a in self._scan.actions]
+        self._handlers: Dict[EventKind, Callable[[RecordedEvent], bool]] = {
+            verb.event: getattr(self, f"_{verb.name}") for verb in VERBS if verb.replayed and verb.event is not None}
 
     # -- driving -----------------------------------------------------------------------------------
     def run(self) -> Verdict:
         start = time.perf_counter()
         self._initial_anchor()
-        schedule = iter(Scheduler(self.scan, self.mode).schedule())
+        schedule = iter(Scheduler(self._scan, self._mode).schedule())
         pending = next(schedule, None)
         for entry in self.recording.entries():
             if entry.kind == EVENT:
@@ -138,7 +157,7 @@ class Replayer:
             self._apply(pending[1])
             pending = next(schedule, None)
         last_recorded = self._action_times[-1] if self._action_times else -1
-        for extra in list(self.fifo):
+        for extra in list(self._fifo):
             if extra.time > last_recorded:          # its input was recorded, the recording stopped before its action
                 self.verdict.steps_unrecorded += 1
             else:
@@ -151,134 +170,167 @@ class Replayer:
         self._version_notes()
         return self.verdict
 
+    # -- the anchor ------------------------------------------------------------------------------
+    def _move(self, to: Anchor, why: str = "") -> None:
+        """Every change of the anchor: HELD (``why``: where; the verdict's start, the first
+        time), LOST (``why``: the reason, noted; only an anchor that was held is lost), or
+        AFTER_INITIAL_INPUTS (from NONE). Pending replayed actions go when it is lost."""
+        if to is Anchor.HELD:
+            if self._anchor is not Anchor.HELD and self.verdict.start == "bag start":
+                self.verdict.start = why
+            self._anchor = Anchor.HELD
+        elif to is Anchor.LOST:
+            if self._anchor is Anchor.HELD:
+                self.verdict.notes.append(f"verification paused (the actions until the next anchor are skipped): "
+                                          f"{why}")
+                self._anchor = Anchor.LOST
+            self._fifo.clear()
+        elif to is Anchor.AFTER_INITIAL_INPUTS and self._anchor is Anchor.NONE:
+            self._anchor = to
+
     def _initial_anchor(self) -> None:
         option = self.options.from_capsule
         if option:
-            known = {e.capsule_id for e in self.scan.events
+            known = {e.capsule_id for e in self._scan.events
                      if e.kind in (EventKind.COMMIT, EventKind.REENTER, EventKind.RESET)}
             if option not in known:
                 raise ReplaySetupError(f"--from-capsule {option}: the bag never commits, re-enters or resets to it "
                                        f"(capsules in the bag: {sorted(c for c in known if c) or 'none'})")
             return
-        if starts_initial(self.scan):
+        if starts_initial(self._scan):
             if self.recording.meta.initial_inputs and not self.target.stages_without_stepping:
-                self._anchor_after_initial_inputs = True     # see _sensor
+                self._move(Anchor.AFTER_INITIAL_INPUTS)     # see _sensor
                 return
-            if not self.config.control.autostart:
+            if not self.recording.config.control.autostart:
                 self.target.reset("")
-            self._anchor("the initial state")
+            self._move(Anchor.HELD, "the initial state")
 
     def _anchor_at_initial_state(self) -> None:
         """After the inputs' state at the start went to a target that steps on every trigger
         message (a node): those steps are not the recording's, so start over from the initial
         state with the inputs staged."""
-        self._anchor_after_initial_inputs = False
         self.target.settle()
         self.target.reset("")
-        self._anchor("the initial state")
+        self._move(Anchor.HELD, "the initial state")
 
-    def _anchor(self, where: str) -> None:
-        if not self.anchored and self.verdict.start == "bag start":
-            self.verdict.start = where
-        self.anchored = self.ever_anchored = True
+    def _settle(self) -> None:
+        """Before a new anchor: what a node still publishes from unverified steps is dropped."""
+        if self._anchor is not Anchor.HELD:
+            self.target.settle()
+            self._fifo.clear()
 
-    def _lose_anchor(self, why: str) -> None:
-        if self.anchored:
-            self.verdict.notes.append(f"verification paused (the actions until the next anchor are skipped): {why}")
-        self.anchored = False
-        self.fifo.clear()
+    # -- lateness ----------------------------------------------------------------------------------
+    def _recorded_miss(self, source: int) -> bool:
+        """Whether a recorded action of ``source`` is a faulted step's safe action: the
+        recording published a safe action for a step although it was not interrupted (the
+        step missed its deadline, or failed, there)."""
+        return source != ActionSource.POLICY and self._recorded_hold is None
 
+    def _late(self, source: Optional[int]) -> bool:
+        """Whether the target must re-enact a recorded miss at the step whose recorded action
+        has ``source`` (None: no action recorded); the in-process target does, so the safe
+        action it hands out can be compared."""
+        return source is not None and self._recorded_miss(source) and self.target.reenacts_deadline_misses
+
+    # -- the message stream ------------------------------------------------------------------------
     def _sensor(self, entry: Entry) -> None:
         try:
             msg = self.recording.decode(entry)
         except Exception:  # noqa: BLE001 - the node drops undecodable messages the same way
             msg = None
-        self.inputs.append(entry.port)
-        self.sensors_seen += 1
-        initial = self.sensors_seen <= self.recording.meta.initial_inputs   # the inputs' state at the start
-        tick = self.mode == "trigger" and entry.port == self.trigger and not initial
-        if not self.anchored or initial:
+        self._inputs.append(entry.port)
+        self._sensors_seen += 1
+        initial = self._sensors_seen <= self.recording.meta.initial_inputs   # the inputs' state at the start
+        if self._anchor is not Anchor.HELD or initial:
             self.target.feed(entry.port, entry.data, msg, tick=False, log_ns=entry.time)   # not verified
-            if self._anchor_after_initial_inputs and self.sensors_seen == self.recording.meta.initial_inputs:
+            if self._anchor is Anchor.AFTER_INITIAL_INPUTS and \
+                    self._sensors_seen == self.recording.meta.initial_inputs:
                 self._anchor_at_initial_state()
             return
+        tick = self._mode == "trigger" and entry.port == self._trigger
         late = False
         if tick:
             self._flush_stale()
-            self.ticks += 1
-            late = self._recorded_late(self._next_action(entry.time))
+            self._ticks += 1
+            action = self._next_action(entry.time)
+            late = self._late(action.source if action is not None else None)
         acts = self.target.feed(entry.port, entry.data, msg, tick=tick, expect=tick and self._expects(entry.time),
                                 log_ns=entry.time, late=late)
         self._queue(acts, entry.port, entry.time)
 
     def _queue(self, acts: List[Act], port: str, time_ns: int = -1) -> None:
         for act in acts:
-            self.fifo.append(_Pending(act, self.ticks, port, time_ns, list(dict.fromkeys(self.inputs))))
+            self._fifo.append(_Pending(act, self._ticks, port, time_ns, list(dict.fromkeys(self._inputs))))
         if acts:
-            self.inputs = []
+            self._inputs = []
 
-    def _next_action(self, t: int):
+    def _next_action(self, t: int) -> Optional[ActionInfo]:
         """The first recorded action after log time ``t`` (None at the end)."""
         i = bisect.bisect_right(self._action_times, t)
-        return self.scan.actions[i] if i < len(self.scan.actions) else None
-
-    def _recorded_late(self, action) -> bool:
-        """Whether the recording published a safe action for this step although it was not
-        interrupted: the step missed its deadline (or failed) there. The in-process target
-        re-enacts that, so the safe action it hands out can be compared."""
-        return (action is not None and action.source != ActionSource.POLICY and self.recorded_hold is None
-                and self.target.reenacts_deadline_misses)
+        return self._scan.actions[i] if i < len(self._scan.actions) else None
 
     def _expects(self, t: int) -> bool:
         """Whether the recording has an action after the trigger at ``t`` and before the next one."""
         i = bisect.bisect_right(self._action_times, t)
         if i >= len(self._action_times):
             return False
-        triggers = self.scan.trigger_times
+        triggers = self._scan.trigger_times
         j = bisect.bisect_right(triggers, t)
         return j >= len(triggers) or self._action_times[i] < triggers[j]
 
     def _flush_stale(self) -> None:
         """A replayed action two steps old that nothing recorded matched: the replay acted
         where the recording did not."""
-        while self.fifo and self.fifo[0].tick <= self.ticks - 1:
-            self._diverge("extra", self.fifo.popleft(), None, detail="the replay acted where the recording did not")
+        while self._fifo and self._fifo[0].tick <= self._ticks - 1:
+            self._diverge("extra", self._fifo.popleft(), None, detail="the replay acted where the recording did not")
 
     def _action(self, entry: Entry) -> None:
+        """A recorded action: compared with the replayed action it answers (or counted as
+        not verified, missing, or a fault the target could not re-enact)."""
         recorded = Act.of_msg(self.recording.decode_own(entry))
-        if not self.anchored:
-            if self.ever_anchored:
+        if self._anchor is not Anchor.HELD:
+            if self._anchor is Anchor.LOST:
                 self.verdict.steps_skipped += 1
             else:
                 self.verdict.steps_before_anchor += 1
             return
-        if not self.fifo and self.mode == "timer":
-            self.ticks += 1
-            late = (recorded.source != ActionSource.POLICY and self.recorded_hold is None
-                    and self.target.reenacts_deadline_misses)
-            self._queue(self.target.step(late=late), self.inputs[-1] if self.inputs else "", entry.time)
-        if not self.fifo:
+        if not self._fifo and self._mode == "timer":
+            self._ticks += 1
+            late = self._late(recorded.source)
+            self._queue(self.target.step(late=late, log_ns=entry.time), self._inputs[-1] if self._inputs else "",
+                        entry.time)
+        if not self._fifo:
             missing = self.target.missing_inputs()
             self._diverge("missing", None, recorded, entry=entry,
                           detail="the recording acted where the replay did not" + (
                               f"; the bag gave no value before this step for input(s) {missing} (recording started "
                               "after they were sent?)" if missing else ""))
             return
-        pending = self.fifo.popleft()
-        replayed = pending.act
-        if recorded.source != ActionSource.POLICY and self.recorded_hold is None:
+        pending = self._fifo.popleft()
+        if not self._unreenacted_fault(recorded, pending.act):
+            self._compare(pending, recorded, entry)
+
+    def _unreenacted_fault(self, recorded: Act, replayed: Act) -> bool:
+        """Count a recorded miss; True (the step is skipped) when the target could not
+        re-enact it (a node decides lateness by its own clock), and for the HOLD actions
+        after it, which held values the node replaced with the late step's."""
+        if self._recorded_miss(recorded.source):
             self.verdict.deadline_misses += 1
             if replayed.source == ActionSource.POLICY and recorded.step in (replayed.step - 1, replayed.step):
-                self.verdict.steps_skipped += 1     # a target that cannot re-enact the miss (a node)
-                self.hold_unknown = True
-                return
-        if self.hold_unknown and recorded.source == ActionSource.HOLD:
-            self.verdict.steps_skipped += 1         # holds an action the node replaced with the late one
-            return
+                self.verdict.steps_skipped += 1
+                self._hold_unknown = True
+                return True
+        if self._hold_unknown and recorded.source == ActionSource.HOLD:
+            self.verdict.steps_skipped += 1
+            return True
         if recorded.source == ActionSource.POLICY:
-            self.hold_unknown = False
-        episode = self.episodes.setdefault(recorded.episode, replayed.episode)
-        lineage = self.capsules.get(recorded.lineage) if recorded.lineage else ""
+            self._hold_unknown = False
+        return False
+
+    def _compare(self, pending: _Pending, recorded: Act, entry: Entry) -> None:
+        replayed = pending.act
+        episode = self._episodes.setdefault(recorded.episode, replayed.episode)
+        lineage = self._capsules.get(recorded.lineage) if recorded.lineage else ""
         diffs = differences(recorded, replayed, episode, lineage)
         if diffs:
             self._diverge("/".join(diffs), pending, recorded, entry=entry)
@@ -301,23 +353,21 @@ class Replayer:
         self.verdict.first_divergence = Divergence(
             what=what, step=ref.step if ref else -1, episode=ref.episode if ref else -1,
             bag_index=entry.index if entry else -1, time_ns=entry.time if entry else -1,
-            port=pending.port if pending else (self.inputs[-1] if self.inputs else ""),
-            inputs=pending.inputs if pending else list(dict.fromkeys(self.inputs)), max_abs_diff=diff,
+            port=pending.port if pending else (self._inputs[-1] if self._inputs else ""),
+            inputs=pending.inputs if pending else list(dict.fromkeys(self._inputs)), max_abs_diff=diff,
             recorded=recorded.brief() if recorded else "", replayed=replayed.brief() if replayed else "",
             detail=detail)
 
-    # -- capsule events ------------------------------------------------------------------------------
+    # -- capsule events: one handler per replayed verb (capsule_ros.serving.verbs) ---------------------
     def _apply(self, event: RecordedEvent) -> None:
-        handler = {EventKind.COMMIT: self._commit, EventKind.INTERRUPT: self._interrupt,
-                   EventKind.REENTER: self._reenter, EventKind.RESET: self._reset, EventKind.FORK: self._fork,
-                   EventKind.DROP: self._drop, EventKind.LOAD: self._load}.get(event.kind)
+        handler = self._handlers.get(event.kind)
         applied = False
         try:
             applied = handler(event) if handler is not None else False
         except CapsuleRosError as exc:
             if event.kind in (EventKind.REENTER, EventKind.RESET):
-                self._lose_anchor(f"{event.kind.name} {event.capsule_id} failed in the replay")
-            self.capsules.pop(event.capsule_id, None)
+                self._move(Anchor.LOST, f"{event.kind.name} {event.capsule_id} failed in the replay")
+            self._capsules.pop(event.capsule_id, None)
             self._event_divergence(event, f"{event.kind.name} {event.capsule_id or ''} was refused by the "
                                           f"replay: {exc}")
         counts = self.verdict.events_replayed if applied else self.verdict.events_skipped
@@ -327,15 +377,16 @@ class Replayer:
         if self.verdict.first_divergence is None:
             self.verdict.first_divergence = Divergence(
                 what="event", step=event.step, episode=event.episode, bag_index=event.index, time_ns=event.time,
-                port=self.inputs[-1] if self.inputs else "", inputs=list(dict.fromkeys(self.inputs)), detail=detail)
+                port=self._inputs[-1] if self._inputs else "", inputs=list(dict.fromkeys(self._inputs)),
+                detail=detail)
 
     def _commit(self, event: RecordedEvent) -> bool:
-        if not self.anchored:
-            self.capsules.pop(event.capsule_id, None)
+        if self._anchor is not Anchor.HELD:
+            self._capsules.pop(event.capsule_id, None)
             if event.capsule_id == self.options.from_capsule:
                 return self._anchor_from_capsule(event)
             return False
-        self.capsules[event.capsule_id] = self.target.commit(event.detail)
+        self._capsules[event.capsule_id] = self.target.commit(event.detail)
         return True
 
     def _interrupt(self, event: RecordedEvent) -> bool:
@@ -343,13 +394,13 @@ class Replayer:
             mode = HoldMode[event.detail]
         except KeyError:
             mode = HoldMode.HOLD_LAST
-        self.recorded_hold = mode
-        if not self.anchored:
-            self.capsules.pop(event.capsule_id, None)
+        self._recorded_hold = mode
+        if self._anchor is not Anchor.HELD:
+            self._capsules.pop(event.capsule_id, None)
             return False
         capsule_id, acts = self.target.interrupt(mode, bool(event.capsule_id))
         if event.capsule_id:
-            self.capsules[event.capsule_id] = capsule_id
+            self._capsules[event.capsule_id] = capsule_id
         self._queue(acts, "(interrupt)")
         return True
 
@@ -357,57 +408,58 @@ class Replayer:
         """The replay's id of the capsule a REENTER / RESET enters, or None if it has none.
         Before the anchor of ``--from-capsule`` only that capsule anchors."""
         option = self.options.from_capsule
-        if option and not self.anchored and event.capsule_id != option:
+        if option and self._anchor is not Anchor.HELD and event.capsule_id != option:
             return None
         return self._resolve(event.capsule_id)
 
     def _reenter(self, event: RecordedEvent) -> bool:
-        self.recorded_hold = None
+        self._recorded_hold = None
         if not event.capsule_id:                    # resume after an interrupt without a capsule
-            if self.anchored:
+            if self._anchor is Anchor.HELD:
                 self.target.reenter("")
-            return self.anchored
+            return self._anchor is Anchor.HELD
         target_id = self._enters(event)
         if target_id is None:
-            self._lose_anchor(f"REENTER {event.capsule_id}: the replay has no such capsule (not committed while "
-                              "verifying, no capsule file)")
+            self._move(Anchor.LOST, f"REENTER {event.capsule_id}: the replay has no such capsule (not committed "
+                                    "while verifying, no capsule file)")
             return False
         self._settle()
         episode = self.target.reenter(target_id)
         if episode is not None:
-            self.episodes[event.episode] = episode
-        self._anchor(f"capsule {event.capsule_id} (REENTER)")
+            self._episodes[event.episode] = episode
+        self._move(Anchor.HELD, f"capsule {event.capsule_id} (REENTER)")
         return True
 
     def _reset(self, event: RecordedEvent) -> bool:
-        self.recorded_hold = None
-        if self.options.from_capsule and not self.anchored and event.capsule_id != self.options.from_capsule:
+        self._recorded_hold = None
+        if self.options.from_capsule and self._anchor is not Anchor.HELD \
+                and event.capsule_id != self.options.from_capsule:
             return False
         target_id = self._enters(event) if event.capsule_id else ""
         if target_id is None:
-            self._lose_anchor(f"RESET to {event.capsule_id}: the replay has no such capsule")
+            self._move(Anchor.LOST, f"RESET to {event.capsule_id}: the replay has no such capsule")
             return False
         self._settle()
-        self.episodes[event.episode] = self.target.reset(target_id)
-        self._anchor(f"a reset to {event.capsule_id or 'the initial state'}")
+        self._episodes[event.episode] = self.target.reset(target_id)
+        self._move(Anchor.HELD, f"a reset to {event.capsule_id or 'the initial state'}")
         return True
 
     def _fork(self, event: RecordedEvent) -> bool:
-        if not self.anchored:
-            self.capsules.pop(event.capsule_id, None)
+        if self._anchor is not Anchor.HELD:
+            self._capsules.pop(event.capsule_id, None)
             return False
-        parent = self.capsules.get(event.parent_id)
+        parent = self._capsules.get(event.parent_id)
         made = capsule_id_position(event.capsule_id)
         of_capsule = parent is not None and (made is None or made == capsule_id_position(event.parent_id))
-        self.capsules[event.capsule_id] = self.target.fork(parent if of_capsule else "", event.detail)
+        self._capsules[event.capsule_id] = self.target.fork(parent if of_capsule and parent else "", event.detail)
         return True
 
     def _drop(self, event: RecordedEvent) -> bool:
         """A drop from memory only keeps the replay's copy: the recording may load the
         capsule's file again, and the replay writes no files."""
-        if event.capsule_id not in self.capsules or event.detail == "memory":
-            return event.capsule_id in self.capsules
-        replay_id = self.capsules.pop(event.capsule_id)
+        if event.capsule_id not in self._capsules or event.detail == "memory":
+            return event.capsule_id in self._capsules
+        replay_id = self._capsules.pop(event.capsule_id)
         with contextlib.suppress(CapsuleRosError):   # e.g. evicted here: nothing to drop
             self.target.drop(replay_id)
         return True
@@ -420,15 +472,15 @@ class Replayer:
 
     def _resolve(self, capsule_id: str) -> Optional[str]:
         """Map a recorded capsule id: committed by the replay, or read from its file."""
-        if capsule_id in self.capsules:
-            return self.capsules[capsule_id]
+        if capsule_id in self._capsules:
+            return self._capsules[capsule_id]
         if self.target.has(capsule_id):
-            self.capsules[capsule_id] = capsule_id
+            self._capsules[capsule_id] = capsule_id
             return capsule_id
         if self.target.files is None or not self.target.files.exists(capsule_id):
             return None
-        self.target.adopt(capsule_id)
-        self.capsules[capsule_id] = capsule_id
+        self.target.load(capsule_id)
+        self._capsules[capsule_id] = capsule_id
         return capsule_id
 
     def _anchor_from_capsule(self, event: RecordedEvent) -> bool:
@@ -436,24 +488,18 @@ class Replayer:
         self._settle()
         capsule_id = event.capsule_id
         try:
-            self.target.adopt(capsule_id)
+            self.target.load(capsule_id)
         except CapsuleRosError as exc:
             raise ReplaySetupError(f"--from-capsule {capsule_id}: {exc}") from None
         episode = self.target.reenter(capsule_id)
         if episode is not None:
-            self.episodes[event.episode] = episode
-        self.capsules[capsule_id] = capsule_id
-        if self.recorded_hold is not None:           # the recording was interrupted at that point
-            self.target.interrupt(self.recorded_hold, False)
+            self._episodes[event.episode] = episode
+        self._capsules[capsule_id] = capsule_id
+        if self._recorded_hold is not None:          # the recording was interrupted at that point
+            self.target.interrupt(self._recorded_hold, False)
             self.target.settle()
-        self._anchor(f"capsule {capsule_id} (--from-capsule, step {event.boundary_step})")
+        self._move(Anchor.HELD, f"capsule {capsule_id} (--from-capsule, step {event.boundary_step})")
         return True
-
-    def _settle(self) -> None:
-        """Before a new anchor: what a node still publishes from unverified steps is dropped."""
-        if not self.anchored:
-            self.target.settle()
-            self.fifo.clear()
 
     def _version_notes(self) -> None:
         from capsule_ros.bag.metadata import runtime_versions

@@ -1,10 +1,11 @@
-"""The in-process replay target: a ``PolicySession`` built from the recorded config.
+"""What a replay drives: the ``ReplayTarget`` protocol, and the in-process target.
 
-A target offers the replay engine (``capsule_ros.bag.replay``) the same verbs as a node:
-feed a sensor message (and step when it is a trigger), step, and the capsule services.
-Sensor messages reach the policy through the same port code as in the node. The other
-target, a ``policy_node`` process driven through ROS, is ``capsule_ros.ros.replay_target``
-(the bag layer itself needs no ROS).
+A target offers the replay engine (``capsule_ros.bag.replay``) what a node offers: feed
+a sensor message (and step when it is a trigger), step, and the verbs of the recorded
+capsule events, one method per replayed verb of ``capsule_ros.serving.verbs``, named
+after it. Two targets implement it: ``InProcessTarget`` here (a ``PolicySession`` built
+from the recorded config), and ``capsule_ros.ros.replay_target.NodeTarget`` (a
+``policy_node`` process driven through ROS; the bag layer itself needs no ROS).
 
 Replays never write to a capsule directory: capsules the bag does not commit itself
 (``--from-capsule``, a re-entry of a capsule saved before the recording) are read through
@@ -13,38 +14,109 @@ a read-only ``CapsuleDirectory``, which neither creates, changes nor recovers an
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
-from capsule_ros.bag.ablation import complement_runs
 from capsule_ros.bag.verdict import Act
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.errors import NotFound
 from capsule_ros.runtime.schema import BufferKind
 from capsule_ros.serving.config import ServingConfig
-from capsule_ros.serving.ports import PortDrop, stamp_ns
-from capsule_ros.serving.records import HoldMode
+from capsule_ros.serving.records import ActionRecord, HoldMode
+
+
+@runtime_checkable
+class ReplayTarget(Protocol):
+    """What the replay engine drives (see the module docstring). Capsule ids in and out
+    are the target's own; the engine maps the recording's ids to them."""
+
+    kind: str                             # the verdict's name for it
+    reenacts_deadline_misses: bool        # step / feed with late=True hand out a recorded miss's safe action
+    stages_without_stepping: bool         # feed(tick=False) stages a trigger message without a step
+    files: Optional[CapsuleDirectory]     # capsule files the bag did not make (read-only), if any
+
+    @property
+    def fingerprint(self) -> str:
+        """The graph fingerprint of the target's runtime."""
+
+    # -- the message stream ---------------------------------------------------------------------
+    def feed(self, port: str, raw: bytes, msg: Any, tick: bool, expect: bool = False,
+             log_ns: Optional[int] = None, late: bool = False) -> List[Act]:
+        """A recorded sensor message (``raw`` CDR and decoded ``msg``, None if undecodable)
+        at log time ``log_ns``; a step if ``tick`` (``expect``: the recording has an action
+        for it; ``late``: the recording says that step missed its deadline). The actions
+        that came of it."""
+
+    def step(self, stamp: Optional[int] = None, late: bool = False, log_ns: Optional[int] = None) -> List[Act]:
+        """One step where a timer-mode recording acted (at log time ``log_ns``)."""
+
+    def settle(self) -> List[Act]:
+        """Before a new anchor: every message processed, what arrived meanwhile (discarded)."""
+
+    def missing_inputs(self) -> List[str]:
+        """Ports that have not received a value yet."""
+
+    # -- the replayed verbs (capsule_ros.serving.verbs, replayed=True) ----------------------------
+    def commit(self, label: str) -> str:
+        """The new capsule's id."""
+
+    def reset(self, capsule_id: str) -> int:
+        """The new episode's id."""
+
+    def interrupt(self, hold_mode: HoldMode, commit: bool) -> Tuple[str, List[Act]]:
+        """The boundary capsule's id ("" without ``commit``) and the safe action published with it."""
+
+    def reenter(self, capsule_id: str) -> Optional[int]:
+        """The episode the state now belongs to (None when unknown: resuming an interrupt)."""
+
+    def fork(self, capsule_id: str, label: str) -> str:
+        """The new capsule's id."""
+
+    def drop(self, capsule_id: str) -> None:
+        """Forget a capsule from memory."""
+
+    def load(self, capsule_id: str) -> None:
+        """Read a capsule file of ``files`` into memory (verified, same fingerprint)."""
+
+    # -- queries and lifetime ---------------------------------------------------------------------
+    def has(self, capsule_id: str) -> bool:
+        """Whether the capsule is in the target's memory."""
+
+    def close(self) -> None:
+        """Stop the target (idempotent)."""
+
+    def __enter__(self) -> ReplayTarget:
+        ...
+
+    def __exit__(self, *exc: object) -> None:
+        ...
 
 
 class InProcessTarget:
-    """A PolicySession built from the recorded config, in this process."""
+    """A PolicySession built from the recorded config, in this process. Its clock is the
+    recording's log time, so the session counts what the node counted (dropped and stale
+    inputs, steps waiting for inputs) where the node counted it."""
 
     kind = "in-process"
     reenacts_deadline_misses = True       # tick(late=True): the session hands out its safe action
     stages_without_stepping = True        # feed(tick=False) stages a trigger message without a step
 
-    def __init__(self, config: ServingConfig, files: Optional[CapsuleDirectory], ablation: Sequence[BufferKind] = ()):
+    def __init__(self, config: ServingConfig, files: Optional[CapsuleDirectory],
+                 ablation: Sequence[BufferKind] = ()):
         from capsule_ros.serving.factory import build_session
-        # no capsule directory: the replay reads capsule files itself and never writes one
+        # the replay's own capsule directory is the read-only one it was given: it never writes a file
         config = dataclasses.replace(config, capsules=dataclasses.replace(config.capsules, directory=""))
-        self.session = build_session(config)
+        self.session = build_session(config, directory=files)
         self.session.enforce_deadline = False      # verify the function, not this machine's timing
+        self.session.notices.muted = True          # the verdict reports what the replay saw
+        self._now = 0
+        self.session.clock_ns = lambda: self._now
         self.files = files
         self.ablation = tuple(ablation)
 
     def __enter__(self) -> InProcessTarget:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
@@ -53,21 +125,16 @@ class InProcessTarget:
 
     def feed(self, port: str, raw: bytes, msg: Any, tick: bool, expect: bool = False,
              log_ns: Optional[int] = None, late: bool = False) -> List[Act]:
-        """A sensor message through the session's port, checked against the clock of the
-        recording (its log time: when the node received it); a step if ``tick`` and it
-        was accepted (``late``: the recording says that step missed its deadline)."""
-        if msg is None:                            # undecodable: the node counts it and drops it
-            self.session.ports[port].counters.dropped["type"] += 1
-            return []
-        try:
-            self.session.receive(port, msg, log_ns)
-        except PortDrop:
-            return []
-        return self.step(stamp_ns(msg), late=late) if tick else []
+        """A sensor message through the session's port, as the node takes one (an
+        undecodable one is counted and dropped), at the recording's log time: when the
+        node received it."""
+        self._at(log_ns)
+        fed = self.session.feed(port, msg, stage_only=not tick, late=late)
+        return _acts(fed.record)
 
-    def step(self, stamp: Optional[int] = None, late: bool = False) -> List[Act]:
-        record = self.session.tick(stamp or 0, late=late)
-        return [Act.of_record(record)] if record is not None else []
+    def step(self, stamp: Optional[int] = None, late: bool = False, log_ns: Optional[int] = None) -> List[Act]:
+        self._at(log_ns)
+        return _acts(self.session.tick(stamp or 0, late=late))
 
     def settle(self) -> List[Act]:
         return []
@@ -76,25 +143,21 @@ class InProcessTarget:
         """Ports that have not received a value yet (a step waits for all of them)."""
         return self.session.inputs.missing()
 
-    # -- capsule verbs: each returns what the replay maps to the recording ------------------------
+    # -- the replayed verbs: each returns what the replay maps to the recording ---------------------
     def commit(self, label: str) -> str:
         return self.session.commit(label).id
 
-    def interrupt(self, mode: HoldMode, commit: bool) -> Tuple[str, List[Act]]:
+    def reset(self, capsule_id: str) -> int:
+        return self.session.reset(capsule_id).episode_id
+
+    def interrupt(self, hold_mode: HoldMode, commit: bool) -> Tuple[str, List[Act]]:
         """Interrupt, and the safe action the node publishes with it."""
-        capsule = self.session.interrupt(mode, commit)
-        record = self.session.safe_record(self.session.hold_mode)
-        return (capsule.id if capsule else ""), ([Act.of_record(record)] if record is not None else [])
+        capsule = self.session.interrupt(hold_mode, commit)
+        return (capsule.id if capsule else ""), _acts(self.session.safe_record(self.session.hold_mode))
 
     def reenter(self, capsule_id: str) -> Optional[int]:
-        if self.ablation and capsule_id:
-            self._reenter_ablated(capsule_id)
-        else:
-            self.session.reenter(capsule_id)
+        self.session.reenter(capsule_id, only=self.ablation if capsule_id else ())
         return self.session.episode_id
-
-    def reset(self, capsule_id: str) -> int:
-        return self.session.reset(capsule_id)[0]
 
     def fork(self, capsule_id: str, label: str) -> str:
         return self.session.fork(capsule_id, label).id
@@ -102,34 +165,21 @@ class InProcessTarget:
     def drop(self, capsule_id: str) -> None:
         self.session.drop(capsule_id)
 
-    def has(self, capsule_id: str) -> bool:
-        return capsule_id in self.session.store
-
-    def adopt(self, capsule_id: str) -> None:
-        """Load a capsule file into memory (verified, same fingerprint and schema)."""
-        session = self.session
+    def load(self, capsule_id: str) -> None:
         if self.files is None:
             raise NotFound(f"no capsule file {capsule_id}.capsule: no capsule directory (use --capsule-dir)")
-        capsule, data = self.files.load(capsule_id, expected_fingerprint=session.store.fingerprint,
-                                        expected_schema=session.runtime.layout.schema())
-        with session.at_boundary():
-            session.store.adopt(capsule, data)
+        self.session.load(capsule_id)
+
+    def has(self, capsule_id: str) -> bool:
+        return capsule_id in self.session.store
 
     def close(self) -> None:
         pass
 
-    def _reenter_ablated(self, capsule_id: str) -> None:
-        """Re-enter, then put back every buffer kind but the ablated ones from the state
-        before: only the ablated kinds end up restored."""
-        session, store, runtime = self.session, self.session.store, self.session.runtime
-        with session.at_boundary():
-            live = store.snapshot(runtime, label="ablation: live state", episode_id=session.episode_id,
-                                  step=session.step, held=True)
-        try:
-            session.reenter(capsule_id)
-            with session.at_boundary():
-                for kinds in complement_runs(self.ablation):
-                    store.restore(live.id, runtime, kinds=kinds)
-        finally:
-            with session.at_boundary():
-                store.drop(live.id)
+    def _at(self, log_ns: Optional[int]) -> None:
+        if log_ns is not None:
+            self._now = log_ns
+
+
+def _acts(record: Optional[ActionRecord]) -> List[Act]:
+    return [Act.of_record(record)] if record is not None else []

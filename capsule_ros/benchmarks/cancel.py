@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ def run(device_name: str = "cpu", quick: bool = False) -> dict:
                                         lambda m: arrivals.put((time.perf_counter(), m.source)), reliable)
         joints = client.node.create_publisher(JointState, f"{NS}/arm/joint_states", reliable)
         goal_pub = client.node.create_publisher(PointStamped, f"{NS}/arm/goal", reliable)
-        action = ActionClient(client.node, RunPolicy, f"{NS}/capsule_policy/run_policy")
+        action: Any = ActionClient(client.node, RunPolicy, f"{NS}/capsule_policy/run_policy")
         if not action.wait_for_server(timeout_sec=120):
             raise SystemExit("policy_node's ~/run_policy did not appear")
 

@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -59,7 +59,7 @@ def time_calls(fn: Callable[[], object], reps: int, device: torch.device, warmup
     return out
 
 
-def pct(samples: Sequence[float], scale: float = 1e6) -> Dict[str, float]:
+def pct(samples: Union[Sequence[float], np.ndarray], scale: float = 1e6) -> Dict[str, float]:
     """p50 / p99 in microseconds (scale 1e6) or milliseconds (1e3)."""
     a = np.asarray(samples, dtype=np.float64) * scale
     return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}

@@ -29,8 +29,8 @@ from capsule_ros.serving.config import ServingConfig
 
 STATE, CAMERA, ACTION = "observation.state", "observation.images.top", "action"
 PORTS = {STATE: "joints", CAMERA: "top_camera"}
-ALOHA = {"joints": 14, "actions": 14, "camera": (480, 640)}
-QUICK = {"joints": 14, "actions": 14, "camera": (96, 128)}
+ALOHA: Dict[str, Any] = {"joints": 14, "actions": 14, "camera": (480, 640)}
+QUICK: Dict[str, Any] = {"joints": 14, "actions": 14, "camera": (96, 128)}
 # ACTConfig's defaults (LeRobot 0.4.4) for every field the inference reads
 ACT_DEFAULTS: Dict[str, Any] = {
     "type": "act", "n_obs_steps": 1, "chunk_size": 100, "n_action_steps": 100, "vision_backbone": "resnet18",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from typing import Dict, List
 
 from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device
 from capsule_ros.polling import wait_until
@@ -89,7 +90,7 @@ def run(device_name: str = "cpu", quick: bool = False) -> dict:
         for i in range(20):                                   # warm-up, both
             ours.roundtrip(i)
             base.roundtrip(i)
-        samples = {"capsule": [], "baseline": []}
+        samples: Dict[str, List[float]] = {"capsule": [], "baseline": []}
         for i in range(steps):                                # interleaved: same load for both
             samples["capsule"].append(ours.roundtrip(i))
             samples["baseline"].append(base.roundtrip(i))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Dict, List
 
 import numpy as np
 
@@ -45,7 +46,7 @@ def run(device_name: str = "cpu", quick: bool = False) -> dict:
         goal = client.node.create_publisher(PointStamped, f"{NS}/arm/goal", 10)
         wait_until(lambda: joints.get_subscription_count() > 0 and goal.get_subscription_count() > 0, 60,
                    "policy_node")
-        capsules.list_capsules(server_wait_s=60.0)
+        capsules.list(server_wait_s=60.0)
 
         def feed():
             msg, g = JointState(), PointStamped()
@@ -58,7 +59,7 @@ def run(device_name: str = "cpu", quick: bool = False) -> dict:
         feeder = threading.Thread(target=feed, daemon=True)
         feeder.start()
         time.sleep(0.5)
-        samples = {"commit": [], "reenter": [], "reset": []}
+        samples: Dict[str, List[float]] = {"commit": [], "reenter": [], "reset": []}
         for i in range(calls):
             t0 = time.perf_counter()
             capsule = capsules.commit(label=f"bench {i}").capsule

@@ -1,6 +1,7 @@
 """`capsule-ros bench snapshot`: snapshot / restore time of the arena method against
 per-buffer copies and torch.save / torch.load, and against the limit: one plain copy of
-the same number of bytes, measured in the same run.
+the same number of bytes, measured in the same run; and a restore from the store's HOST
+tier (pinned host memory on a GPU), where a capsule goes when the device pool is full.
 
 States: the default policy's (config/policy.yaml), and the reference hybrid's at 2k and
 16k tokens of context (config/reference_hybrid.yaml), built from their buffer specs
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from typing import Dict, List
+from typing import Any, Dict, List, cast
 
 import torch
 
@@ -24,7 +25,7 @@ from capsule_ros.benchmarks.common import (
     resolve_device,
     time_calls,
 )
-from capsule_ros.capsules.store import CapsuleStore, CapsuleStoreConfig
+from capsule_ros.capsules.store import CapsuleStore, CapsuleStoreConfig, Tier
 from capsule_ros.policies.hybrid import hybrid_state_spec
 from capsule_ros.runtime.arena import ArenaLayout
 from capsule_ros.serving.config import ServingConfig
@@ -37,9 +38,10 @@ CPU_TARGET = 1.5            # the default policy's within 1.5 x limit_us on a CP
 def state_layouts() -> Dict[str, ArenaLayout]:
     default = ServingConfig.from_file(config_path("policy.yaml"))
     reference = ServingConfig.from_file(config_path("reference_hybrid.yaml"))
-    out = {"default": ArenaLayout(hybrid_state_spec(default.policy_settings, input_specs(default)))}
+    hybrid: Any = reference.policy_settings                  # the configs' policy.kind is hybrid
+    out = {"default": ArenaLayout(hybrid_state_spec(cast(Any, default.policy_settings), input_specs(default)))}
     for tokens in (2048, 16384):
-        cfg = dataclasses.replace(reference.policy_settings, max_context=tokens)
+        cfg = dataclasses.replace(hybrid, max_context=tokens)
         out[f"hybrid-{tokens // 1024}k"] = ArenaLayout(hybrid_state_spec(cfg, input_specs(reference)))
     return out
 
@@ -48,7 +50,8 @@ def bench_state(name: str, layout: ArenaLayout, device: torch.device, reps: int)
     host = random_arena(layout, device)
     nbytes = layout.nbytes
     store = CapsuleStore(nbytes, host.fingerprint, device,
-                         CapsuleStoreConfig(device_budget_mb=(2 * nbytes + 1) / 2**20, host_budget_mb=0))
+                         CapsuleStoreConfig(device_budget_mb=(2 * nbytes + 1) / 2**20,
+                                            host_budget_mb=(nbytes + 1) / 2**20))
     capsule = store.snapshot(host, episode_id=0, step=0)
     store.drop(capsule.id)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -66,9 +69,13 @@ def bench_state(name: str, layout: ArenaLayout, device: torch.device, reps: int)
 
     wall_snap = time_calls(snapshot_once, reps, torch.device("cpu"))   # host: call until the copy is done
     wall_rest = time_calls(restore_once, reps, torch.device("cpu"))
-    store.flush_timings()
+    store.stats()                                                   # moves finished copy timings in
     copy_snap = store.snapshot_latency.samples()[-reps:]                   # the copy itself (events on GPU)
     copy_rest = store.restore_latency.samples()[-reps:]
+    store.move(keep.id, Tier.HOST)                                  # the same capsule, from the host tier
+    wall_host = time_calls(restore_once, reps, torch.device("cpu"))
+    store.stats()
+    copy_host = store.restore_latency.samples()[-reps:]
 
     views = host.arena.views
     copies = {n: torch.empty_like(v) for n, v in views.items()}
@@ -104,7 +111,8 @@ def bench_state(name: str, layout: ArenaLayout, device: torch.device, reps: int)
     big_reps = max(3, reps // 10) if nbytes > 64 * 2**20 else reps
     methods = {
         "arena": {"snapshot": pct(copy_snap), "restore": pct(copy_rest),
-                  "snapshot_wall": pct(wall_snap), "restore_wall": pct(wall_rest)},
+                  "snapshot_wall": pct(wall_snap), "restore_wall": pct(wall_rest),
+                  "restore_host_tier": pct(copy_host), "restore_host_tier_wall": pct(wall_host)},
         "per_buffer": {"snapshot": pct(time_calls(per_buffer_snapshot, reps, device)),
                        "restore": pct(time_calls(per_buffer_restore, reps, device))},
         "torch_save": {"snapshot": pct(time_calls(torch_save_snapshot, big_reps, device)),
@@ -112,7 +120,7 @@ def bench_state(name: str, layout: ArenaLayout, device: torch.device, reps: int)
     }
     limit_us = pct(limit)["p50"]
     snapshot_us, restore_us = methods["arena"]["snapshot"]["p50"], methods["arena"]["restore"]["p50"]
-    result = {"state": name, "bytes": nbytes, "mib": nbytes / 2**20, "buffers": len(layout),
+    result: Dict[str, Any] = {"state": name, "bytes": nbytes, "mib": nbytes / 2**20, "buffers": len(layout),
               "snapshot_us": snapshot_us, "restore_us": restore_us, "limit_us": limit_us,
               "ratio_to_limit": max(snapshot_us, restore_us) / limit_us, "methods": methods}
     if device.type == "cuda":
@@ -144,11 +152,13 @@ def table(result: dict) -> None:
     for s in result["states"]:
         m = s["methods"]
         rows.append([s["state"], f"{s['mib']:.2f}", s["buffers"], s["snapshot_us"], s["restore_us"],
-                     m["per_buffer"]["snapshot"]["p50"], m["torch_save"]["snapshot"]["p50"],
+                     m["arena"]["restore_host_tier"]["p50"], m["per_buffer"]["snapshot"]["p50"],
+                     m["torch_save"]["snapshot"]["p50"],
                      m["torch_save"]["restore"]["p50"], s["limit_us"], f"{s['ratio_to_limit']:.2f}",
                      {True: "met", False: "NOT met"}.get(s.get("met"), "-")])
     print_table(f"snapshot / restore on {result['device']} (p50, us)",
-                ["state", "MiB", "buffers", "arena snap", "arena restore", "per-buffer snap", "torch.save",
+                ["state", "MiB", "buffers", "arena snap", "arena restore", "host-tier restore", "per-buffer snap",
+                 "torch.save",
                  "torch.load", "limit", "ratio", "target"], rows)
 
 

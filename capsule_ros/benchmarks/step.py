@@ -34,6 +34,7 @@ import dataclasses
 import os
 import tempfile
 from pathlib import Path
+from typing import Any, Dict
 
 import numpy as np
 import torch
@@ -118,9 +119,9 @@ def run(device_name: str = "auto", quick: bool = False) -> dict:
         reference = dataclasses.replace(reference, policy_settings=quick_shape)
     reps = 50 if quick else 300
     policies = []
-    scaled = reference.policy_settings.d_model == QUICK["d_model"]
+    scaled = getattr(reference.policy_settings, "d_model", None) == QUICK["d_model"]
     for name, config in (("default", default), ("reference" + ("-quick" if scaled else ""), reference)):
-        row = {"policy": name, "eager": measure(config, device, False, reps)}
+        row: Dict[str, Any] = {"policy": name, "eager": measure(config, device, False, reps)}
         if device.type == "cuda":
             row["graph"] = measure(config, device, True, reps)
             row["graph_speedup"] = row["eager"]["gpu_ms"]["p50"] / row["graph"]["gpu_ms"]["p50"]

@@ -50,8 +50,9 @@ from py_trees.common import Access, Status
 from capsule_ros import srv
 from capsule_ros.capsules.ids import check_capsule_id
 from capsule_ros.errors import ErrorCode
-from capsule_ros.ros.client import SERVICES
+from capsule_ros.ros.messages import srv_type
 from capsule_ros.ros.spinning import SpinThread
+from capsule_ros.serving.verbs import Verb, find_verb
 
 DEFAULT_NODE = "/capsule_policy"
 LAST_GOOD_KEY = "/capsule/last_good"          # Commit writes, Reenter / Fork / Reset read
@@ -59,7 +60,8 @@ INTERRUPT_KEY = "/capsule/interrupt"          # Interrupt writes the boundary ca
 FORK_KEY = "/capsule/fork"                    # Fork writes the new capsule's id
 OUTCOME_PREFIX = "/capsule/outcome"           # + "/<service>": the last ServiceOutcome
 
-# Defaults. The node answers within 20 ms at p99, but it may take up to its
+# Defaults. The node's answers are meant to take milliseconds (the target is a p99 of
+# 20 ms: docs/benchmarks.md, "Services"), but it may take up to its
 # control.service_timeout_ms (500 ms by default) waiting for a step boundary before it
 # answers BUSY. A client that gives up sooner can report SERVICE_TIMEOUT for a call the node
 # then applies (a late commit, reset or re-entry), so the call timeout sits above that
@@ -113,7 +115,8 @@ class ServiceOutcome:
         if self.success:
             return f"{self.service}: ok: {self.message}"
         code = f": {self.error_name}" if self.error_code is not None else ""
-        return f"{self.service}: {self.failure.value}{code}: {self.message}"
+        failure = self.failure.value if self.failure is not None else "FAILED"
+        return f"{self.service}: {failure}{code}: {self.message}"
 
 
 # -- spinning -----------------------------------------------------------------------------------
@@ -128,8 +131,8 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
 
     Args:
         name: the behaviour's name.
-        service: the service's short name, a key of ``capsule_ros.ros.client.SERVICES``
-            ("commit", "reenter", "list_capsules", ...).
+        service: the service's short name ("commit", "reenter", "list_capsules", ...) or
+            its verb's name ("list", "drop"): a row of ``capsule_ros.serving.verbs``.
         request: a factory ``f(blackboard_client) -> Request`` called in ``initialise``
             (raise :class:`InvalidRequest`, ``KeyError`` or ``ValueError`` to refuse), a
             ready request, or None for an empty request.
@@ -148,8 +151,11 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
                  outcome_key: Optional[str] = None, server_wait_s: float = DEFAULT_SERVER_WAIT_S,
                  call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, node=None):
         super().__init__(name=name)
-        if service not in SERVICES:
-            raise ValueError(f"service {service!r}: must be one of {sorted(SERVICES)}")
+        try:
+            self.verb: Verb = find_verb(service)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
+        service = self.verb.service
         if server_wait_s < 0 or call_timeout_s < 0:
             raise ValueError(f"timeouts must be >= 0 (server_wait_s={server_wait_s}, call_timeout_s={call_timeout_s})")
         self.service = service
@@ -157,7 +163,7 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
         self.service_name = f"{self.node_path}/{service}"
         self.server_wait_s = float(server_wait_s)
         self.call_timeout_s = float(call_timeout_s)
-        self._factory: RequestFactory = self._as_factory(request, SERVICES[service])
+        self._factory: RequestFactory = self._as_factory(request, srv_type(self.verb))
         self.results: Dict[str, ResultWriter] = dict(results or {})
         self.outcome_key = f"{OUTCOME_PREFIX}/{service}" if outcome_key is None else outcome_key
         self.blackboard = self.attach_blackboard_client(name=name)
@@ -166,7 +172,7 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
         for key in list(self.results) + ([self.outcome_key] if self.outcome_key else []):
             self.blackboard.register_key(key=key, access=Access.WRITE)
         self._node = node
-        self._client = None
+        self._client: Any = None
         self.outcome: Optional[ServiceOutcome] = None
         self._reset_call()
 
@@ -183,7 +189,7 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
     def _reset_call(self) -> None:
         self._request = None
         self._invalid: Optional[str] = None
-        self._future = None
+        self._future: Any = None
         self._started = time.monotonic()
         self._sent_at: Optional[float] = None
 
@@ -196,7 +202,7 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
             raise KeyError(f"{self.name}: no rclpy node: pass node= to the constructor or to setup()")
         if self._client is None or self._node is not node:
             self._node = node
-            self._client = node.create_client(SERVICES[self.service], f"{self.node_path.rstrip('/')}/{self.service}")
+            self._client = node.create_client(srv_type(self.verb), f"{self.node_path.rstrip('/')}/{self.service}")
 
     def initialise(self) -> None:
         self._reset_call()
@@ -229,7 +235,7 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
             return Status.RUNNING
         if self._future.done():
             return self._on_done()
-        waited = now - self._sent_at
+        waited = now - (self._sent_at if self._sent_at is not None else now)
         if waited > self.call_timeout_s:
             self._drop_pending()
             return self._finish(FailureKind.SERVICE_TIMEOUT, None,
@@ -381,13 +387,12 @@ class Fork(CapsuleServiceCall):
 class _OneCapsuleCall(CapsuleServiceCall):
     """Verbs on one existing capsule (drop, save, load): the id must be given."""
 
-    SERVICE = ""
-    REQUEST = None
+    SERVICE = ""          # the verb's service (a row of capsule_ros.serving.verbs)
 
     def __init__(self, name: str, *, capsule_key: Optional[str] = LAST_GOOD_KEY, capsule_id: Optional[str] = None,
                  fields: Optional[Mapping[str, Any]] = None, **kwargs: Any):
         extra = dict(fields or {})
-        request_type = SERVICES[self.SERVICE].Request
+        request_type = srv_type(find_verb(self.SERVICE)).Request
 
         def request(bb):
             return request_type(capsule_id=capsule_id_from(bb, capsule_id, capsule_key, allow_empty=False), **extra)

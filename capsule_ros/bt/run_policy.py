@@ -67,7 +67,8 @@ class RunOutcome:
     result: Any = field(default=None, repr=False, compare=False)    # RunPolicy.Result when one came
 
     def __str__(self) -> str:
-        return f"{self.action}: " + ("ok" if self.success else self.failure.value) + f": {self.message}"
+        failure = self.failure.value if self.failure is not None else "FAILED"
+        return f"{self.action}: " + ("ok" if self.success else failure) + f": {self.message}"
 
 
 class RunPolicy(py_trees.behaviour.Behaviour):
@@ -104,13 +105,13 @@ class RunPolicy(py_trees.behaviour.Behaviour):
             if key:
                 self.blackboard.register_key(key=key, access=Access.WRITE)
         self._node = node
-        self._action = None
+        self._action: Any = None
         self._cancel = None
         self.outcome: Optional[RunOutcome] = None
         self._clear()
 
     def _clear(self) -> None:
-        self._goal = None
+        self._goal: Any = None
         self._invalid: Optional[str] = None
         self._goal_id = b""
         self._goal_future = None

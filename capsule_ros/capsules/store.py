@@ -1,4 +1,4 @@
-"""The capsule store: snapshot, restore, fork and move execution-state capsules.
+"""The capsule store: snapshot, restore, fork, drop and move execution-state capsules.
 
 A capsule is an immutable copy of a whole ``StateArena`` (every buffer, one copy) plus
 metadata, stamped with the fingerprint of the runtime that made it. The store keeps
@@ -7,6 +7,14 @@ capsule bytes in tiers:
 - DEVICE: slabs on the runtime's device (GPU memory; ordinary memory on a CPU),
 - HOST: pinned host slabs (ordinary memory on a CPU),
 - DISK: only in the capsule directory (see ``capsule_ros.capsules.directory``).
+
+The face is small and frozen. Five verbs: ``snapshot``, ``restore``, ``fork``, ``drop``
+and ``move`` (between tiers; to DISK releases a persisted capsule's memory copy). Two
+small objects for callers that work across a lock or must not fail half-way: a
+``Reservation`` (room for one capsule taken ahead, ``reserve``) and a ``Loan`` (a
+capsule's bytes lent to a reader outside the caller's lock, ``lend``). ``adopt`` lets a
+capsule read from its file in, ``hold`` is the session's own pin. Queries: ``get``,
+``find``, ``list``, ``in`` and ``stats``. ``test/test_store.py`` keeps the face this size.
 
 Slabs come from fixed pools sized by byte budgets at construction, so the hot verbs
 (snapshot, restore) never allocate. Forks share their source's bytes (capsules are
@@ -29,7 +37,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -37,10 +45,32 @@ from capsule_ros.capsules.config import CapsuleStoreConfig
 from capsule_ros.capsules.ids import check_capsule_id, new_capsule_id
 from capsule_ros.errors import Busy, FingerprintMismatch, InvalidArgument, NotFound, ResourceExhausted
 from capsule_ros.metrics import LatencyWindow
-from capsule_ros.runtime.arena import BufferKind
+from capsule_ros.runtime.arena import ArenaLayout, BufferKind, StateArena
 from capsule_ros.runtime.chunkmark import ChunkMark
 
 LOG = logging.getLogger(__name__)
+NO_ROOM = ("no room for a new capsule: drop or unpin capsules, or raise capsules.device_budget_mb / "
+           "host_budget_mb")
+
+
+class ArenaOwner(Protocol):
+    """What the store needs of a runtime (``capsule_ros.runtime.engine.PolicyRuntime``):
+    the arena whose bytes a capsule copies, their layout, the fingerprint a capsule is
+    bound to, on CUDA the stream its steps run on (None on a CPU), and a chunking
+    policy's chunk mark (``capsule_ros.runtime.chunking``): the mark a capsule of the
+    live state carries, the check of a capsule's mark against its bytes before a restore,
+    and the resumption of its pending refill after one (all no-ops without a cadence)."""
+
+    fingerprint: str
+    layout: ArenaLayout
+    arena: StateArena
+    stream: Optional[torch.cuda.Stream]
+
+    def chunk_mark(self) -> Optional[ChunkMark]: ...
+
+    def check_chunk_mark(self, mark: Optional[ChunkMark], data: torch.Tensor, capsule_id: str) -> None: ...
+
+    def resume_chunk_mark(self, mark: Optional[ChunkMark]) -> None: ...
 
 
 class Tier(enum.IntEnum):
@@ -60,34 +90,12 @@ class Payload:
     ready: Optional[torch.cuda.Event] = None   # completion of the copy that filled the slab
     refs: int = 0
     last_used: int = 0
-    loans: int = 0                               # readers outside the caller's lock (see CapsuleStore.lend)
+    loans: int = 0                               # readers outside the caller's lock (see Loan)
 
-
-@dataclass(frozen=True)
-class Loan:
-    """A capsule's bytes lent to a reader that works outside the store's lock (a save to
-    disk): until ``CapsuleStore.end_loan`` the slab is neither moved, evicted nor reused,
-    even if the capsule is dropped meanwhile. ``ready`` is the copy that filled it."""
-
-    capsule: Capsule
-    payload: Payload
-    ready: Optional[torch.cuda.Event]
-
-    def host_bytes(self, staging: Optional[torch.Tensor] = None,
-                   stream: Optional[torch.cuda.Stream] = None) -> torch.Tensor:
-        """The bytes on the host: the slab itself when it is host memory, else a copy into
-        ``staging`` (pinned, the slab's size) on ``stream``, complete on return. Safe
-        without the store's lock: it touches only this loan's slab."""
-        slab = self.payload.slab
+    def wait(self) -> None:
+        """Until the copy that filled the slab is done (before the slab is read on the host or reused)."""
         if self.ready is not None:
             self.ready.synchronize()
-        if slab.device.type == "cpu":
-            return slab
-        out = staging if staging is not None else torch.empty(slab.numel(), dtype=torch.uint8, pin_memory=True)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            out.copy_(slab, non_blocking=True)
-        (stream or torch.cuda.current_stream(slab.device)).synchronize()
-        return out
 
 
 @dataclass
@@ -117,24 +125,6 @@ class Capsule:
         return self.path is not None
 
 
-@dataclass
-class StoreCounters:
-    snapshots: int = 0
-    restores: int = 0
-    hits: Dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
-    misses: int = 0
-    evictions: int = 0
-    demotions: int = 0
-    invalidations: int = 0
-
-
-@dataclass(frozen=True)
-class RestoreReport:
-    capsule: Capsule
-    tier: Tier
-    seconds: float     # host-side time of the call (on CUDA the copy itself is timed by events)
-
-
 class SlabPool:
     """Fixed-size slabs of one tier, allocated up front (no allocation on the hot path)."""
 
@@ -152,6 +142,11 @@ class SlabPool:
     def release(self, slab: torch.Tensor) -> None:
         self._free.append(slab)
 
+    def give_back(self, payload: Payload) -> None:
+        """A payload's slab, once nothing refers to it and its last copy is done."""
+        payload.wait()
+        self.release(payload.slab)
+
     @property
     def free(self) -> int:
         return len(self._free)
@@ -160,6 +155,113 @@ class SlabPool:
         """Drop every free slab (the store drops the capsules' slabs first)."""
         self._free.clear()
         self.capacity = 0
+
+
+class Reservation:
+    """Room for one capsule, taken ahead (``CapsuleStore.reserve``): a caller that must
+    not fail half-way reserves first, changes the state, then snapshots into it
+    (``snapshot(into=...)``), or gives it back with ``release`` (a no-op once used)."""
+
+    def __init__(self, payload: Payload, pool: SlabPool):
+        self._payload: Optional[Payload] = payload
+        self._pool = pool
+
+    def _take(self) -> Payload:
+        """The reserved payload, once (the store's ``snapshot``)."""
+        if self._payload is None:
+            raise InvalidArgument("this reservation was used or released already")
+        payload, self._payload = self._payload, None
+        return payload
+
+    def release(self) -> None:
+        """Give the room back (unused)."""
+        if self._payload is not None:
+            payload, self._payload = self._payload, None
+            self._pool.give_back(payload)
+
+
+class Loan:
+    """A capsule's bytes lent to a reader that works outside the store's lock (a save to
+    disk, a rebuild's copy of its root): until ``end`` the slab is neither moved, evicted
+    nor reused, even if the capsule is dropped meanwhile. ``end`` runs under the lock
+    again; a ``with`` block ends it too."""
+
+    def __init__(self, capsule: Capsule, payload: Payload, pools: Dict[Tier, SlabPool]):
+        self.capsule = capsule
+        self._payload = payload
+        self._ready = payload.ready          # the copy that filled the slab, as of the loan
+        self._pools = pools
+        self._ended = False
+        payload.loans += 1
+
+    def host_bytes(self, staging: Optional[torch.Tensor] = None,
+                   stream: Optional[torch.cuda.Stream] = None) -> torch.Tensor:
+        """The bytes on the host: the slab itself when it is host memory, else a copy into
+        ``staging`` (pinned, the slab's size) on ``stream``, complete on return. Safe
+        without the store's lock: it touches only this loan's slab."""
+        slab = self._payload.slab
+        if self._ready is not None:
+            self._ready.synchronize()
+        if slab.device.type == "cpu":
+            return slab
+        out = staging if staging is not None else torch.empty(slab.numel(), dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            out.copy_(slab, non_blocking=True)
+        (stream or torch.cuda.current_stream(slab.device)).synchronize()
+        return out
+
+    def copy(self) -> torch.Tensor:
+        """A private host copy of the bytes (valid after the loan ends)."""
+        data = self.host_bytes()
+        return data.clone() if data is self._payload.slab else data
+
+    def end(self) -> None:
+        """The reader is done (under the lock): a slab whose capsules were all dropped
+        meanwhile is freed now. Ending twice is a no-op."""
+        if self._ended:
+            return
+        self._ended = True
+        payload = self._payload
+        payload.loans -= 1
+        if payload.loans == 0 and payload.refs == 0:
+            self._pools[payload.tier].release(payload.slab)
+
+    def __enter__(self) -> Loan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
+
+@dataclass
+class StoreCounters:
+    snapshots: int = 0
+    restores: int = 0
+    hits: Dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
+    misses: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    invalidations: int = 0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A picture of the store (``CapsuleStore.stats``): capsules and free slabs by tier,
+    a copy of the counters, restore latency percentiles (ms)."""
+
+    capsules: Dict[Tier, int]
+    free_slabs: Dict[Tier, int]
+    capacity: Dict[Tier, int]
+    counters: StoreCounters
+    restore_ms: Dict[float, float]
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    capsule: Capsule
+    tier: Tier
+    seconds: float                     # host-side time of the call (on CUDA the copy itself is timed by events)
+    room: Optional[Reservation] = None  # with ``restore(reserve=True)``: room for one new capsule
 
 
 class CapsuleStore:
@@ -174,8 +276,8 @@ class CapsuleStore:
         self.config = config
         self.on_evict = on_evict
         cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
-        self.pools = {
+        self._copy_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+        self._pools = {
             Tier.DEVICE: SlabPool(Tier.DEVICE, nbytes, int(config.device_budget_mb * 2**20), self.device, False),
             Tier.HOST: SlabPool(Tier.HOST, nbytes, int(config.host_budget_mb * 2**20), torch.device("cpu"), cuda),
         }
@@ -186,24 +288,21 @@ class CapsuleStore:
         self.snapshot_latency = LatencyWindow()
         self._pending_timings: List[Tuple[torch.cuda.Event, torch.cuda.Event, LatencyWindow]] = []
         LOG.info("capsule pools: %d device slab(s), %d host slab(s) of %d bytes",
-                 self.pools[Tier.DEVICE].capacity, self.pools[Tier.HOST].capacity, nbytes)
+                 self._pools[Tier.DEVICE].capacity, self._pools[Tier.HOST].capacity, nbytes)
 
     def close(self) -> None:
         """Forget every capsule in memory and free both pools (lifecycle ``cleanup``;
         capsule files stay on disk). The store holds nothing afterwards."""
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
         self._capsules.clear()
         self._pending_timings.clear()
-        for pool in self.pools.values():
+        for pool in self._pools.values():
             pool.close()
 
     # -- queries ------------------------------------------------------------------------------
     def __contains__(self, capsule_id: str) -> bool:
         return capsule_id in self._capsules
-
-    def __len__(self) -> int:
-        return len(self._capsules)
 
     def get(self, capsule_id: str) -> Capsule:
         check_capsule_id(capsule_id)
@@ -220,41 +319,30 @@ class CapsuleStore:
         """All capsules, newest first."""
         return sorted(self._capsules.values(), key=lambda c: c.stamp_ns, reverse=True)
 
-    def count(self, tier: Tier) -> int:
-        return sum(1 for c in self._capsules.values() if c.tier == tier)
+    def stats(self) -> StoreStats:
+        """Capsules and free slabs by tier, the counters and restore percentiles; moves
+        completed CUDA copy timings into their windows first (non-blocking)."""
+        self._flush_timings()
+        capsules = dict.fromkeys(Tier, 0)
+        for capsule in self._capsules.values():
+            capsules[capsule.tier] += 1
+        return StoreStats(capsules=capsules,
+                          free_slabs={t: self._pools[t].free if t in self._pools else 0 for t in Tier},
+                          capacity={t: self._pools[t].capacity if t in self._pools else 0 for t in Tier},
+                          counters=replace(self.counters, hits=dict(self.counters.hits)),
+                          restore_ms=self.restore_latency.percentiles_ms(50, 95, 99))
 
-    # -- verbs ----------------------------------------------------------------------------------
-    def room_for(self, count: int, protect: Sequence[Optional[Payload]] = ()) -> bool:
-        """Whether ``count`` new capsules fit without touching ``protect``: free slabs plus
-        slabs that demotion or eviction can free (unpinned, unheld). Changes nothing."""
-        protected = {id(p) for p in protect if p is not None}
-        free = sum(pool.free for pool in self.pools.values())
-        movable = sum(1 for tier in (Tier.DEVICE, Tier.HOST) for key, (p, cs) in self._payloads(tier).items()
-                      if key not in protected and self._movable(p, cs))
-        return free + movable >= count
-
-    def reserve(self, protect: Sequence[Optional[Payload]] = ()) -> Payload:
-        """Room for one capsule, taken now (demoting or evicting as a snapshot would, but
-        never ``protect``): a caller that must not fail half-way reserves first, changes
-        the state, then snapshots into the reservation. ``unreserve`` it if unused."""
-        return self._new_payload(protect=tuple(p for p in protect if p is not None))
-
-    def unreserve(self, payload: Payload) -> None:
-        """Return an unused reservation to its pool."""
-        if payload.refs == 0:
-            self._wait(payload)
-            self.pools[payload.tier].release(payload.slab)
-
-    def snapshot(self, runtime, *, label: str = "", parent_id: str = "", episode_id: int, step: int,
+    # -- the verbs ------------------------------------------------------------------------------
+    def snapshot(self, runtime: ArenaOwner, *, label: str = "", parent_id: str = "", episode_id: int, step: int,
                  pinned: bool = False, held: bool = False, capsule_id: Optional[str] = None,
-                 reserved: Optional[Payload] = None) -> Capsule:
+                 into: Optional[Reservation] = None) -> Capsule:
         """Copy the runtime's whole arena into a new capsule (asynchronous on CUDA), into
-        ``reserved`` room when given."""
+        the reserved room ``into`` when given."""
         self._check_target(runtime, self.fingerprint, self.nbytes)
         capsule_id = check_capsule_id(capsule_id) if capsule_id else new_capsule_id(episode_id, step)
         if capsule_id in self._capsules:
             raise InvalidArgument(f"capsule id {capsule_id!r} already exists")
-        payload = reserved if reserved is not None else self._new_payload(protect=())
+        payload = into._take() if into is not None else self._new_payload(protect=())
         self._copy(dst=payload.slab, src=runtime.arena.storage, runtime=runtime, payload=payload,
                    timing=self.snapshot_latency)
         capsule = Capsule(capsule_id, label, parent_id, episode_id, step, self.nbytes, self.fingerprint,
@@ -263,82 +351,57 @@ class CapsuleStore:
         self.counters.snapshots += 1
         return capsule
 
-    def restore(self, capsule_id: str, runtime, *, kinds: Optional[Sequence[BufferKind]] = None,
-                count_as: Optional[Tier] = None) -> RestoreReport:
-        """Copy a capsule back into the runtime's arena. ``kinds`` restores only those
-        buffer kinds (an ablation: e.g. (BufferKind.KV,) for KV-only). Refuses, with the
-        live state untouched, an unknown id, a disk-only capsule (load it first) or a
-        capsule of another fingerprint. ``count_as`` attributes the hit to another tier
-        (DISK, when the caller just loaded the capsule from its file)."""
+    def restore(self, capsule: Union[str, Capsule], runtime: ArenaOwner, *, data: Optional[torch.Tensor] = None,
+                kinds: Optional[Sequence[BufferKind]] = None, count_as: Optional[Tier] = None,
+                reserve: bool = False) -> RestoreReport:
+        """Copy a capsule (an id, or a Capsule) back into the runtime's arena.
+
+        ``data``: the verified bytes of the capsule's file, restored without keeping them
+        in a pool (counted as a DISK hit). ``kinds`` restores only those buffer kinds (an
+        ablation: e.g. (BufferKind.KV,) for KV-only). ``count_as`` attributes the hit to
+        another tier (DISK, when the caller just loaded the capsule from its file).
+        ``reserve``: also take room for one new capsule (``report.room``), all or nothing:
+        ResourceExhausted before anything changed when there is none (the source's own
+        slab may be the one that makes room: it is restored first).
+
+        Refuses, with the live state untouched, an unknown id, a disk-only capsule without
+        ``data`` (load it first) or a capsule of another fingerprint."""
         start = time.perf_counter()
+        if data is not None:
+            if not isinstance(capsule, Capsule):
+                raise InvalidArgument("restoring file bytes needs the capsule's metadata, not only its id")
+            return self._restore_bytes(capsule, data, runtime, start, reserve)
         try:
-            capsule = self.get(capsule_id)
+            known = self.get(capsule if isinstance(capsule, str) else capsule.id)
         except NotFound:
             self.counters.misses += 1
             raise
-        self._check_target(runtime, capsule.fingerprint, capsule.nbytes)
-        if capsule.payload is None:
-            raise NotFound(f"capsule {capsule_id!r} is only on disk ({capsule.path}); load it first")
-        payload = capsule.payload
-        chunked = (not kinds or BufferKind.META in kinds) and (capsule.chunk is not None
+        self._check_target(runtime, known.fingerprint, known.nbytes)
+        payload = known.payload
+        if payload is None:
+            raise NotFound(f"capsule {known.id!r} is only on disk ({known.path}); load it first")
+        chunked = (not kinds or BufferKind.META in kinds) and (known.chunk is not None
                                                                 or runtime.chunk_mark() is not None)
         if chunked:
-            self._wait(payload)                          # its chunk cursor is read before anything changes
-            runtime.check_chunk_mark(capsule.chunk, payload.slab, capsule.id)
+            payload.wait()                               # its chunk cursor is read before anything changes
+            runtime.check_chunk_mark(known.chunk, payload.slab, known.id)
+        room = None
+        if reserve:
+            if self._room_for(1, protect=[payload]):
+                room = self.reserve(protect=[payload])
+            elif not self._room_for(1):
+                raise ResourceExhausted(NO_ROOM)
         lo, hi = (0, self.nbytes) if not kinds else runtime.layout.byte_range(*kinds)
         self._copy(dst=runtime.arena.storage[lo:hi], src=payload.slab[lo:hi], runtime=runtime,
                    payload=payload, timing=self.restore_latency)
         if chunked:
-            runtime.resume_chunk_mark(capsule.chunk)
+            runtime.resume_chunk_mark(known.chunk)
         self._touch(payload)
         self.counters.restores += 1
         self.counters.hits[count_as if count_as is not None else payload.tier] += 1
-        seconds = time.perf_counter() - start
-        return RestoreReport(capsule, payload.tier, seconds)
-
-    def restore_reserving(self, runtime, capsule: Optional[Capsule] = None,
-                          data: Optional[torch.Tensor] = None) -> Payload:
-        """Restore ``capsule`` (from memory, or straight from ``data``, its file's verified
-        bytes; None: restore nothing) and reserve room for one new capsule, without failing
-        half-way: ResourceExhausted before anything changed when there is no room. The
-        source's own slab may be the one that makes room (it was restored first)."""
-        no_room = ResourceExhausted("no room for a new capsule: drop or unpin capsules, "
-                                    "or raise capsules.device_budget_mb / host_budget_mb")
-        if capsule is None or data is not None:
-            if not self.room_for(1):
-                raise no_room
-            room = self.reserve()
-            if capsule is not None and data is not None:
-                try:
-                    self.restore_bytes(capsule, data, runtime)
-                except BaseException:
-                    self.unreserve(room)
-                    raise
-            return room
-        if self.room_for(1, protect=[capsule.payload]):
-            room = self.reserve(protect=[capsule.payload])
-            self.restore(capsule.id, runtime)
-            return room
-        if not self.room_for(1):
-            raise no_room
-        self.restore(capsule.id, runtime)
-        return self.reserve()
-
-    def restore_bytes(self, capsule: Capsule, data: torch.Tensor, runtime) -> RestoreReport:
-        """Restore a capsule's verified bytes (read from its file) without caching them in a
-        pool: for a one-off restore that must not need room (a reset from a disk capsule)."""
-        start = time.perf_counter()
-        self._check_target(runtime, capsule.fingerprint, capsule.nbytes)
-        if data.numel() != self.nbytes:
-            raise InvalidArgument(f"capsule {capsule.id!r}: {data.numel()} bytes, expected {self.nbytes}")
-        runtime.check_chunk_mark(capsule.chunk, data, capsule.id)
-        scratch = Payload(slab=data, tier=Tier.DISK)
-        self._copy(dst=runtime.arena.storage, src=data, runtime=runtime, payload=scratch, timing=self.restore_latency)
-        self._wait(scratch)                          # ``data`` is the caller's: done with it on return
-        runtime.resume_chunk_mark(capsule.chunk)
-        self.counters.restores += 1
-        self.counters.hits[Tier.DISK] += 1
-        return RestoreReport(capsule, Tier.DISK, time.perf_counter() - start)
+        if reserve and room is None:
+            room = self.reserve()          # the restored source's slab may be the one freed
+        return RestoreReport(known, payload.tier, time.perf_counter() - start, room)
 
     def fork(self, capsule_id: str, *, label: str = "", new_id: Optional[str] = None,
              pinned: bool = False) -> Capsule:
@@ -357,19 +420,6 @@ class CapsuleStore:
             self._capsules[new_id] = capsule
         return capsule
 
-    def move(self, capsule_id: str, tier: Tier) -> Capsule:
-        """Move a capsule's bytes (and its forks') to a memory tier."""
-        capsule = self.get(capsule_id)
-        if tier == Tier.DISK:
-            raise InvalidArgument("moving to DISK is saving: use the capsule directory")
-        if capsule.payload is None:
-            raise NotFound(f"capsule {capsule_id!r} is only on disk; load it first")
-        if capsule.payload.loans:
-            raise Busy(f"capsule {capsule_id!r} is being read (e.g. saved): move it afterwards")
-        if capsule.payload.tier != tier:
-            self._move_payload(capsule.payload, tier, protect=(capsule.payload,))
-        return capsule
-
     def drop(self, capsule_id: str) -> Capsule:
         """Forget a capsule from memory (its file, if any, is the directory's business)."""
         capsule = self.get(capsule_id)
@@ -377,49 +427,44 @@ class CapsuleStore:
         self._detach(capsule)
         return capsule
 
-    def set_held(self, capsule_id: str, held: bool) -> None:
-        """The session's own pin (interrupt capsule, timeline root); no-op for unknown ids."""
-        capsule = self._capsules.get(capsule_id)
-        if capsule is not None:
-            capsule.held = held
-
-    def demote_to_disk(self, capsule_id: str) -> Capsule:
-        """Drop a persisted capsule's memory copy; it stays listed on the DISK tier."""
+    def move(self, capsule_id: str, tier: Tier) -> Capsule:
+        """Move a capsule's bytes (and its forks') to ``tier``. DEVICE / HOST: a copy
+        into a slab of that pool (making room there as a snapshot would). DISK: release
+        the memory copy of a persisted capsule, which stays listed on the DISK tier."""
         capsule = self.get(capsule_id)
-        if capsule.path is None:
-            raise InvalidArgument(f"capsule {capsule_id!r} is not persisted; releasing it would lose it")
-        self._detach(capsule)
+        if tier == Tier.DISK:
+            if capsule.path is None:
+                raise InvalidArgument(f"capsule {capsule_id!r} is not persisted; releasing it would lose it")
+            self._detach(capsule)          # a lent slab is freed when its loan ends
+            return capsule
+        if capsule.payload is None:
+            raise NotFound(f"capsule {capsule_id!r} is only on disk; load it first")
+        if capsule.payload.loans:
+            raise Busy(f"capsule {capsule_id!r} is being read (e.g. saved): move it afterwards")
+        if capsule.payload.tier != tier and not self._move_payload(capsule.payload, tier,
+                                                                   protect=(capsule.payload,)):
+            raise ResourceExhausted(f"no room on the {tier.name} tier for capsule {capsule_id!r}")
         return capsule
+
+    # -- reservations, loans, capsules from files, the session's pin -----------------------------
+    def reserve(self, protect: Sequence[Payload] = ()) -> Reservation:
+        """Room for one capsule, taken now (demoting or evicting as a snapshot would, but
+        never ``protect``); ResourceExhausted, with nothing changed, when there is none."""
+        payload = self._new_payload(protect=tuple(protect))
+        return Reservation(payload, self._pools[payload.tier])
 
     def lend(self, capsule_id: str) -> Loan:
         """Lend a capsule's in-memory bytes to a reader outside the lock (see ``Loan``);
-        every loan must be ended with ``end_loan``."""
+        every loan must end (``Loan.end`` or its ``with`` block)."""
         capsule = self.get(capsule_id)
         if capsule.payload is None:
             raise NotFound(f"capsule {capsule_id!r} is only on disk ({capsule.path})")
-        capsule.payload.loans += 1
-        return Loan(capsule, capsule.payload, capsule.payload.ready)
-
-    def end_loan(self, loan: Loan) -> None:
-        """The reader is done: a slab whose capsules were all dropped meanwhile is freed now."""
-        payload = loan.payload
-        payload.loans -= 1
-        if payload.loans == 0 and payload.refs == 0:
-            self.pools[payload.tier].release(payload.slab)
-
-    # -- disk tier hooks (used by capsule_ros.capsules.directory) ------------------------------
-    def host_copy(self, capsule_id: str) -> torch.Tensor:
-        """A private host copy of the capsule's bytes (e.g. to save them without holding
-        the store: the slab itself may be reused once the capsule moves or goes)."""
-        capsule = self.get(capsule_id)
-        if capsule.payload is None:
-            raise NotFound(f"capsule {capsule_id!r} is only on disk")
-        self._wait(capsule.payload)
-        slab = capsule.payload.slab
-        return slab.cpu() if slab.device.type != "cpu" else slab.clone()
+        return Loan(capsule, capsule.payload, self._pools)
 
     def adopt(self, capsule: Capsule, data: Optional[torch.Tensor]) -> Capsule:
-        """Insert a capsule read from disk; ``data`` (host uint8, nbytes) or None (disk only).
+        """Let in a capsule read from its file: ``data`` (host uint8, nbytes) goes into a
+        slab (HOST preferred), or None lists it as disk-only. A capsule already in memory
+        is returned as it is (and learns its file's path).
 
         The fingerprint must be this store's: a foreign capsule is refused and counted as
         an invalidation, and nothing is inserted.
@@ -445,8 +490,47 @@ class CapsuleStore:
             self._capsules[capsule.id] = capsule
         return capsule
 
-    # -- timing ----------------------------------------------------------------------------------
-    def flush_timings(self) -> None:
+    def hold(self, capsule_id: str, held: bool = True) -> None:
+        """The session's own pin (interrupt capsule, timeline root): a held capsule is
+        never demoted or evicted. No-op for unknown ids."""
+        capsule = self._capsules.get(capsule_id)
+        if capsule is not None:
+            capsule.held = held
+
+    # -- internals -------------------------------------------------------------------------------
+    def _restore_bytes(self, capsule: Capsule, data: torch.Tensor, runtime: ArenaOwner, start: float,
+                       reserve: bool) -> RestoreReport:
+        """``restore`` of a file's verified bytes, not kept in a pool (a one-off restore
+        that must not need room for the bytes themselves: a reset from a disk capsule)."""
+        self._check_target(runtime, capsule.fingerprint, capsule.nbytes)
+        if data.numel() != self.nbytes:
+            raise InvalidArgument(f"capsule {capsule.id!r}: {data.numel()} bytes, expected {self.nbytes}")
+        runtime.check_chunk_mark(capsule.chunk, data, capsule.id)
+        room = self.reserve() if reserve else None
+        scratch = Payload(slab=data, tier=Tier.DISK)
+        try:
+            self._copy(dst=runtime.arena.storage, src=data, runtime=runtime, payload=scratch,
+                       timing=self.restore_latency)
+            scratch.wait()                          # ``data`` is the caller's: done with it on return
+        except BaseException:
+            if room is not None:
+                room.release()
+            raise
+        runtime.resume_chunk_mark(capsule.chunk)
+        self.counters.restores += 1
+        self.counters.hits[Tier.DISK] += 1
+        return RestoreReport(capsule, Tier.DISK, time.perf_counter() - start, room)
+
+    def _room_for(self, count: int, protect: Sequence[Optional[Payload]] = ()) -> bool:
+        """Whether ``count`` new capsules fit without touching ``protect``: free slabs plus
+        slabs that demotion or eviction can free (unpinned, unheld). Changes nothing."""
+        protected = {id(p) for p in protect if p is not None}
+        free = sum(pool.free for pool in self._pools.values())
+        movable = sum(1 for tier in (Tier.DEVICE, Tier.HOST) for key, (p, cs) in self._payloads(tier).items()
+                      if key not in protected and self._movable(p, cs))
+        return free + movable >= count
+
+    def _flush_timings(self) -> None:
         """Move completed CUDA copy timings into their latency windows (non-blocking)."""
         still = []
         for start, end, window in self._pending_timings:
@@ -456,8 +540,7 @@ class CapsuleStore:
                 still.append((start, end, window))
         self._pending_timings = still
 
-    # -- internals -------------------------------------------------------------------------------
-    def _check_target(self, runtime, fingerprint: str, nbytes: int) -> None:
+    def _check_target(self, runtime: ArenaOwner, fingerprint: str, nbytes: int) -> None:
         if runtime.fingerprint != fingerprint or runtime.layout.nbytes != nbytes:
             self.counters.invalidations += 1
             raise FingerprintMismatch(
@@ -479,9 +562,8 @@ class CapsuleStore:
         payload, capsule.payload = capsule.payload, None
         if payload is not None:
             payload.refs -= 1
-            if payload.refs == 0 and payload.loans == 0:    # a lent slab is freed by end_loan
-                self._wait(payload)
-                self.pools[payload.tier].release(payload.slab)
+            if payload.refs == 0 and payload.loans == 0:    # a lent slab is freed when its loan ends
+                self._pools[payload.tier].give_back(payload)
 
     def _payloads(self, tier: Tier) -> Dict[int, Tuple[Payload, List[Capsule]]]:
         out: Dict[int, Tuple[Payload, List[Capsule]]] = {}
@@ -503,7 +585,7 @@ class CapsuleStore:
 
     def _free_slab(self, tier: Tier, protect: Sequence[Payload]) -> Optional[torch.Tensor]:
         """A free slab of ``tier``, making room by demotion / eviction when needed."""
-        pool = self.pools[tier]
+        pool = self._pools[tier]
         if pool.capacity == 0:
             return None
         slab = pool.acquire()
@@ -524,8 +606,7 @@ class CapsuleStore:
                 if self.on_evict is not None:
                     self.on_evict(capsule)
             capsule.payload = None
-        self._wait(payload)
-        pool.release(payload.slab)
+        pool.give_back(payload)
         return pool.acquire()
 
     def _new_payload(self, protect: Sequence[Payload], prefer: Tier = Tier.DEVICE) -> Payload:
@@ -535,8 +616,8 @@ class CapsuleStore:
             if slab is not None:
                 return Payload(slab=slab, tier=tier)
         raise ResourceExhausted(
-            f"no room for a {self.nbytes}-byte capsule: device pool {self.pools[Tier.DEVICE].capacity} slab(s), "
-            f"host pool {self.pools[Tier.HOST].capacity} slab(s), all holding pinned capsules; drop some or "
+            f"no room for a {self.nbytes}-byte capsule: device pool {self._pools[Tier.DEVICE].capacity} slab(s), "
+            f"host pool {self._pools[Tier.HOST].capacity} slab(s), all holding pinned capsules; drop some or "
             "raise capsules.device_budget_mb / host_budget_mb")
 
     def _move_payload(self, payload: Payload, tier: Tier, protect: Sequence[Payload]) -> bool:
@@ -545,23 +626,23 @@ class CapsuleStore:
             return False
         old_slab, old_tier = payload.slab, payload.tier
         self._copy(dst=slab, src=old_slab, runtime=None, payload=payload)
-        self._wait(payload)   # the old slab returns to its pool: the copy out of it must be done
+        payload.wait()   # the old slab returns to its pool: the copy out of it must be done
         payload.slab, payload.tier = slab, tier
-        self.pools[old_tier].release(old_slab)
+        self._pools[old_tier].release(old_slab)
         return True
 
-    def _copy(self, *, dst: torch.Tensor, src: torch.Tensor, runtime, payload: Payload,
+    def _copy(self, *, dst: torch.Tensor, src: torch.Tensor, runtime: Optional[ArenaOwner], payload: Payload,
               timing: Optional[LatencyWindow] = None) -> None:
         """dst <- src, ordered after the runtime's in-flight work and before its next step.
         With ``timing``, the copy's own duration goes to that window (CUDA events on a GPU)."""
-        if self.copy_stream is None:
+        if self._copy_stream is None:
             start = time.perf_counter()
             dst.copy_(src)
             if timing is not None:
                 timing.record(time.perf_counter() - start)
             return
-        stream = self.copy_stream
-        if runtime is not None:
+        stream = self._copy_stream
+        if runtime is not None and runtime.stream is not None:
             stream.wait_stream(runtime.stream)          # the step that made the boundary
         if payload.ready is not None:
             stream.wait_event(payload.ready)            # the copy that filled the source slab
@@ -575,11 +656,6 @@ class CapsuleStore:
         done.record(stream)
         if timed is not None and timing is not None:
             self._pending_timings.append((timed[0], timed[1], timing))
-        if runtime is not None:
+        if runtime is not None and runtime.stream is not None:
             runtime.stream.wait_event(done)             # the next step waits for this copy
         payload.ready = done
-
-    @staticmethod
-    def _wait(payload: Payload) -> None:
-        if payload.ready is not None:
-            payload.ready.synchronize()

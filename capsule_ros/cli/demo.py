@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -132,7 +132,8 @@ class ArmDriver:
         """Step until the arm is at the goal (and stays for 3 steps) or max_steps."""
         for _ in range(max_steps):
             self.step(segment)
-            if self.sim.success and self.sim.steps - self.sim.steps_to_success >= 3:
+            reached = self.sim.steps_to_success
+            if self.sim.success and reached is not None and self.sim.steps - reached >= 3:
                 return True
         return self.sim.success
 
@@ -208,7 +209,7 @@ def run(args) -> int:
     spun.node.create_subscription(RuntimeStatus, f"{ns}/capsule_policy/status", statuses.put, 10)
     client = CapsuleClient(spun.node, f"{ns}/capsule_policy", server_wait_s=60.0, call_timeout_s=10.0)
     driver = ArmDriver(spun.node, ns)
-    summary: Dict[str, object] = {"out": str(out), "device": args.device}
+    summary: Dict[str, Any] = {"out": str(out), "device": args.device}
     segments: Dict[str, Segment] = {}
     plan: Dict[str, object] = {}
     outcomes: List[bool] = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from capsule_ros.bag.ablation import ABLATIONS
 
@@ -51,7 +51,7 @@ def replay(bag, options):
     """``capsule_ros.bag.replay.replay_bag`` with the policy_node target for ``--node``."""
     from capsule_ros.bag.errors import ReplaySetupError
     from capsule_ros.bag.replay import replay_bag
-    node_target = None
+    node_target: Any = None
     if options.node:
         try:
             from capsule_ros.ros.replay_target import NodeTarget as node_target

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, List, Mapping
 
 import numpy as np
 
@@ -11,7 +11,7 @@ LABELS = {"original": "original (interrupt, hold, re-enter)", "rolled_back": "ro
           "branch": "fork: mirrored goal"}
 
 
-def write_report(path: Path, segments: Dict[str, object], plan: dict, summary: dict,
+def write_report(path: Path, segments: Mapping[str, Any], plan: dict, summary: dict,
                  round_trips_ms: List[float]) -> None:
     import matplotlib
     matplotlib.use("Agg")

@@ -1,7 +1,11 @@
-"""Policies served by capsule_ros beyond the reference ones in ``capsule_ros.runtime``,
-and the shipped weights of the built-in policies (``*.safetensors`` + ``*.json``)."""
+"""The policies capsule_ros serves (``policy.kind``; the registry in ``registry.py``):
+the reference hybrid policy (``hybrid.py``) and the shipped weights of the default one
+(``arm_reach.safetensors`` + ``.json``), exported ``torch.export`` programs (``exported.py``)
+and LeRobot ACT / Diffusion (``lerobot/``). They implement the runtime's policy protocol
+(``capsule_ros.runtime.policy``); the graph fingerprint is the runtime's
+(``capsule_ros.runtime.fingerprint``)."""
 
-from capsule_ros._lazy import lazy_exports  # noqa: E402
+from capsule_ros._lazy import lazy_exports
 
 _EXPORTS = {
     "ExportedPolicy": "capsule_ros.policies.exported",

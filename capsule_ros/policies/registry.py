@@ -93,7 +93,7 @@ def policy_kind(name: str) -> PolicyKind:
     ep = found[0]
     try:
         target = ep.load()
-    except Exception as exc:  # noqa: BLE001 - a broken plugin: say which, with its error
+    except Exception as exc:
         raise ConfigError(f"policy.kind = {name!r}: its entry point {ep.value!r} does not load "
                           f"({type(exc).__name__}: {exc})") from exc
     kind = _resolve(target, f"entry point {ep.value!r}")

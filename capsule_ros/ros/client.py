@@ -1,7 +1,9 @@
-"""CapsuleClient: one service-calling helper with typed errors, thin wrappers per service.
+"""CapsuleClient: one service-calling helper with typed errors, and a method per verb of
+the verb table (``capsule_ros.serving.verbs``), built from it.
 
-Used by behaviour-tree leaves, benchmarks, the demo and tests. One rclpy client per
-service, created once (never a new client per call). Failures are typed the way
+Used by benchmarks, the demo, the node replay target and tests (the behaviour-tree
+leaves call asynchronously, ``capsule_ros.bt``). One rclpy client per service, created
+once (never a new client per call). Failures are typed the way
 BehaviorTree.ROS2 reports them: the server is unreachable, the call timed out, or the
 server answered ``success=false`` (``ServiceRefused`` carries its ``error_code``).
 
@@ -10,16 +12,18 @@ response future, so never call from a callback of the same single-threaded execu
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from typing import Any, Dict, Optional, Type
+from typing import Any, Callable, Dict, List, Optional
 
 from rclpy.node import Node
 
-from capsule_ros import srv
 from capsule_ros.errors import ErrorCode
+from capsule_ros.ros.messages import srv_type
+from capsule_ros.serving.verbs import BY_NAME, VERBS, Verb, find_verb
 
-QUERY_RESEND_S = 2.0          # an unanswered idempotent query is sent again after this long
+QUERY_RESEND_S = 2.0          # an unanswered idempotent request is sent again after this long
 
 
 class ServiceError(Exception):
@@ -44,14 +48,7 @@ class ServiceRefused(ServiceError):
         self.response_message = message
 
 
-SERVICES: Dict[str, Type] = {
-    "commit": srv.Commit, "reset": srv.Reset, "interrupt": srv.Interrupt, "reenter": srv.Reenter,
-    "fork": srv.Fork, "list_capsules": srv.ListCapsules, "drop_capsule": srv.DropCapsule,
-    "save_capsule": srv.SaveCapsule, "load_capsule": srv.LoadCapsule, "record": srv.Record,
-}
-
-
-def call_service(client, request: Any, server_wait_s: float, call_timeout_s: float, *,
+def call_service(client: Any, request: Any, server_wait_s: float, call_timeout_s: float, *,
                  resend_s: Optional[float] = None) -> Any:
     """Call ``client`` and wait for its response: ServiceUnavailable when the server is not
     there within ``server_wait_s``, ServiceTimeout (the request dropped) after ``call_timeout_s``.
@@ -83,8 +80,8 @@ class LifecycleClient:
         from lifecycle_msgs.srv import ChangeState, GetState
         self.node, self.node_path = node, node_path.rstrip("/")
         self.server_wait_s, self.call_timeout_s = server_wait_s, call_timeout_s
-        self._get = node.create_client(GetState, f"{self.node_path}/get_state")
-        self._change = node.create_client(ChangeState, f"{self.node_path}/change_state")
+        self._get: Any = node.create_client(GetState, f"{self.node_path}/get_state")
+        self._change: Any = node.create_client(ChangeState, f"{self.node_path}/change_state")
 
     def state(self) -> str:
         """The current state's label: unconfigured, inactive, active, finalized..."""
@@ -106,7 +103,16 @@ class LifecycleClient:
 
 
 class CapsuleClient:
-    """Calls the services of one policy node (``node_path`` like "/capsule_policy")."""
+    """Calls the services of one policy node (``node_path`` like "/capsule_policy"): one
+    method per verb of ``capsule_ros.serving.verbs``, built from the table, named after the
+    verb: ``commit(label="x", persist=True)``, ``reenter(capsule_id)``, ``list()``,
+    ``drop(capsule_id, from_disk=True)``, ``record(True, path)``. Positional arguments
+    follow the ``.srv`` request's field order, keywords its field names; every call also
+    takes ``server_wait_s``, ``call_timeout_s`` and ``check`` (raise ServiceRefused on
+    ``success=false``, default True) and returns the response. An idempotent verb's request
+    is sent again when no answer came (``QUERY_RESEND_S``; the table says which are)."""
+
+    OPTIONS = ("server_wait_s", "call_timeout_s", "check")
 
     def __init__(self, node: Node, node_path: str = "/capsule_policy", *, server_wait_s: float = 5.0,
                  call_timeout_s: float = 2.0):
@@ -114,53 +120,60 @@ class CapsuleClient:
         self.node_path = node_path.rstrip("/")
         self.server_wait_s = server_wait_s
         self.call_timeout_s = call_timeout_s
-        self._clients = {name: node.create_client(t, f"{self.node_path}/{name}") for name, t in SERVICES.items()}
+        self._clients: Dict[str, Any] = {v.name: node.create_client(srv_type(v), f"{self.node_path}/{v.service}")
+                                         for v in VERBS}
 
-    def call(self, name: str, request: Any = None, *, server_wait_s: Optional[float] = None,
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        """``client.<verb>(...)`` (see the class docstring)."""
+        found = BY_NAME.get(name)
+        if found is None:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (the verbs: "
+                                 f"{[v.name for v in VERBS]})")
+        return functools.partial(self.invoke, found)
+
+    def __dir__(self) -> List[str]:
+        return sorted(set(super().__dir__()) | set(BY_NAME))
+
+    def invoke(self, verb: Verb, *args: Any, **kwargs: Any) -> Any:
+        """Call ``verb`` with the request built from ``args`` / ``kwargs`` (the class docstring)."""
+        options = {key: kwargs.pop(key) for key in self.OPTIONS if key in kwargs}
+        return self.call(verb.service, self.request(verb, *args, **kwargs), **options)
+
+    @staticmethod
+    def request(verb: Verb, *args: Any, **fields: Any) -> Any:
+        """The verb's request: positional values in the ``.srv`` field order, then fields by
+        name; TypeError for too many values or an unknown field."""
+        request_type = srv_type(verb).Request
+        names = list(request_type.get_fields_and_field_types())
+        if len(args) > len(names):
+            raise TypeError(f"{verb.name}() takes at most {len(names)} request values {names}, got {len(args)}")
+        values = dict(zip(names, args, strict=False))          # fewer values than fields: the rest by name
+        unknown = sorted(set(fields) - set(names))
+        twice = sorted(set(fields) & set(values))
+        if unknown or twice:
+            raise TypeError(f"{verb.name}(): " + (f"unknown field(s) {unknown} (the request has {names})" if unknown
+                                                  else f"field(s) {twice} given twice"))
+        values.update(fields)
+        return request_type(**values)
+
+    def call(self, service: str, request: Any = None, *, server_wait_s: Optional[float] = None,
              call_timeout_s: Optional[float] = None, check: bool = True) -> Any:
-        """Call service ``name``; returns the response (raises ServiceRefused on
-        success=false when ``check``)."""
-        response = call_service(self._clients[name], request if request is not None else SERVICES[name].Request(),
+        """Call a verb's service by the service's (``list_capsules``) or the verb's
+        (``list``) name; returns the response (raises ServiceRefused on success=false when
+        ``check``)."""
+        found = find_verb(service)
+        client = self._clients[found.name]
+        response = call_service(client, request if request is not None else srv_type(found).Request(),
                                 self.server_wait_s if server_wait_s is None else server_wait_s,
-                                self.call_timeout_s if call_timeout_s is None else call_timeout_s)
+                                self.call_timeout_s if call_timeout_s is None else call_timeout_s,
+                                resend_s=QUERY_RESEND_S if found.idempotent else None)
         if check and not response.success:
-            raise ServiceRefused(self._clients[name].srv_name, response.error_code, response.message)
+            raise ServiceRefused(client.srv_name, response.error_code, response.message)
         return response
 
     def ready(self) -> bool:
         """Every service of the node is available now."""
         return all(client.service_is_ready() for client in self._clients.values())
-
-    # thin wrappers -------------------------------------------------------------------------
-    def commit(self, label: str = "", persist: bool = False, pin: bool = False, **kw):
-        return self.call("commit", srv.Commit.Request(label=label, persist=persist, pin=pin), **kw)
-
-    def reset(self, capsule_id: str = "", **kw):
-        return self.call("reset", srv.Reset.Request(capsule_id=capsule_id), **kw)
-
-    def interrupt(self, hold_mode: int = srv.Interrupt.Request.HOLD_LAST, commit: bool = True, **kw):
-        return self.call("interrupt", srv.Interrupt.Request(hold_mode=hold_mode, commit=commit), **kw)
-
-    def reenter(self, capsule_id: str = "", **kw):
-        return self.call("reenter", srv.Reenter.Request(capsule_id=capsule_id), **kw)
-
-    def fork(self, capsule_id: str = "", label: str = "", **kw):
-        return self.call("fork", srv.Fork.Request(capsule_id=capsule_id, label=label), **kw)
-
-    def list_capsules(self, current_episode_only: bool = False, **kw):
-        return self.call("list_capsules", srv.ListCapsules.Request(current_episode_only=current_episode_only), **kw)
-
-    def drop(self, capsule_id: str, from_disk: bool = False, **kw):
-        return self.call("drop_capsule", srv.DropCapsule.Request(capsule_id=capsule_id, from_disk=from_disk), **kw)
-
-    def save(self, capsule_id: str, **kw):
-        return self.call("save_capsule", srv.SaveCapsule.Request(capsule_id=capsule_id), **kw)
-
-    def load(self, capsule_id: str, **kw):
-        return self.call("load_capsule", srv.LoadCapsule.Request(capsule_id=capsule_id), **kw)
-
-    def record(self, start: bool, path: str = "", storage: str = "", **kw):
-        return self.call("record", srv.Record.Request(start=start, path=path, storage=storage), **kw)
 
     def destroy(self) -> None:
         for client in self._clients.values():

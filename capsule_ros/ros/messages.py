@@ -1,13 +1,17 @@
-"""Conversions between the core's records and capsule_ros messages."""
+"""Conversions between the core's records and capsule_ros messages, and the verbs'
+service requests and responses."""
 from __future__ import annotations
 
 import array
+from typing import Any, Dict
 
 from builtin_interfaces.msg import Time
 
+from capsule_ros import srv
 from capsule_ros.capsules.store import Capsule
 from capsule_ros.msg import Action, CapsuleEvent, CapsuleInfo
-from capsule_ros.serving.records import ActionRecord, EventRecord
+from capsule_ros.serving.records import ActionRecord, EpisodeStart, EventRecord, RecordResult, ReenterResult
+from capsule_ros.serving.verbs import Verb
 
 
 def ros_time(stamp_ns: int) -> Time:
@@ -21,7 +25,7 @@ def capsule_info(capsule: Capsule) -> CapsuleInfo:
                        persisted=capsule.persisted, stamp=ros_time(capsule.stamp_ns))
 
 
-def _float32_array(values) -> array.array:
+def _float32_array(values: Any) -> array.array:
     """numpy -> array('f'): the generated setters take it without checking each element."""
     out = array.array("f")
     out.frombytes(values.astype("float32", copy=False).tobytes())
@@ -50,3 +54,38 @@ def event_message(event: EventRecord, stamp_ns: int) -> CapsuleEvent:
                        fallback=event.fallback, detail=event.detail)
     msg.header.stamp = ros_time(stamp_ns)
     return msg
+
+
+# -- the verbs' services (capsule_ros.serving.verbs) --------------------------------------------------
+def srv_type(verb: Verb) -> Any:
+    """The ``capsule_ros/srv`` type of a verb."""
+    return getattr(srv, verb.srv)
+
+
+def request_fields(request: Any) -> Dict[str, Any]:
+    """A request's fields by name, in the ``.srv`` file's order: a verb's arguments."""
+    return {name: getattr(request, name) for name in request.get_fields_and_field_types()}
+
+
+def fill_response(response: Any, result: Any) -> None:
+    """The fields of a verb's response from its result (by the result's type, so a verb
+    needs no code of its own here): a capsule, a new episode, a re-entry, a listing, a
+    recording; None fills nothing."""
+    if isinstance(result, Capsule):
+        response.capsule = capsule_info(result)
+        if hasattr(response, "path"):                  # SaveCapsule: the file written
+            response.path = result.path or ""
+    elif isinstance(result, EpisodeStart):
+        response.episode_id = int(result.episode_id)
+        if result.capsule is not None:
+            response.capsule = capsule_info(result.capsule)
+    elif isinstance(result, ReenterResult):
+        if result.capsule is not None:
+            response.capsule = capsule_info(result.capsule)
+        response.rollback, response.fallback = result.rollback, result.fallback
+        response.fallback_reason = result.fallback_reason
+        response.restore_ms, response.recompute_ms = result.restore_seconds * 1e3, result.recompute_seconds * 1e3
+    elif isinstance(result, RecordResult):
+        response.bag_path, response.messages = result.bag_path, int(result.messages)
+    elif isinstance(result, list):
+        response.capsules = [capsule_info(c) for c in result]

@@ -1,6 +1,12 @@
 """PolicyNode: the ROS 2 face of a PolicySession (a thin layer: topics, services and an
 action in, session verbs out), managed by the standard ROS 2 lifecycle.
 
+What the node itself does: the lifecycle, subscriptions and timers, the parameters, and
+publishing. What it does not: deciding when a message steps the policy, counting dropped
+or stale inputs, throttling warnings (``PolicySession.feed`` / ``tick``, so an in-process
+replay counts what the node counts), or serving the capsule verbs (``CapsuleServices`` and
+``RunPolicyServer``, which reach the node only through its facade, ``NodeFacade``).
+
 Lifecycle (``~/change_state``, ``~/get_state``; ``lifecycle.autostart`` runs configure and
 activate at start-up so one command serves):
 
@@ -16,7 +22,11 @@ activate at start-up so one command serves):
   to the driver); capsule files stay.
 - shutdown: deactivate and cleanup as needed.
 
-Capsule services and ``~/run_policy`` answer WRONG_STATE (a REJECTED result) unless active.
+The capsule services and ``~/run_policy`` are offered once the node can answer at once
+(``start``: after autostart's activate, or right away when a lifecycle manager drives
+it): a client that discovers them early would otherwise wait behind start-up, which on a
+busy machine outlasts a behaviour tree's call timeout. They answer WRONG_STATE (a
+REJECTED result) unless the node is active.
 
 Threads and callback groups. Sensor subscriptions, the trigger and the control timer
 share one mutually exclusive *control* group, run by the executor's thread: steps never
@@ -24,39 +34,37 @@ overlap and a sensor message reaches the policy with no thread hand-off. Service
 their own group and are coroutines that hand the work to a small pool of service
 threads and await it, so a service (a slow save, a recompute) never holds up the control
 loop, several services run side by side, and each reaches the session between steps
-through its boundary lock (it waits behind at most one step). A RunPolicy goal runs on
-its own worker thread. Status has a third group. Lifecycle transitions run on the
-executor's thread, so no step is in progress while one runs.
+through its boundary (it waits behind at most one step). A RunPolicy goal runs on its
+own worker thread. Status has a third group. Lifecycle transitions and parameter changes
+run on the executor's thread, so no step is in progress while one runs.
 
 Why not rclpy's MultiThreadedExecutor: it hands every callback to a thread pool and
-spins while a group is busy; measured on the 2-core CI machine (`capsule-ros bench
-loop`) it added ~3.8 ms at p50 and ~140 ms at p99 to the sensor-to-action path of the
-default policy. ``policy_node`` spins this node on a SingleThreadedExecutor; the service
-threads give the concurrency the services need.
+spins while a group is busy, which adds to the sensor-to-action path (docs/benchmarks.md,
+"Executor: single-threaded vs MultiThreadedExecutor"). ``policy_node`` spins this node on
+a SingleThreadedExecutor; the service threads give the concurrency the services need.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import logging
-import threading
-import time
 from typing import Any, Callable, Dict, List, Optional
 
 from diagnostic_msgs.msg import DiagnosticArray
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
-from rclpy.serialization import serialize_message
 
 from capsule_ros.config import flatten, unflatten
-from capsule_ros.errors import CapsuleRosError, ConfigError, WrongState
-from capsule_ros.msg import Action, CapsuleEvent, RuntimeStatus
+from capsule_ros.errors import CapsuleRosError, ConfigError
+from capsule_ros.msg import CapsuleEvent, RuntimeStatus
 from capsule_ros.ros.capsule_services import CapsuleServices
+from capsule_ros.ros.facade import NodeFacade
 from capsule_ros.ros.log_bridge import RosLogBridge
-from capsule_ros.ros.messages import action_message, event_message
-from capsule_ros.ros.outputs import OutputPublisher, qos_profile
+from capsule_ros.ros.messages import event_message
+from capsule_ros.ros.outputs import qos_profile
 from capsule_ros.ros.params import declare_parameters, parameter_values
+from capsule_ros.ros.publishing import ActionOutput, NodeRecording
 from capsule_ros.ros.run_policy import RunPolicyServer
 from capsule_ros.ros.spinning import Offload
 from capsule_ros.ros.status import DiagnosticsBuilder, runtime_status
@@ -64,17 +72,15 @@ from capsule_ros.runtime.engine import StreamKeeper, release_device_memory
 from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
 from capsule_ros.serving.factory import PreparedServing, prepare_serving, start_session
 from capsule_ros.serving.outputs import OutputAdapter
-from capsule_ros.serving.ports import PortDrop, stamp_ns
 from capsule_ros.serving.process import settle_after_start, unsettle
-from capsule_ros.serving.records import ActionRecord, ActionSource, EpisodeState, EventRecord, HoldMode
+from capsule_ros.serving.records import ActionRecord, EpisodeState, EventKind, EventRecord, HoldMode
 from capsule_ros.serving.session import PolicySession
 
 LOG = logging.getLogger(__name__)
-WARN_PERIOD_S = 5.0
 TRANSITION_BOUNDARY_S = 5.0     # how long deactivate / cleanup wait for a service to leave the session
 
 
-def message_class(type_name: str):
+def message_class(type_name: str) -> Any:
     package, _, name = type_name.split("/")
     return getattr(importlib.import_module(f"{package}.msg"), name)
 
@@ -92,66 +98,60 @@ class PolicyNode(LifecycleNode):
         declare_parameters(self)
         self.config: Optional[ServingConfig] = None
         self.session: Optional[PolicySession] = None
-        self.recorder = None
-        self.last_action: Optional[Action] = None
         self.transition_error: Optional[BaseException] = None     # why the last transition failed
         self._prepared: Optional[PreparedServing] = None
-        self._active = False
         self._resume_on_activate = False
         self._settled = False
         self._streams = StreamKeeper()             # one CUDA stream across activations (StreamKeeper says why)
         self._raise_transition_errors = False
         self._control_group = MutuallyExclusiveCallbackGroup()
         # services may run side by side (a slow save must not hold up a commit); the session's
-        # boundary lock orders what touches the state
+        # boundary orders what touches the state
         self._service_group = ReentrantCallbackGroup()
         self._status_group = MutuallyExclusiveCallbackGroup()
         self._service_threads = Offload(self, 4, "capsule-service")
-        self.action_pub = self.create_publisher(Action, "~/action", 10)
         self.event_pub = self.create_publisher(CapsuleEvent, "~/capsule_events", 100)
         self.status_pub = self.create_publisher(RuntimeStatus, "~/status", 10)
         self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self._published_lock = threading.Lock()
-        self._actions_published = 0
-        self._outputs: List[OutputPublisher] = []
+        self.actions = ActionOutput(self)
+        self.recording = NodeRecording(self, self.actions.publisher.topic_name, self.event_pub.topic_name)
+        self.actions.recording = self.recording
+        self.facade = NodeFacade(self.get_logger(), self.actions, self.recording)
+        self.capsule_services: Optional[CapsuleServices] = None      # offered by start()
+        self.run_policy: Optional[RunPolicyServer] = None
         self._port_subscriptions: Dict[str, Any] = {}
-        self._last_port_messages: Dict[str, Any] = {}     # written first into a new recording
-        self._control_timer = None
-        self._status_timer = None
-        self._last_warn: Dict[str, float] = {}
+        self._control_timer: Any = None
+        self._status_timer: Any = None
         self._diagnostics = DiagnosticsBuilder(self.get_fully_qualified_name())
         self._log_bridge = RosLogBridge.install(self.get_logger())
-        self.capsule_services = CapsuleServices(self, self._service_threads, self._service_group)
-        self.run_policy = RunPolicyServer(self, self._service_group)
         self.add_on_set_parameters_callback(self._on_set_parameters)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        """``lifecycle.autostart``: configure and activate now. A failure raises the
-        transition's error (``policy_node`` exits 2 with it); otherwise the node waits
-        unconfigured for a lifecycle manager."""
+        """Come up: with ``lifecycle.autostart``, configure and activate now (a failure
+        raises the transition's error: ``policy_node`` exits 2 with it); otherwise wait
+        unconfigured for a lifecycle manager. Then offer the capsule services and
+        ``~/run_policy``: a client that finds them gets its answer at once."""
         if not self.get_parameter("lifecycle.autostart").value:
             self.get_logger().info("unconfigured: waiting for configure and activate (~/change_state)")
-            return
-        self._raise_transition_errors = True           # the caller reports them (one line, exit 2)
-        try:
-            for trigger in (self.trigger_configure, self.trigger_activate):
-                if trigger() != TransitionCallbackReturn.SUCCESS:
-                    raise self.transition_error or CapsuleRosError(f"{trigger.__name__} failed")
-        finally:
-            self._raise_transition_errors = False
+        else:
+            self._raise_transition_errors = True           # the caller reports them (one line, exit 2)
+            try:
+                for trigger in (self.trigger_configure, self.trigger_activate):
+                    if trigger() != TransitionCallbackReturn.SUCCESS:
+                        raise self.transition_error or CapsuleRosError(f"{trigger.__name__} failed")
+            finally:
+                self._raise_transition_errors = False
+        self._offer_servers()
 
     @property
     def active(self) -> bool:
-        return self._active
+        return self.facade.active
 
-    def active_session(self) -> PolicySession:
-        """The session, when the node is active; else WRONG_STATE."""
-        session = self.session
-        if not self._active or session is None:
-            raise WrongState(f"the node is {self._state_machine.current_state[1]}, not active: capsule services "
-                             "and goals are answered once it is activated (lifecycle ~/change_state)")
-        return session
+    def _offer_servers(self) -> None:
+        if self.capsule_services is None:
+            self.capsule_services = CapsuleServices(self, self.facade, self._service_threads, self._service_group)
+            self.run_policy = RunPolicyServer(self, self.facade, self._service_group)
 
     def _transition(self, name: str, work: Callable[[], None]) -> TransitionCallbackReturn:
         try:
@@ -178,7 +178,7 @@ class PolicyNode(LifecycleNode):
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
         def shutdown() -> None:
-            if self._active:
+            if self.facade.active:
                 self._deactivate()
             self._cleanup()
         return self._transition("shutdown", shutdown)
@@ -193,6 +193,7 @@ class PolicyNode(LifecycleNode):
             self.get_logger().warning(f"moved {len(prepared.directory.recovered)} unfinished capsule save(s) "
                                       f"aside: {[str(p) for p in prepared.directory.recovered]}")
         self.config, self._prepared = config, prepared
+        self.facade.config, self.facade.lifecycle_state = config, "inactive"
         self.get_logger().info(f"configured: policy {config.policy.kind}, ports {list(config.ports)}, "
                                f"fingerprint {prepared.fingerprint[:12]}")
 
@@ -206,15 +207,15 @@ class PolicyNode(LifecycleNode):
             config = self.config = dataclasses.replace(config, control=session.control)
             session.clock_ns = lambda: self.get_clock().now().nanoseconds
             action_dim = session.runtime.policy.action_dim
-            period = control_period(config.control)
-            self._outputs = [OutputPublisher(self, OutputAdapter(name, output, action_dim, period))
-                             for name, output in config.outputs.items()]
+            self.actions.add_outputs([OutputAdapter(name, output, action_dim, control_period(config.control))
+                                      for name, output in config.outputs.items()])
             session.start_watchdog(self._publish_action)   # a step over its deadline: the safe action at once
             self.session, self._prepared = session, None
+            self.facade.session = session
             self._status_timer = self.create_timer(1.0 / config.control.status_rate_hz, self._publish_status,
                                                    callback_group=self._status_group)
             if config.record.enabled:
-                self._start_recording(session, "", config.record.storage)
+                self.recording.start(config, session.runtime.fingerprint)
         elif self._resume_on_activate:
             self.session.reenter("")
         self._resume_on_activate = False
@@ -225,7 +226,7 @@ class PolicyNode(LifecycleNode):
         session.warm_up()                              # the first active step is not a cold one
         self._subscribe_ports(config)
         self._configure_loop(config.control)
-        self._active = True
+        self.facade.active, self.facade.lifecycle_state = True, "active"
         self.get_logger().info(
             f"serving on {session.runtime.device} ({'CUDA graph' if session.runtime.plan.captured else 'eager'}),"
             f" {config.control.mode} mode, episode {session.episode_id} {session.state.name}")
@@ -233,27 +234,28 @@ class PolicyNode(LifecycleNode):
     def _deactivate(self) -> None:
         session, config = self.session, self.config
         assert session is not None and config is not None
-        self._active = False
+        self.facade.active, self.facade.lifecycle_state = False, "inactive"
         self._stop_stepping()
         if session.state == EpisodeState.RUNNING:
             hold = HoldMode.HOLD_ZERO if config.control.deadline_action == "zero" else HoldMode.HOLD_LAST
-            capsule = self.interrupt(hold, True, timeout_s=TRANSITION_BOUNDARY_S)
+            capsule = session.interrupt(hold, True, timeout_s=TRANSITION_BOUNDARY_S)   # publishes its safe action
             self._resume_on_activate = True
             self.get_logger().info(f"deactivated at step {session.step}: boundary capsule "
                                    f"{capsule.id if capsule else '(none)'}; activate resumes from it")
 
     def _cleanup(self) -> None:
         self._stop_stepping()
-        self._active, self._resume_on_activate = False, False
-        if self.recorder is not None:
-            self.stop_recording()
+        self.facade.active, self.facade.lifecycle_state = False, "unconfigured"
+        self._resume_on_activate = False
+        if self.recording.active:
+            self.recording.stop()
+        self.recording.forget_inputs()
         if self._status_timer is not None:
             self.destroy_timer(self._status_timer)
             self._status_timer = None
-        for output in self._outputs:
-            self.destroy_publisher(output.publisher)
-        self._outputs = []
+        self.actions.remove_outputs()
         session, self.session, self._prepared, self.config = self.session, None, None, None
+        self.facade.session, self.facade.config = None, None
         if self._settled:
             unsettle()                                  # start-up's objects can be collected again
             self._settled = False
@@ -277,7 +279,7 @@ class PolicyNode(LifecycleNode):
             self.destroy_timer(self._control_timer)
             self._control_timer = None
         if control.mode == "timer":
-            self._control_timer = self.create_timer(1.0 / control.rate_hz, lambda: self._control_tick(None),
+            self._control_timer = self.create_timer(1.0 / control.rate_hz, self._on_timer,
                                                     callback_group=self._control_group)
 
     def _subscribe_ports(self, config: ServingConfig) -> None:
@@ -289,108 +291,60 @@ class PolicyNode(LifecycleNode):
         ordered = sorted(config.ports.items(), key=lambda item: item[0] == trigger)
         self._port_subscriptions = {name: self._subscribe(name, port) for name, port in ordered}
 
-    def _subscribe(self, name: str, port: PortConfig):
-        def on_message(msg) -> None:
-            self._on_port_message(name, msg)
+    def _subscribe(self, name: str, port: PortConfig) -> Any:
+        def on_message(msg: Any) -> None:
+            self._on_port_message(name, port.type, msg)
         return self.create_subscription(message_class(port.type), port.topic, on_message,
                                         qos_profile(port.qos, port.depth), callback_group=self._control_group)
 
-    def _on_port_message(self, name: str, msg) -> None:
+    def _on_port_message(self, name: str, msgtype: str, msg: Any) -> None:
+        """A sensor message: into the recording as it came, then to the session, which stages
+        it (or drops and counts it) and, on the trigger port in trigger mode, steps."""
         session = self.session
-        if session is None or not self._active:
+        if session is None or not self.facade.active:
             return
-        if self.recorder is not None:
-            self._record_port_message(name, msg)
-        try:
-            session.receive(name, msg, self.get_clock().now().nanoseconds)
-        except PortDrop as drop:
-            self._warn_throttled(f"drop.{name}", f"port {name}: dropped a message ({drop.reason}): {drop}")
-            return
-        except Exception as exc:  # noqa: BLE001 - undecodable message: count it, never crash
-            session.ports[name].counters.dropped["type"] += 1
-            self._warn_throttled(f"drop.{name}", f"port {name}: undecodable message: {exc}")
-            return
-        self._last_port_messages[name] = msg
-        control = session.control
-        if control.mode == "trigger" and name == control.trigger_port:
-            self._control_tick(stamp_ns(msg))
+        topic = self._port_subscriptions[name].topic_name
+        self.recording.received(topic, msgtype, msg)
+        fed = session.feed(name, msg, self.get_clock().now().nanoseconds)
+        if fed.accepted:
+            self.recording.accepted(name, topic, msgtype, msg)
+        if fed.stepped:
+            self._after_tick(fed.record)
 
-    def _record_port_message(self, name: str, msg) -> None:
-        """Into the bag under the topic's resolved name (remaps applied); CDR serialisation is
-        deterministic, so these are the bytes as received."""
+    def _on_timer(self) -> None:
         session = self.session
-        assert session is not None
-        self.recorder.write_raw(self._port_subscriptions[name].topic_name, session.ports[name].config.type,
-                                serialize_message(msg), self.get_clock().now().nanoseconds)
+        if session is not None and self.facade.active:
+            self._after_tick(session.tick())
 
-    def _control_tick(self, stamp: Optional[int]) -> None:
-        """One tick of the session; publishes what it hands out (the session decides
-        whether that is the policy's action or the safe one)."""
-        session = self.session
-        if session is None or not self._active:
-            return
-        record = session.tick(stamp)
+    def _after_tick(self, record: Optional[ActionRecord]) -> None:
+        """Publish what a tick handed out (the session decided whether that is the policy's
+        action or the safe one) and tell a running goal."""
         if record is None:
-            if not session.inputs.ready:
-                self._warn_throttled("inputs", f"waiting for first message on port(s) {session.inputs.missing()}")
             return
         if not record.published:
             self._publish_action(record)
-        if record.source == ActionSource.POLICY:
-            self._count_stale_ports(session)
-        elif record.fault:
-            detail = (f"missed its {session.control.effective_deadline_s() * 1e3:.1f} ms deadline"
-                      if record.late else session.counters.last_fault)
-            self._warn_throttled(f"fault.{record.fault.value}", f"step {record.step + 1} {detail}: published the "
-                                 f"safe action ({session.control.deadline_action})")
-        self.run_policy.after_action(record)
-
-    def _count_stale_ports(self, session: PolicySession) -> None:
-        for adapter in session.ports.values():
-            if adapter.is_stale():
-                adapter.counters.stale_steps += 1
-                self._warn_throttled(f"stale.{adapter.name}", f"port {adapter.name} is stale "
-                                     f"({adapter.age_ms():.0f} ms > {adapter.config.staleness_ms:.0f} ms)")
-
-    def interrupt(self, hold_mode: int, commit: bool, timeout_s: Optional[float] = None):
-        """Interrupt the episode at a boundary and publish the hold mode's safe action; the
-        boundary capsule when ``commit`` (the ~/interrupt service, RunPolicy, deactivate)."""
-        session = self.active_session() if timeout_s is None else self.session
-        assert session is not None
-        capsule = session.interrupt(hold_mode, commit, timeout_s=timeout_s)
-        record = session.safe_record(session.hold_mode)
-        if record is not None:
-            self._publish_action(record)
-        return capsule
+        if self.run_policy is not None:
+            self.run_policy.after_action(record)
 
     def _publish_action(self, record: ActionRecord) -> None:
-        """Publish (and record) an action on ~/action and the outputs; any thread (control
-        loop, watchdog, services, a RunPolicy run)."""
+        """~/action, the outputs and the recording; any thread (control loop, watchdog,
+        whichever thread interrupted)."""
         session = self.session
         assert session is not None
-        msg = action_message(record, session.control.frame_id, session.runtime.policy.action_dim)
-        with self._published_lock:
-            self.action_pub.publish(msg)
-            self._actions_published += 1
-            self.last_action = msg
-            if self._outputs:
-                now_ns = self.get_clock().now().nanoseconds
-                for output in self._outputs:
-                    output.publish(record, now_ns)
-        if self.recorder is not None:
-            self.recorder.write_message(self.action_pub.topic_name, msg, self.get_clock().now().nanoseconds)
+        self.actions.publish(record, session.control.frame_id, session.runtime.policy.action_dim)
 
     def _on_event(self, event: EventRecord) -> None:
+        """A capsule event (emitted under the session's boundary): published and recorded;
+        an INTERRUPT also publishes the hold mode's safe action, whoever interrupted (a
+        service, a RunPolicy run ending, deactivate)."""
         msg = event_message(event, self.get_clock().now().nanoseconds)
         self.event_pub.publish(msg)
-        if self.recorder is not None:
-            self.recorder.write_message(self.event_pub.topic_name, msg, self.get_clock().now().nanoseconds)
-
-    def _warn_throttled(self, key: str, text: str) -> None:
-        now = time.monotonic()
-        if now - self._last_warn.get(key, -1e9) >= WARN_PERIOD_S:
-            self._last_warn[key] = now
-            self.get_logger().warning(text)
+        self.recording.published(self.event_pub.topic_name, msg)
+        session = self.session
+        if event.kind == EventKind.INTERRUPT and session is not None:
+            record = session.safe_record(session.hold_mode)
+            if record is not None:
+                self._publish_action(record)
 
     # -- status ------------------------------------------------------------------------------------
     def _publish_status(self) -> None:
@@ -399,41 +353,16 @@ class PolicyNode(LifecycleNode):
             return
         stamp = self.get_clock().now().to_msg()
         status = runtime_status(session, stamp)
-        status.lifecycle_state = "active" if self._active else "inactive"
-        status.actions_published = self._actions_published
+        status.lifecycle_state = "active" if self.facade.active else "inactive"
+        status.actions_published = self.actions.published
         self.status_pub.publish(status)
         self.diag_pub.publish(self._diagnostics.build(status, stamp))
 
-    # -- recording -----------------------------------------------------------------------------------
-    def start_recording(self, path: str, storage: str):
-        """Record inputs, actions and capsule events to a new bag (``path``: its directory,
-        '' = a new one under record.directory); the node must be active."""
-        return self._start_recording(self.active_session(), path, storage)
-
-    def _start_recording(self, session: PolicySession, path: str, storage: str):
-        from capsule_ros.bag.recorder import NodeRecorder
-        config = self.config
-        assert config is not None
-        if self.recorder is not None:
-            self.stop_recording()
-        self.recorder = NodeRecorder.start(path, config.record.directory, storage or config.record.storage, config,
-                                           self.action_pub.topic_name, self.event_pub.topic_name,
-                                           fingerprint=session.runtime.fingerprint,
-                                           initial_inputs=len(self._last_port_messages),
-                                           serialize=serialize_message)
-        for name, msg in self._last_port_messages.items():   # the inputs the next step will use
-            self._record_port_message(name, msg)
-        self.get_logger().info(f"recording to {self.recorder.path}")
-        return self.recorder.path
-
-    def stop_recording(self):
-        recorder, self.recorder = self.recorder, None
-        return recorder.path, recorder.close()
-
     # -- parameters --------------------------------------------------------------------------------
-    def _on_set_parameters(self, params) -> SetParametersResult:
-        """Validate run-time changes through the config dataclasses; apply them if valid (to
-        the configured node; an unconfigured one validates everything at configure)."""
+    def _on_set_parameters(self, params: List[Any]) -> SetParametersResult:
+        """Validate run-time changes through the config dataclasses; if valid, the session
+        takes them at its next boundary (``PolicySession.reconfigure``). An unconfigured node
+        validates everything at configure."""
         if self.config is None:
             return SetParametersResult(successful=True)
         flat = flatten({"control": self.config.control.to_mapping(),
@@ -451,23 +380,19 @@ class PolicyNode(LifecycleNode):
             ports = {n: PortConfig.from_mapping(v, section=f"ports.{n}") for n, v in nested["ports"].items()}
             if control.mode == "trigger" and control.trigger_port not in ports:
                 raise ConfigError(f"control.trigger_port = {control.trigger_port!r}: not a port")
-            time_steps = [output.adapter.time_step(control_period(control)) for output in self._outputs]
+            time_steps = [output.adapter.time_step(control_period(control)) for output in self.actions.outputs]
+            if self.session is not None:
+                self.session.reconfigure(control, ports)
         except CapsuleRosError as exc:
             return SetParametersResult(successful=False, reason=str(exc))
         rate_changed = (control.mode, control.rate_hz) != (self.config.control.mode, self.config.control.rate_hz)
         self.config = dataclasses.replace(self.config, ports=ports, control=control)
+        self.facade.config = self.config
         if self._prepared is not None:
             self._prepared = dataclasses.replace(self._prepared, config=self.config)
-        session = self.session
-        if session is not None:
-            session.control = control
-            for name, adapter in session.ports.items():
-                adapter.config = ports[name]
-        if rate_changed and self._active:
+        if rate_changed and self.facade.active:
             self._configure_loop(control)
-        with self._published_lock:
-            for output, time_step in zip(self._outputs, time_steps, strict=True):
-                output.adapter.time_step_s = time_step
+        self.actions.set_time_steps(time_steps)
         return SetParametersResult(successful=True)
 
     def close(self) -> None:
@@ -477,11 +402,12 @@ class PolicyNode(LifecycleNode):
         deadline watchdog (no step can arm it any more and no service holds the session),
         then any recording, and the log bridge. After this no thread of the node publishes,
         so none can hit a destroyed publisher or context."""
-        self._active = False
+        self.facade.active = False
         self._service_threads.shutdown()
-        self.run_policy.close()
+        if self.run_policy is not None:
+            self.run_policy.close()
         if self.session is not None:
             self.session.close()
-        if self.recorder is not None:
-            self.stop_recording()
+        if self.recording.active:
+            self.recording.stop()
         self._log_bridge.remove()

@@ -68,7 +68,7 @@ def _declare_section(node: Node, prefix: str, cls: Type[ConfigSection]) -> Dict[
 def _declare_named(node: Node, group: str, cls: Type[ConfigSection], what: str, required: bool) -> None:
     """``<group>.names`` and, for each name, the ``<group>.<name>.*`` section."""
     required_text = "at least one" if required else "none by default"
-    param = node.declare_parameter(
+    param: Parameter = node.declare_parameter(
         f"{group}.names", Parameter.Type.STRING_ARRAY,
         ParameterDescriptor(description=f"names of {what} ({required_text}); each has {group}.<name>.* parameters",
                             read_only=True))

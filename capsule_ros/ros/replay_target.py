@@ -1,6 +1,7 @@
 """The ``policy_node`` replay target: ``capsule-ros replay --node`` drives an installed
 policy_node process through ROS with a bag's messages and services, to check the whole
-ROS path (``capsule_ros.bag.targets`` has the in-process target and the shared verbs)."""
+ROS path. It implements ``capsule_ros.bag.targets.ReplayTarget`` (where the in-process
+target lives too); its verbs are calls of ``CapsuleClient``, built from the verb table."""
 from __future__ import annotations
 
 import contextlib
@@ -146,7 +147,7 @@ class NodeTarget:
         self._wait(lambda: all(p.get_subscription_count() > 0 for p in self._publishers.values()),
                    "its port subscriptions")
         try:
-            self._call("list_capsules")             # the services are up
+            self._call("list")                      # the services are up
         except CapsuleRosError as exc:
             raise ReplaySetupError(f"policy_node services: {exc}") from None
 
@@ -188,7 +189,7 @@ class NodeTarget:
         with self._status:
             return [name for name in self._sent if self._processed.get(name, 0) == 0]
 
-    def step(self, stamp: Optional[int] = None, late: bool = False) -> List[Act]:
+    def step(self, stamp: Optional[int] = None, late: bool = False, log_ns: Optional[int] = None) -> List[Act]:
         raise ReplaySetupError("a policy_node steps on its own in timer mode: replay timer-mode bags in-process")
 
     def settle(self) -> List[Act]:
@@ -197,19 +198,19 @@ class NodeTarget:
             self._wait_counted(port)
         return self._drain()
 
-    def _call(self, service: str, **kwargs) -> Any:
-        """A service call; a refusal or timeout becomes a CapsuleRosError (the replay reports it)."""
+    def _call(self, verb: str, **fields: Any) -> Any:
+        """A verb's service call; a refusal or timeout becomes a CapsuleRosError (the replay reports it)."""
         try:
-            return getattr(self.client, service)(**kwargs)
+            return getattr(self.client, verb)(**fields)
         except ServiceError as exc:
             raise CapsuleRosError(str(exc)) from None
 
     def commit(self, label: str) -> str:
         return self._call("commit", label=label).capsule.id
 
-    def interrupt(self, mode: HoldMode, commit: bool) -> Tuple[str, List[Act]]:
-        response = self._call("interrupt", hold_mode=int(mode), commit=commit)
-        acts = self._wait_action(self.timeout_s) if mode != HoldMode.HOLD_SILENT else []
+    def interrupt(self, hold_mode: HoldMode, commit: bool) -> Tuple[str, List[Act]]:
+        response = self._call("interrupt", hold_mode=int(hold_mode), commit=commit)
+        acts = self._wait_action(self.timeout_s) if hold_mode != HoldMode.HOLD_SILENT else []
         return (response.capsule.id if commit else ""), acts
 
     def reenter(self, capsule_id: str) -> Optional[int]:
@@ -226,9 +227,9 @@ class NodeTarget:
         self._call("drop", capsule_id=capsule_id)
 
     def has(self, capsule_id: str) -> bool:
-        return any(c.id == capsule_id and c.tier != c.TIER_DISK for c in self._call("list_capsules").capsules)
+        return any(c.id == capsule_id and c.tier != c.TIER_DISK for c in self._call("list").capsules)
 
-    def adopt(self, capsule_id: str) -> None:
+    def load(self, capsule_id: str) -> None:
         """Copy the capsule file into the node's own capsule directory and load it."""
         if self.files is None or not self.files.exists(capsule_id):
             raise NotFound(f"no capsule file {capsule_id}.capsule in "

@@ -29,20 +29,20 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.node import Node
 
 from capsule_ros.action import RunPolicy
 from capsule_ros.capsules.store import Capsule
 from capsule_ros.errors import CapsuleRosError, ErrorCode, WrongState
 from capsule_ros.msg import Action
+from capsule_ros.ros.facade import NodeFacade
 from capsule_ros.ros.messages import capsule_info
 from capsule_ros.ros.spinning import Offload
 from capsule_ros.serving.records import ActionRecord, ActionSource, EpisodeState, HoldMode
-
-if TYPE_CHECKING:
-    from capsule_ros.ros.node import PolicyNode
+from capsule_ros.serving.session import PolicySession
 
 FEEDBACK_HZ = 10.0
 EARLY_CANCEL_CAPACITY = 256         # cancels of not-yet-known goals remembered at most ...
@@ -78,7 +78,8 @@ class CancelAwareActionServer(ActionServer):
     """rclpy's ActionServer that rejects a goal whose cancel came first (module docstring).
     Goal and cancel requests are handled on the executor's thread, one at a time."""
 
-    def __init__(self, node, action_type, action_name, execute_callback, *, goal_callback, **kwargs):
+    def __init__(self, node: Node, action_type: Any, action_name: str, execute_callback: Any, *,
+                 goal_callback: Any, **kwargs: Any):
         self.early_cancels = EarlyCancels()
         self._incoming_goal_id = b""
         super().__init__(node, action_type, action_name, execute_callback,
@@ -107,8 +108,8 @@ class CancelAwareActionServer(ActionServer):
 class Run:
     """One goal's run (shared by its worker and the control loop under RunPolicyServer's lock)."""
 
-    goal_handle: object
-    goal: object
+    goal_handle: Any
+    goal: Any
     episode_id: int = 0
     steps: int = 0
     wake: threading.Event = field(default_factory=threading.Event)
@@ -118,10 +119,11 @@ class Run:
 
 
 class RunPolicyServer:
-    """The ``~/run_policy`` action of a PolicyNode (module docstring)."""
+    """The ``~/run_policy`` action of a policy node (module docstring), served through the
+    node's facade (``capsule_ros.ros.facade``)."""
 
-    def __init__(self, node: PolicyNode, callback_group):
-        self.node = node
+    def __init__(self, node: Node, facade: NodeFacade, callback_group: Any):
+        self._facade = facade
         self._lock = threading.Lock()
         self._busy = False                  # a goal holds the slot (from execute to its result)
         self._run: Optional[Run] = None     # ... and has started stepping
@@ -175,7 +177,7 @@ class RunPolicyServer:
     def _claim(self) -> Optional[Tuple[int, str]]:
         """Take the one run slot, or say why not (error code, message)."""
         with self._lock:
-            if not self.node.active:
+            if not self._facade.active:
                 return int(ErrorCode.WRONG_STATE), "the node is not active"
             if self._busy:
                 return int(ErrorCode.BUSY), "another goal is running; cancel it first"
@@ -189,7 +191,7 @@ class RunPolicyServer:
             goal_handle.canceled()
             return self._result(Result.OUTCOME_CANCELED, "canceled before it started")
         try:
-            session = self.node.active_session()
+            session = self._facade.active_session()
             HoldMode(goal.hold_mode)
             self._start_episode(session, goal)
         except (CapsuleRosError, ValueError) as exc:
@@ -222,7 +224,7 @@ class RunPolicyServer:
         return self._result(outcome, message, steps=run.steps, episode_id=run.episode_id, capsule=capsule)
 
     @staticmethod
-    def _start_episode(session, goal) -> None:
+    def _start_episode(session: PolicySession, goal: Any) -> None:
         if goal.reset:
             session.reset(goal.start_capsule_id)
         elif goal.start_capsule_id:
@@ -242,9 +244,9 @@ class RunPolicyServer:
                 return
             run.stopping = True
         try:
-            capsule = self.node.interrupt(run.goal.hold_mode, True)
-        except WrongState:
-            outcome, message, capsule = (Result.OUTCOME_INTERRUPTED, self._ended_by_others(self.node.session),
+            capsule = self._facade.active_session().interrupt(run.goal.hold_mode, True)   # the node publishes
+        except WrongState:                                                               # its safe action
+            outcome, message, capsule = (Result.OUTCOME_INTERRUPTED, self._ended_by_others(self._facade.session),
                                          self._interrupt_capsule())
         self._end(run, outcome, message, capsule)
 
@@ -261,25 +263,23 @@ class RunPolicyServer:
         run.wake.set()
 
     @staticmethod
-    def _ended_by_others(session) -> str:
+    def _ended_by_others(session: Optional[PolicySession]) -> str:
         if session is None:
             return "the node was cleaned up"
         return f"the episode was ended by another request (now {session.state.name}, episode {session.episode_id})"
 
     def _interrupt_capsule(self) -> Optional[Capsule]:
-        session = self.node.session
-        if session is None or not session.interrupt_capsule_id:
-            return None
-        return session.store.find(session.interrupt_capsule_id)
+        session = self._facade.session
+        return session.interrupt_capsule if session is not None else None
 
     def _feedback(self, run: Run) -> None:
-        session = self.node.session
+        session = self._facade.session
         if session is None:
             return
         run.last_feedback = time.monotonic()
         feedback = RunPolicy.Feedback(episode_id=int(session.episode_id), step=int(session.step),
                                       lineage=session.lineage, steps=run.steps,
-                                      last_action=self.node.last_action or Action())
+                                      last_action=self._facade.last_action or Action())
         run.goal_handle.publish_feedback(feedback)
 
     @staticmethod

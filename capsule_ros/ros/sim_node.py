@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 from geometry_msgs.msg import PointStamped
@@ -53,19 +53,20 @@ def goal_message(obs: Observation, stamp, frame_id: str) -> PointStamped:
 
 
 class ArmSimNode(Node):
-    def __init__(self, node_name: str = "arm_sim", **kwargs):
+    def __init__(self, node_name: str = "arm_sim", **kwargs: Any):
         super().__init__(node_name, **kwargs)
         p = self.declare_parameter
-        self.seed = p("seed", 0, ParameterDescriptor(description="seed of the episode sequence", read_only=True)).value
-        self.mode = p("mode", "lockstep", ParameterDescriptor(
+        self.seed: int = p("seed", 0, ParameterDescriptor(description="seed of the episode sequence",
+                                                           read_only=True)).value
+        self.mode: str = p("mode", "lockstep", ParameterDescriptor(
             description="lockstep (one period per action) or realtime (a timer at rate_hz)", read_only=True)).value
-        rate = p("rate_hz", 1.0 / DT, ParameterDescriptor(
+        rate: float = p("rate_hz", 1.0 / DT, ParameterDescriptor(
             description="realtime mode: steps per second", read_only=True,
             floating_point_range=[FloatingPointRange(from_value=0.1, to_value=1000.0, step=0.0)])).value
         self.action_timeout_s = p("action_timeout_ms", 200.0, ParameterDescriptor(
             description="realtime mode: hold (zero velocity) when no action came for this long")).value / 1e3
-        self.frame_id = p("frame_id", "arm_base", ParameterDescriptor(read_only=True)).value
-        action_topic = p("action_topic", "capsule_policy/action", ParameterDescriptor(read_only=True)).value
+        self.frame_id: str = p("frame_id", "arm_base", ParameterDescriptor(read_only=True)).value
+        action_topic: str = p("action_topic", "capsule_policy/action", ParameterDescriptor(read_only=True)).value
         if self.mode not in ("lockstep", "realtime"):
             raise ValueError(f"mode = {self.mode!r}: must be 'lockstep' or 'realtime'")
         self.sim = ArmSim(seed=self.seed)

@@ -2,8 +2,9 @@
 own thread (tests, benchmarks, the demo, behaviour trees).
 
 A SingleThreadedExecutor: its callbacks here are tiny (queue a message, complete a
-future), and rclpy's MultiThreadedExecutor spins while its pool works; measured, it
-turned a 3 ms sensor-to-action round trip into 30-60 ms on a 2-core machine.
+future), and rclpy's MultiThreadedExecutor spins while its pool works, which slows the
+whole round trip on a small machine (docs/benchmarks.md, "Executor: single-threaded vs
+MultiThreadedExecutor").
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ class Offload:
         def work() -> None:
             try:
                 done.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine
                 done.set_exception(exc)
         self._pool.submit(work)
         return await done

@@ -1,20 +1,18 @@
 """~/status (RuntimeStatus) and /diagnostics from the session's status snapshot."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Tuple
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
 from capsule_ros.capsules.store import Tier
 from capsule_ros.msg import PortStatus, RuntimeStatus
-from capsule_ros.serving.ports import PortAdapter
-from capsule_ros.serving.records import EpisodeState
+from capsule_ros.serving.records import EpisodeState, PortPicture
 from capsule_ros.serving.session import PolicySession
 
 
-def runtime_status(session: PolicySession, stamp) -> RuntimeStatus:
-    """The status message, from one consistent snapshot (``PolicySession.status``) and the
-    ports (which only the caller's thread, the executor's, touches)."""
+def runtime_status(session: PolicySession, stamp: Any) -> RuntimeStatus:
+    """The status message, from one consistent picture (``PolicySession.status``)."""
     s = session.status()
     restores = s.restores
     msg = RuntimeStatus(
@@ -32,10 +30,10 @@ def runtime_status(session: PolicySession, stamp) -> RuntimeStatus:
         hit_rate_disk=s.hits[Tier.DISK] / restores if restores else 0.0,
         invalidations=s.invalidations, evictions=s.evictions, demotions=s.demotions,
         fallback_recomputes=s.counters.fallback_recomputes,
-        dropped_inputs=sum(a.counters.dropped_total for a in session.ports.values()),
+        dropped_inputs=sum(p.dropped_total for p in s.ports),
         deadline_misses=s.counters.deadline_misses, step_errors=s.counters.step_errors,
         nonfinite_steps=s.counters.nonfinite_steps, last_fault=s.counters.last_fault,
-        late_refills=s.counters.late_refills, ports=[port_status(a) for a in session.ports.values()])
+        late_refills=s.counters.late_refills, ports=[port_status(p) for p in s.ports])
     executor = session.runtime.executor
     if executor is not None:
         msg.chunking, msg.inference_delay_steps = executor.schedule.mode.value, executor.schedule.delay
@@ -44,12 +42,11 @@ def runtime_status(session: PolicySession, stamp) -> RuntimeStatus:
     return msg
 
 
-def port_status(adapter: PortAdapter) -> PortStatus:
-    c = adapter.counters
-    return PortStatus(name=adapter.name, topic=adapter.config.topic, received=c.received,
-                      dropped_shape=c.dropped["shape"], dropped_type=c.dropped["type"],
-                      dropped_nonfinite=c.dropped["nonfinite"], dropped_out_of_order=c.dropped["out_of_order"],
-                      dropped_future=c.dropped["future"], stale_steps=c.stale_steps, age_ms=adapter.age_ms())
+def port_status(port: PortPicture) -> PortStatus:
+    d = port.dropped
+    return PortStatus(name=port.name, topic=port.topic, received=port.received, dropped_shape=d["shape"],
+                      dropped_type=d["type"], dropped_nonfinite=d["nonfinite"], dropped_out_of_order=d["out_of_order"],
+                      dropped_future=d["future"], stale_steps=port.stale_steps, age_ms=port.age_ms)
 
 
 class DiagnosticsBuilder:
@@ -61,7 +58,7 @@ class DiagnosticsBuilder:
         self.node_name = node_name
         self._last: Tuple[int, int, int, int] = (0, 0, 0, 0)
 
-    def build(self, status: RuntimeStatus, stamp) -> DiagnosticArray:
+    def build(self, status: RuntimeStatus, stamp: Any) -> DiagnosticArray:
         stale = sum(p.stale_steps for p in status.ports)
         now = (status.deadline_misses, status.step_errors + status.nonfinite_steps, status.dropped_inputs, stale)
         misses, faults, drops, stales = (a - b for a, b in zip(now, self._last, strict=True))

@@ -1,9 +1,10 @@
 """The state arena: every named state buffer is a view into ONE contiguous allocation.
 
 Why one allocation: a capsule snapshot or restore is then a single copy that runs at
-the memory-bandwidth limit (a per-buffer copy loop is 1.7-7.2x slower on the H200,
-launch bound: docs/benchmarks.md). The layout groups buffers by kind in a fixed order (inputs, kv, recurrent,
-conv, chunk, meta, outputs), each aligned to ``ALIGNMENT`` bytes, so that one kind is
+the memory-bandwidth limit, where a per-buffer copy loop is launch bound and several
+times slower (docs/benchmarks.md, "capsule-ros bench snapshot --device cuda"). The
+layout groups buffers by kind in a fixed order (inputs, kv, recurrent, conv, chunk,
+meta, outputs), each aligned to ``ALIGNMENT`` bytes, so that one kind is
 one contiguous byte range (the KV-only ablation restores just that range, and the
 input log copies just the input range).
 

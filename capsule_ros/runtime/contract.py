@@ -17,7 +17,7 @@ before the check, so the live state is untouched.
 
 Cost: five steps (seven with a graph; a chunking policy: its horizon's end less the
 cursor, a few steps) and three copies of the arena, once per start (``runtime.state_check``;
-docs/bring-your-own-policy.md has measured figures). What it cannot see: hidden state
+docs/benchmarks.md, "Start-up state check"). What it cannot see: hidden state
 that changes nothing within two steps (a counter acting every hundred steps), and
 randomness outside the arena that happens to repeat. It runs only with
 ``runtime.deterministic`` on: without it bit-identity is not promised.

@@ -151,7 +151,8 @@ class StreamKeeper:
     """The CUDA streams of runtimes that come and go (the node's lifecycle, a benchmark's
     cycles): one per device and role, reused by every runtime made with this keeper.
 
-    Why: cuBLAS keeps a workspace (32 MiB here) for every stream it has ever run on, and
+    Why: cuBLAS keeps a workspace for every stream it has ever run on (docs/benchmarks.md,
+    "Lifecycle: first active step and cleanup"), and
     ``torch.cuda.empty_cache`` does not free it; a fresh stream per activation would leave
     one behind each cycle. Freeing all workspaces instead would pull them from under CUDA
     graphs that other runtimes in the process have captured. The owner outlives the

@@ -1,4 +1,5 @@
-"""The step-boundary lock: first come, first served.
+"""The step boundary of a session: a FIFO lock (``BoundaryLock``) and the session's named
+ways into it (``Boundary``).
 
 Every change to the live state happens between two steps, under this lock: the control
 loop holds it for exactly one step, a service for one verb. Python's ``threading.Lock``
@@ -8,12 +9,24 @@ give up with BUSY. Tickets make it FIFO: a service that asks while a step runs g
 lock at the end of that step, before the next step, whatever the rate. A waiter that
 times out gives its ticket back without blocking the queue.
 
-Cost: one condition-variable round trip per acquire (a few microseconds).
+Cost: one condition-variable round trip per acquire.
+
+``Boundary`` is what the session owns and uses, by name, wherever it touches the state:
+``held()`` (a verb: BUSY when no boundary comes within the service timeout),
+``blocking()`` (the control loop's tick, and work that must not give up: ending a loan,
+returning a failed rebuild's room), ``unless_busy()`` (status: enter only if free at
+once). After ``close`` (the session was released) every entry answers WRONG_STATE, so a
+request that was still waiting never touches a released runtime. The session's parts
+(capsule files, the recompute fallback, the guarded step) never take the lock
+themselves: the session module shows every use of it.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Optional, Set
+from typing import Iterator, Optional, Set
+
+from capsule_ros.errors import Busy, WrongState
 
 
 class BoundaryLock:
@@ -72,3 +85,56 @@ class BoundaryLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class Boundary:
+    """The session's step boundary (see the module docstring). ``timeout_s`` is how long
+    ``held()`` waits by default (``control.service_timeout_ms``; the session's
+    ``reconfigure`` changes it)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._lock = BoundaryLock()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def held(self, timeout_s: Optional[float] = None) -> Iterator[None]:
+        """Between two steps, for one verb; BUSY if no boundary comes within ``timeout_s``
+        (default ``self.timeout_s``)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if not self._lock.acquire(timeout=timeout):
+            raise Busy(f"no step boundary within {timeout * 1e3:.0f} ms")
+        with self._entered():
+            yield
+
+    @contextlib.contextmanager
+    def blocking(self) -> Iterator[None]:
+        """Between two steps, waiting as long as it takes (its turn comes after at most
+        the step in progress and the verbs queued before it)."""
+        self._lock.acquire()
+        with self._entered():
+            yield
+
+    @contextlib.contextmanager
+    def unless_busy(self) -> Iterator[bool]:
+        """Enter only if nobody holds or waits for the boundary: yields True (entered)
+        or False (not entered, nothing held)."""
+        if not self._lock.acquire(blocking=False):
+            yield False
+            return
+        with self._entered():
+            yield True
+
+    def close(self) -> None:
+        """The session was released (call it holding the boundary): later entries answer
+        WRONG_STATE."""
+        self._closed = True
+
+    @contextlib.contextmanager
+    def _entered(self) -> Iterator[None]:
+        try:
+            if self._closed:
+                raise WrongState("the session was released (lifecycle cleanup): nothing to act on")
+            yield
+        finally:
+            self._lock.release()

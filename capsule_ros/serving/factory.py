@@ -4,10 +4,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.store import CapsuleStore
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.registry import BuildContext, policy_kind
@@ -16,6 +17,7 @@ from capsule_ros.runtime.chunking import ChunkSchedule, resolve_delay
 from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, StreamKeeper, runtime_fingerprint
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.config import ControlConfig, ServingConfig
+from capsule_ros.serving.records import EventRecord
 from capsule_ros.serving.session import PolicySession
 
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "policies"
@@ -34,7 +36,7 @@ def resolve_weights(spec: str) -> Optional[Path]:
     return path
 
 
-def input_specs(config: ServingConfig):
+def input_specs(config: ServingConfig) -> List[BufferSpec]:
     """One input buffer per port, of the port's shape and dtype."""
     return [BufferSpec(name, port.shape, dtype_from_name(port.dtype), BufferKind.INPUT)
             for name, port in config.ports.items()]
@@ -104,19 +106,18 @@ class PreparedServing:
     config: ServingConfig
     policy: StatefulPolicy
     fingerprint: str
-    directory: Any = None            # CapsuleDirectory, or None when capsules.directory is ''
+    directory: Optional[CapsuleDirectory] = None       # None when capsules.directory is ''
 
 
-def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None,
-                    node_name: str = "capsule_policy") -> PreparedServing:
+def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, node_name: str = "capsule_policy",
+                    directory: Optional[CapsuleDirectory] = None) -> PreparedServing:
     """Build the policy on the CPU (weights read and checked), compute the fingerprint and
-    open the capsule directory (which moves unfinished saves aside)."""
+    open the capsule directory (which moves unfinished saves aside); ``directory``: use
+    this one instead of opening ``capsules.directory`` (a replay's read-only directory)."""
     policy = build_policy(config, weights)
     check_chunking(policy, config)
     fingerprint = runtime_fingerprint(policy, config.runtime, port_bindings(config))
-    directory = None
-    if config.capsules.directory:
-        from capsule_ros.capsules.directory import CapsuleDirectory
+    if directory is None and config.capsules.directory:
         directory = CapsuleDirectory(capsule_directory_path(config.capsules.directory, node_name),
                                      key_file=config.capsules.key_file,
                                      chunk_bytes=int(config.capsules.chunk_mb * 2**20),
@@ -124,7 +125,7 @@ def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None,
     return PreparedServing(config, policy, fingerprint, directory)
 
 
-def start_session(prepared: PreparedServing, *, on_event=None,
+def start_session(prepared: PreparedServing, *, on_event: Optional[Callable[[EventRecord], None]] = None,
                   streams: Optional[StreamKeeper] = None) -> PolicySession:
     """The runtime on its device (arena, graph capture, warm-up), the capsule store and the
     session over them (the node's lifecycle ``activate``); episode 1 starts when
@@ -143,7 +144,9 @@ def start_session(prepared: PreparedServing, *, on_event=None,
     return session
 
 
-def build_session(config: ServingConfig, *, weights: Optional[str] = None, on_event=None,
-                  node_name: str = "capsule_policy") -> PolicySession:
+def build_session(config: ServingConfig, *, weights: Optional[str] = None,
+                  on_event: Optional[Callable[[EventRecord], None]] = None, node_name: str = "capsule_policy",
+                  directory: Optional[CapsuleDirectory] = None) -> PolicySession:
     """Configure and start in one call (the demo, replays, benchmarks)."""
-    return start_session(prepare_serving(config, weights=weights, node_name=node_name), on_event=on_event)
+    return start_session(prepare_serving(config, weights=weights, node_name=node_name, directory=directory),
+                         on_event=on_event)

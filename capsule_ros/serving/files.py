@@ -21,13 +21,15 @@ import contextlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ContextManager, Dict, Iterator, Optional, Sequence
+from typing import Dict, Iterator, Optional, Sequence
 
 import torch
 
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.store import Capsule, CapsuleStore, Loan
 from capsule_ros.errors import Busy, CapsuleIOError, CapsuleRosError, FingerprintMismatch, InvalidArgument, NotFound
+
+SAVE_GAP_WAIT_S = 0.01       # a save waits at most this long for the gap after a step
 
 
 class SaveFailed(CapsuleIOError):
@@ -59,7 +61,7 @@ class Fetched:
 
 class CapsuleReader:
     """Finds the state a verb needs: a capsule in memory, or its file read and verified
-    outside the boundary lock (the slow part), then used under it."""
+    outside the boundary lock (``read``, the slow part), then used under it (``resolve``)."""
 
     def __init__(self, store: CapsuleStore, directory: Optional[CapsuleDirectory], schema: Sequence[dict]):
         self.store = store
@@ -81,21 +83,16 @@ class CapsuleReader:
                                                  "is out of range"))
         return Fetched(source=Source(capsule, data))
 
-    @contextlib.contextmanager
-    def at_boundary_with(self, capsule_id: str, at_boundary: Callable[[], ContextManager]) -> Iterator[Source]:
-        """``at_boundary()`` held, with the capsule's state in memory or from its verified
-        file. When the capsule leaves memory between the read and the lock, it is read
-        again. Raises the capsule's typed error (a foreign one counted as an invalidation)."""
-        for _ in range(3):
-            fetched = None if self.in_memory(capsule_id) else self.read(capsule_id)
-            with at_boundary():
-                if self.in_memory(capsule_id):     # in memory now: a file read meanwhile is not needed
-                    yield Source(self.store.get(capsule_id))
-                    return
-                if fetched is not None:
-                    yield self.raise_error(fetched)
-                    return
-        raise Busy(f"capsule {capsule_id!r} kept leaving memory while it was being read; try again")
+    def resolve(self, capsule_id: str, fetched: Optional[Fetched]) -> Optional[Source]:
+        """Under the lock: the capsule's state, in memory now (a file read meanwhile is not
+        needed) or from ``fetched`` (raising its typed error, a foreign capsule counted as
+        an invalidation); None when it was in memory at the read but has left since (the
+        caller reads its file and tries again)."""
+        if self.in_memory(capsule_id):
+            return Source(self.store.get(capsule_id))
+        if fetched is None:
+            return None
+        return self.raise_error(fetched)
 
     def in_memory(self, capsule_id: str) -> bool:
         known = self.store.find(capsule_id)      # a dict lookup: safe without the lock
@@ -123,8 +120,9 @@ class CapsuleSaver:
     """Saves of one session's capsules (see the module docstring)."""
 
     def __init__(self, directory: CapsuleDirectory, store: CapsuleStore, schema: Sequence[dict],
-                 between_steps: Callable[[], object] = lambda: None):
-        """``between_steps`` blocks until no step runs (briefly; see ``write``)."""
+                 between_steps: Optional[threading.Event] = None):
+        """``between_steps`` is set while no step runs (``GuardedStep.idle``): a save's file
+        work starts in that gap (see ``write``)."""
         self.directory = directory
         self.store = store
         self.schema = list(schema)
@@ -132,8 +130,8 @@ class CapsuleSaver:
         self._jobs: Dict[str, SaveJob] = {}
         cuda = store.device.type == "cuda"
         self._stream = torch.cuda.Stream(store.device, priority=0) if cuda else None
-        # Pinned now, not at the first save: pinning ~400 MiB takes ~0.25 s with the GIL held,
-        # which would stall the control loop once (measured: a 268 ms tick on the H200).
+        # Pinned now, not at the first save: pinning a large state holds the GIL long enough
+        # to stall the control loop once (docs/benchmarks.md, "Pinned staging for saves").
         self._staging = torch.empty(store.nbytes, dtype=torch.uint8, pin_memory=True) if cuda else None
         self._staging_lock = threading.Lock() if cuda else None
 
@@ -150,15 +148,17 @@ class CapsuleSaver:
         (NotFound when the capsule was dropped from disk meanwhile). The file work starts
         between two steps: on a CPU a save's Python and a step's share one interpreter
         lock, and starting in the gap after a step lowers the step p99 during back-to-back
-        persisting commits (measured here: 1.45x -> 1.27x of the p99 without commits)."""
+        persisting commits (docs/benchmarks.md, "Saves start in the gap after a step"). It waits at most
+        ``SAVE_GAP_WAIT_S`` for that gap."""
         with self._host_bytes(job.loan) as data:
-            self.between_steps()
+            if self.between_steps is not None:
+                self.between_steps.wait(SAVE_GAP_WAIT_S)
             return self.directory.save(job.capsule, data, self.schema, keep=lambda: not job.dropped)
 
     def end(self, job: SaveJob) -> None:
         """Under the boundary lock: give the loan back."""
         self._jobs.pop(job.capsule.id, None)
-        self.store.end_loan(job.loan)
+        job.loan.end()
 
     def is_saving(self, capsule_id: str) -> bool:
         return capsule_id in self._jobs

@@ -10,7 +10,12 @@ buffer's dtype cannot hold: ``1e39`` would become ``inf`` in a float32 buffer),
 ``out_of_order`` (header stamp older than the last accepted one), ``future`` (header
 stamp further ahead of the receiver's clock than the tolerance: a sensor with a bad
 clock must not move the ordering point, or every correctly stamped message after it
-would be dropped as out of order). Dropping never touches the buffer.
+would be dropped as out of order). A message that cannot be read at all counts as
+``type``. Dropping never touches the buffer.
+
+Ages and staleness are judged on the receiver's clock, the one ``accept`` is given (the
+node's ROS clock; a replay's log time), so an in-process replay counts stale steps
+where the node counted them.
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ class PortCounters:
     received: int = 0
     dropped: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     stale_steps: int = 0
-    last_accept_ns: Optional[int] = None      # monotonic clock of the last accepted message
+    last_accept_ns: Optional[int] = None      # the receiver's clock at the last accepted message
 
     @property
     def dropped_total(self) -> int:
@@ -120,6 +125,8 @@ class PortAdapter:
         """The buffer values of ``msg`` (shape config.shape, the buffer's dtype), or raise
         PortDrop. ``now_ns`` / ``future_tolerance_ns``: the receiver's clock and how far
         ahead of it a stamp may be (None: no check)."""
+        if msg is None:
+            raise PortDrop("type", "the message could not be decoded")
         stamp = stamp_ns(msg)
         if stamp is not None and now_ns is not None and future_tolerance_ns is not None \
                 and stamp > now_ns + future_tolerance_ns:
@@ -161,25 +168,30 @@ class PortAdapter:
 
     def accept(self, msg: Any, now_ns: Optional[int] = None, future_tolerance_ns: Optional[int] = None) -> np.ndarray:
         """``convert`` plus bookkeeping: counts the message as received or dropped.
-        ``now_ns`` is the receiver's clock (ROS time in the node, the log time in a replay)."""
+        ``now_ns`` is the receiver's clock (ROS time in the node, the log time in a replay;
+        None: the monotonic clock). A message that cannot be read at all is dropped as ``type``."""
         try:
             values = self.convert(msg, now_ns, future_tolerance_ns)
         except PortDrop as drop:
             self.counters.dropped[drop.reason] += 1
             raise
+        except Exception as exc:
+            self.counters.dropped["type"] += 1
+            raise PortDrop("type", f"undecodable message: {type(exc).__name__}: {exc}") from exc
         stamp = stamp_ns(msg)
         if stamp is not None:
             self._last_stamp = stamp
         self.counters.received += 1
-        self.counters.last_accept_ns = time.monotonic_ns()
+        self.counters.last_accept_ns = time.monotonic_ns() if now_ns is None else now_ns
         return values
 
     def age_ms(self, now_ns: Optional[int] = None) -> float:
-        """Milliseconds since the last accepted message; -1 if none yet."""
+        """Milliseconds since the last accepted message on the clock ``accept`` was given
+        (``now_ns``; None: the monotonic clock); -1 if none yet, 0 if that clock went back."""
         if self.counters.last_accept_ns is None:
             return -1.0
         now = time.monotonic_ns() if now_ns is None else now_ns
-        return (now - self.counters.last_accept_ns) / 1e6
+        return max(now - self.counters.last_accept_ns, 0) / 1e6
 
     def is_stale(self, now_ns: Optional[int] = None) -> bool:
         limit = self.config.staleness_ms

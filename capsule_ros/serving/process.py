@@ -1,8 +1,9 @@
 """Interpreter settings for a process that runs a control loop (the node, benchmarks).
 
 Python's cyclic garbage collector occasionally walks every tracked object; after torch,
-a policy and a node are loaded that is ~170,000 objects and ~70 ms on this project's CI
-machine: a stall, on whichever thread allocated last, that no control loop should see.
+a policy and a node are loaded that is a stall of tens of milliseconds (docs/benchmarks.md,
+"Garbage collection after start-up"), on whichever thread allocated last, that no
+control loop should see.
 ``settle_after_start`` collects once and freezes what start-up made (``gc.freeze``): later
 collections only walk objects made since, which takes microseconds.
 """

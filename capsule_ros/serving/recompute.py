@@ -13,6 +13,7 @@ Three phases, so the control loop keeps stepping during the long part: ``plan`` 
 the session's boundary lock (check coverage, copy the root's bytes and the rows, reserve
 room), ``rebuild`` outside it, ``adopt`` under it again (the result becomes an in-memory
 capsule of the same id). ``unreserve`` returns the reserved room when the rebuild failed.
+The session runs the phases (``PolicySession.reenter``); this module never takes the lock.
 """
 from __future__ import annotations
 
@@ -20,18 +21,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Dict, Optional, TypeVar
+from typing import Dict, Optional
 
 import numpy as np
 import torch
 
-from capsule_ros.capsules.store import Capsule, CapsuleStore, Payload
+from capsule_ros.capsules.store import Capsule, CapsuleStore, Reservation
 from capsule_ros.errors import CapsuleRosError, ConfigError, CorruptCapsule
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.inputlog import InputLog
 
 LOG = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class RebuildPlan:
     root_id: str
     root_bytes: torch.Tensor
     rows: np.ndarray
-    room: Optional[Payload]                  # a store reservation for the rebuilt capsule
+    room: Optional[Reservation]              # room in the store for the rebuilt capsule
 
 
 class Recompute:
@@ -93,8 +93,8 @@ class Recompute:
     def start(self, root: Capsule) -> None:
         """A new log root: the log restarts at ``root``'s state (held while it is the root)."""
         if self.root_id and self.root_id != root.id:
-            self.store.set_held(self.root_id, False)
-        self.store.set_held(root.id, True)
+            self.store.hold(self.root_id, False)
+        self.store.hold(root.id)
         self.root_id = root.id
         self.log.start(root.episode_id, root.step)
         self._ledger[root.id] = LedgerEntry(root.episode_id, root.step, self.log.generation)
@@ -131,11 +131,14 @@ class Recompute:
             raise type(cause)(f"{cause}; no recompute fallback: {reason}") from cause
         known = self.store.find(capsule_id)
         room = self.store.reserve() if known is None or known.payload is None else None
-        return RebuildPlan(entry, self.root_id, self.store.host_copy(self.root_id),
-                           self.log.rows(entry.step).copy(), room)
+        with self.store.lend(self.root_id) as loan:
+            root_bytes = loan.copy()
+        return RebuildPlan(entry, self.root_id, root_bytes, self.log.rows(entry.step).copy(), room)
 
-    def rebuild(self, plan: RebuildPlan) -> None:
-        """Outside the lock: replay the logged inputs from the root on the replica."""
+    def rebuild(self, plan: RebuildPlan) -> float:
+        """Outside the lock: replay the logged inputs from the root on the replica; the
+        seconds it took. Raises CorruptCapsule when it does not reach the capsule's step."""
+        start = time.perf_counter()
         with self._replica_lock:
             replica = self._replica_runtime()
             replica.load_state(plan.root_bytes)
@@ -146,6 +149,7 @@ class Recompute:
             rebuilt_step = replica.read_outputs().step
         if rebuilt_step != plan.entry.step:
             raise CorruptCapsule(f"recompute reached step {rebuilt_step}, expected {plan.entry.step}")
+        return time.perf_counter() - start
 
     def adopt(self, capsule_id: str, plan: RebuildPlan, cause: CapsuleRosError, seconds: float) -> Capsule:
         """Under the lock: the rebuilt state as an in-memory capsule of the same id."""
@@ -160,36 +164,17 @@ class Recompute:
                 replica = self._replica_runtime()
                 capsule = self.store.snapshot(replica, label="rebuilt by recompute", parent_id=plan.root_id,
                                               episode_id=plan.entry.episode_id, step=plan.entry.step,
-                                              capsule_id=capsule_id, reserved=plan.room)
+                                              capsule_id=capsule_id, into=plan.room)
                 replica.synchronize()
         self._ledger[capsule.id] = plan.entry
         LOG.warning("capsule %s rebuilt by recomputing %d steps in %.1f ms (%s)", capsule_id, len(plan.rows),
                     seconds * 1e3, cause)
         return capsule
 
-    def recover(self, capsule_id: str, cause: CapsuleRosError, at_boundary: Callable[[], ContextManager],
-                lock: ContextManager, resume: Callable[[Capsule, float], T]) -> T:
-        """The whole fallback: ``plan`` under ``at_boundary()`` (re-raising ``cause`` when
-        the log cannot rebuild the capsule), ``rebuild`` outside it, then ``adopt`` and
-        ``resume(capsule, seconds)`` under it again. ``lock`` (blocking) returns the room
-        when the rebuild fails."""
-        with at_boundary():
-            plan = self.plan(capsule_id, cause)
-        start = time.perf_counter()
-        try:
-            self.rebuild(plan)
-        except BaseException:
-            with lock:
-                self.unreserve(plan)
-            raise
-        seconds = time.perf_counter() - start
-        with at_boundary():
-            return resume(self.adopt(capsule_id, plan, cause, seconds), seconds)
-
     def unreserve(self, plan: RebuildPlan) -> None:
         """Under the lock: return the plan's reserved room (the rebuild failed or was not needed)."""
         if plan.room is not None:
-            self.store.unreserve(plan.room)
+            plan.room.release()
 
     def close(self) -> None:
         """Release the replica runtime (if one was made) and forget the log and ledger."""

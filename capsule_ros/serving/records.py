@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -97,6 +97,22 @@ class EventRecord:
     detail: str = ""
 
 
+class EpisodeStart(NamedTuple):
+    """What ``reset`` answers: the new episode and the capsule it started from (None: the initial state)."""
+
+    episode_id: int
+    capsule: Optional[Capsule]
+
+
+@dataclass(frozen=True)
+class RecordResult:
+    """What ``record`` answers: the bag being (or just) written and, when it stopped, the
+    messages written."""
+
+    bag_path: str
+    messages: int = 0
+
+
 @dataclass(frozen=True)
 class ReenterResult:
     capsule: Optional[Capsule]       # None when resuming an interrupt without a capsule
@@ -120,6 +136,30 @@ class SessionCounters:
 
 
 @dataclass(frozen=True)
+class PortPicture:
+    """One port in a status picture: its counters and the age of its last message (ms,
+    -1 before the first), on the session's clock."""
+
+    name: str
+    topic: str
+    received: int
+    dropped: Dict[str, int]
+    stale_steps: int
+    age_ms: float
+
+    @classmethod
+    def of(cls, adapter: Any, now_ns: int) -> PortPicture:
+        """The picture of a ``capsule_ros.serving.ports.PortAdapter``."""
+        c = adapter.counters
+        return cls(adapter.name, adapter.config.topic, c.received, dict(c.dropped), c.stale_steps,
+                   adapter.age_ms(now_ns))
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+
+@dataclass(frozen=True)
 class SessionStatus:
     """A consistent picture of the session, taken at a step boundary (``PolicySession.status``)."""
 
@@ -138,17 +178,19 @@ class SessionStatus:
     evictions: int
     demotions: int
     stamp_ns: int = 0
+    ports: Tuple[PortPicture, ...] = ()
 
     @classmethod
-    def of(cls, session) -> SessionStatus:
-        """The picture of a ``PolicySession``; its caller holds the boundary lock."""
-        from capsule_ros.capsules.store import Tier
-        store, c = session.store, session.store.counters
-        store.flush_timings()
+    def of(cls, session: Any) -> SessionStatus:
+        """The picture of a ``PolicySession``; its caller holds the boundary."""
+        stats = session.store.stats()
+        c = stats.counters
+        now = session.clock_ns()
         return cls(state=session.state, episode_id=session.episode_id, step=session.step, lineage=session.lineage,
                    counters=SessionCounters(**vars(session.counters)),
-                   step_ms=session.stepper.latency.percentiles_ms(50, 95, 99),
-                   restore_ms=store.restore_latency.percentiles_ms(50, 95, 99),
-                   capsules={int(t): store.count(t) for t in Tier}, hits={int(t): c.hits[t] for t in Tier},
+                   step_ms=session.stepper.latency.percentiles_ms(50, 95, 99), restore_ms=stats.restore_ms,
+                   capsules={int(t): n for t, n in stats.capsules.items()},
+                   hits={int(t): n for t, n in c.hits.items()},
                    restores=c.restores, misses=c.misses, invalidations=c.invalidations, evictions=c.evictions,
-                   demotions=c.demotions, stamp_ns=session.clock_ns())
+                   demotions=c.demotions, stamp_ns=now,
+                   ports=tuple(PortPicture.of(adapter, now) for adapter in session.ports.values()))

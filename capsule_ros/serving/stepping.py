@@ -112,7 +112,7 @@ class GuardedStep:
                 out = self.runtime.read_outputs()
                 if not (np.isfinite(out.action).all() and np.isfinite(out.chunk).all()):
                     fault = StepFault.NONFINITE
-            except Exception as exc:  # noqa: BLE001 - a step must never take the node down
+            except Exception as exc:
                 fault = StepFault.ERROR
                 self.counters.last_fault = f"{type(exc).__name__}: {exc}"
                 LOG.debug("step failed", exc_info=True)

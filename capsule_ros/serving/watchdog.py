@@ -6,9 +6,10 @@ action then, within the control period), and ``disarm`` reports that it fired so
 late step's action is discarded: a stale chunk is never replayed.
 
 Arming and disarming are two attribute writes and an uncontended lock: waking a
-sleeping thread on every step costs a GIL hand-off (measured ~0.45 ms per step on the
-2-core CI machine). Instead the thread polls every ``poll_s`` (a tenth of the deadline,
-at most 5 ms), so a miss is acted on at most ``poll_s`` after the deadline.
+sleeping thread on every step costs a GIL hand-off on every step (docs/benchmarks.md,
+"Deadline watchdog: polled, not woken per step"). Instead the thread polls every
+``poll_s`` (a tenth of the deadline, at most 5 ms), so a miss is acted on at most
+``poll_s`` after the deadline.
 """
 from __future__ import annotations
 

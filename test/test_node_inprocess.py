@@ -1,0 +1,119 @@
+"""PolicyNode in this process, its lifecycle driven by calling the transitions (as rclpy's
+own lifecycle tests do, no other process): what each transition does to the session and
+to the services' answers, parameters as a session verb, and the servers offered only
+once the node can answer. The cross-process tests (test_lifecycle.py) drive the
+installed executable through ~/change_state."""
+from __future__ import annotations
+
+import pytest
+import yaml
+from harness import DEFAULT_PARAMS, unique_ns
+
+from capsule_ros.errors import ErrorCode
+from capsule_ros.serving.records import ActionSource, EpisodeState
+from capsule_ros.serving.verbs import BY_NAME
+
+pytestmark = pytest.mark.ros
+
+
+@pytest.fixture
+def make_node(tmp_path, rclpy_context):
+    """``make_node(**params)``: a PolicyNode of config/policy.yaml plus ``params`` (nested),
+    random weights, capsules in the test's directory, unconfigured (autostart off)."""
+    from rclpy.lifecycle import TransitionCallbackReturn
+
+    from capsule_ros.ros.node import PolicyNode
+    made = []
+
+    def make(**params):
+        overlay = tmp_path / f"overlay{len(made)}.yaml"
+        base = {"policy": {"weights": ""}, "lifecycle": {"autostart": False},
+                "capsules": {"directory": str(tmp_path / "capsules")}}
+        for group, values in params.items():
+            base.setdefault(group, {}).update(values)
+        overlay.write_text(yaml.safe_dump({"/**": {"ros__parameters": base}}))
+        node = PolicyNode(namespace=unique_ns("inproc"),
+                          cli_args=["--ros-args", "--params-file", str(DEFAULT_PARAMS), "--params-file", str(overlay)])
+        made.append(node)
+        return node
+
+    make.SUCCESS = TransitionCallbackReturn.SUCCESS
+    make.FAILURE = TransitionCallbackReturn.FAILURE
+    yield make
+    for node in made:
+        if node.session is not None:
+            node.trigger_shutdown()
+        node.close()
+        node.destroy_node()
+
+
+def answer(node, verb: str, **fields):
+    """What the node's service for ``verb`` answers (its handler, called on this thread)."""
+    from capsule_ros.ros.messages import srv_type
+    service = srv_type(BY_NAME[verb])
+    return node.capsule_services.answer(BY_NAME[verb], service.Request(**fields), service.Response())
+
+
+def test_transitions_build_interrupt_resume_and_release_the_session(make_node):
+    node = make_node()
+    assert node.capsule_services is None and node.run_policy is None    # nothing offered before start()
+    node.start()                                                      # autostart off: offered, unconfigured
+    assert node.capsule_services is not None and node.session is None
+    refused = answer(node, "commit")
+    assert not refused.success and refused.error_code == ErrorCode.WRONG_STATE and "unconfigured" in refused.message
+
+    assert node.trigger_configure() == make_node.SUCCESS
+    assert node.session is None and answer(node, "list").error_code == ErrorCode.WRONG_STATE   # inactive
+    assert node.trigger_activate() == make_node.SUCCESS
+    session = node.session
+    assert session.state == EpisodeState.RUNNING and node.active
+    committed = answer(node, "commit", label="in process")
+    assert committed.success and committed.capsule.label == "in process"
+
+    published = node.actions.published
+    assert node.trigger_deactivate() == make_node.SUCCESS                # interrupt: capsule + safe action
+    assert not node.active and session.state == EpisodeState.INTERRUPTED and session.interrupt_capsule is not None
+    assert node.actions.published == published + 1 and node.actions.last.source == ActionSource.HOLD
+    assert answer(node, "commit").error_code == ErrorCode.WRONG_STATE
+    interrupted_at = session.interrupt_capsule.id
+
+    assert node.trigger_activate() == make_node.SUCCESS                  # resumes from the deactivate's capsule
+    assert node.session is session and session.state == EpisodeState.RUNNING and session.lineage == interrupted_at
+
+    assert node.trigger_deactivate() == make_node.SUCCESS
+    assert node.trigger_cleanup() == make_node.SUCCESS                   # released
+    assert node.session is None and not node.actions.outputs
+    with pytest.raises(Exception, match="released"):
+        session.commit()
+    assert answer(node, "reset").error_code == ErrorCode.WRONG_STATE
+
+
+def test_a_bad_configuration_fails_configure_with_its_reason_and_a_fix_passes(make_node):
+    node = make_node(control={"trigger_port": "gripper"})
+    node.start()
+    assert node.trigger_configure() == make_node.FAILURE
+    assert "control.trigger_port = 'gripper'" in str(node.transition_error)
+    from rclpy.parameter import Parameter
+    assert node.set_parameters([Parameter("control.trigger_port", value="joints")])[0].successful
+    assert node.trigger_configure() == make_node.SUCCESS and node.transition_error is None
+
+
+def test_run_time_parameters_go_through_the_sessions_reconfigure(make_node):
+    from rclpy.parameter import Parameter
+    node = make_node()
+    node.start()
+    node.trigger_configure()
+    node.trigger_activate()
+    session = node.session
+    results = node.set_parameters([Parameter("control.deadline_ms", value=123.0),
+                                   Parameter("control.service_timeout_ms", value=250.0),
+                                   Parameter("ports.goal.staleness_ms", value=40.0)])
+    assert all(r.successful for r in results), results
+    assert session.control.deadline_ms == 123.0 and session.boundary.timeout_s == pytest.approx(0.25)
+    assert session.ports["goal"].config.staleness_ms == 40.0 and node.config.control.deadline_ms == 123.0
+    bad = node.set_parameters([Parameter("control.deadline_action", value="explode")])[0]
+    assert not bad.successful and "'explode'" in bad.reason and session.control.deadline_action == "hold"
+    read_only = node.set_parameters([Parameter("ports.goal.dtype", value="float64")])[0]
+    assert not read_only.successful and session.ports["goal"].config.dtype == "float32"
+    assert node.set_parameters([Parameter("control.mode", value="timer")])[0].successful
+    assert session.control.mode == "timer" and node.config.control.mode == "timer"

@@ -1,0 +1,149 @@
+"""The control loop at the session level (no ROS): what ``PolicySession.feed`` and
+``tick`` decide and count for the node (trigger steps, dropped, undecodable and stale
+inputs, throttled warnings), on the session's clock, and run-time reconfiguration as a
+session verb under the boundary."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from types import SimpleNamespace
+
+import pytest
+from runtime_fixtures import default_config
+
+from capsule_ros.errors import Busy, InvalidArgument, WrongState
+from capsule_ros.serving.factory import build_session
+from capsule_ros.serving.records import ActionSource
+
+
+def joint_state(stamp_s: int, values=(0.1, 0.2, 0.0, 0.0)):
+    """A JointState-like message (port adapters read attributes of any message object)."""
+    header = SimpleNamespace(stamp=SimpleNamespace(sec=stamp_s, nanosec=0))
+    return SimpleNamespace(header=header, name=["shoulder", "elbow"], position=list(values[:2]),
+                           velocity=list(values[2:]))
+
+
+def goal(stamp_s: int, x: float = 0.3, y: float = 0.4):
+    return SimpleNamespace(header=SimpleNamespace(stamp=SimpleNamespace(sec=stamp_s, nanosec=0)),
+                           point=SimpleNamespace(x=x, y=y, z=0.0))
+
+
+@pytest.fixture
+def warned():
+    """The session's warnings, as logged (a handler on its own logger: the launch tooling's
+    pytest plugin makes library loggers stop propagating, so caplog would see nothing)."""
+    records: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("capsule_ros.serving.session")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+@pytest.fixture
+def clocked(tmp_path):
+    """A session whose clock the test sets (``now[0]``, ns); the goal port goes stale after 100 ms."""
+    session = build_session(default_config(tmp_path, ports={"goal": {"staleness_ms": 100.0}}))
+    now = [10**18]
+    session.clock_ns = lambda: now[0]
+    return session, now
+
+
+def test_feed_steps_on_the_trigger_port_only_and_stages_the_rest(clocked):
+    session, now = clocked
+    fed = session.feed("goal", goal(1))
+    assert fed.accepted and not fed.stepped and fed.record is None
+    fed = session.feed("joints", joint_state(1))
+    assert fed.accepted and fed.stepped and fed.record.source == ActionSource.POLICY
+    assert fed.record.stamp_ns == 1_000_000_000 and session.step == 1      # stamped with the message's stamp
+    staged = session.feed("joints", joint_state(2), stage_only=True)
+    assert staged.accepted and not staged.stepped and session.step == 1
+    assert session.feed("joints", joint_state(3), late=True).record.late    # a re-enacted deadline miss
+
+
+def test_dropped_and_undecodable_messages_are_counted_and_warned_once_per_period(clocked, warned):
+    session, now = clocked
+    for _ in range(3):
+        fed = session.feed("joints", joint_state(1, values=(float("nan"), 0.0, 0.0, 0.0)))
+        assert not fed.accepted and fed.drop.reason == "nonfinite" and not fed.stepped
+    assert session.feed("joints", None).drop.reason == "type"               # could not be decoded
+    assert session.feed("goal", object()).drop.reason == "type"             # unreadable fields
+    counters = session.ports["joints"].counters
+    assert counters.dropped["nonfinite"] == 3 and counters.dropped["type"] == 1
+    assert session.ports["goal"].counters.dropped["type"] == 1
+    warnings = [r.getMessage() for r in warned if "dropped a message" in r.getMessage()]
+    assert len(warnings) == 2, warnings          # one per port within the period, not one per message
+
+
+def test_a_stale_port_counts_a_stale_step_on_the_sessions_clock(clocked):
+    session, now = clocked
+    session.feed("goal", goal(1))
+    session.feed("joints", joint_state(1))
+    now[0] += 50_000_000                                         # 50 ms later: fresh
+    assert session.feed("joints", joint_state(2)).record.source == ActionSource.POLICY
+    assert session.ports["goal"].counters.stale_steps == 0
+    now[0] += 200_000_000                                        # 250 ms since the goal: stale
+    session.feed("joints", joint_state(3))
+    session.feed("joints", joint_state(4))
+    assert session.ports["goal"].counters.stale_steps == 2
+    assert session.ports["joints"].counters.stale_steps == 0     # it triggered the step: fresh
+    picture = {p.name: p for p in session.status().ports}
+    assert picture["goal"].stale_steps == 2 and picture["goal"].age_ms == pytest.approx(250.0)
+    session.interrupt()
+    session.feed("joints", joint_state(5))                       # a safe action: no stale step counted
+    assert session.ports["goal"].counters.stale_steps == 2
+
+
+def test_ticks_before_every_input_has_a_value_wait_and_say_which(clocked, warned):
+    session, now = clocked
+    assert session.feed("joints", joint_state(1)).record is None
+    assert session.tick() is None and session.counters.ticks_waiting_for_inputs == 2
+    assert any("waiting for first message on port(s) ['goal']" in r.getMessage() for r in warned)
+
+
+def test_reconfigure_takes_effect_at_a_boundary_and_refuses_what_shapes_the_graph(clocked):
+    session, now = clocked
+    control = dataclasses.replace(session.control, deadline_action="zero", service_timeout_ms=120.0)
+    goal_port = dataclasses.replace(session.ports["goal"].config, staleness_ms=5.0)
+    session.reconfigure(control, {"goal": goal_port})
+    assert session.control is control and session.boundary.timeout_s == pytest.approx(0.12)
+    assert session.ports["goal"].config.staleness_ms == 5.0
+    reshaped = dataclasses.replace(goal_port, shape=(3,))
+    with pytest.raises(InvalidArgument, match="fixed at start-up"):
+        session.reconfigure(control, {"goal": reshaped})
+    with pytest.raises(InvalidArgument, match="not ports of this session"):
+        session.reconfigure(control, {"camera": goal_port})
+    with pytest.raises(InvalidArgument, match="trigger_port"):
+        session.reconfigure(dataclasses.replace(control, trigger_port="camera"))
+    assert session.ports["goal"].config is goal_port and session.control is control     # nothing changed
+
+
+def test_reconfigure_waits_for_the_boundary_like_any_verb(clocked):
+    session, now = clocked
+    held, done = threading.Event(), threading.Event()
+
+    def verb():
+        with session.boundary.held():                  # a verb that holds the boundary a while
+            held.set()
+            done.wait(10)
+    thread = threading.Thread(target=verb)
+    thread.start()
+    assert held.wait(10)
+    try:
+        with pytest.raises(Busy):
+            session.reconfigure(dataclasses.replace(session.control, service_timeout_ms=1.0))
+    finally:
+        done.set()
+        thread.join()
+    assert session.control.service_timeout_ms != 1.0
+
+
+def test_a_released_session_answers_wrong_state(tmp_path):
+    session = build_session(default_config(tmp_path))
+    session.release()
+    with pytest.raises(WrongState, match="released"):
+        session.commit()
+    with pytest.raises(WrongState):
+        session.tick()
