@@ -175,12 +175,12 @@ def test_a_capsule_at_every_row_of_a_chunk_restores_byte_exactly_and_replays_bit
     fixture = fixtures["act_queue"]
     session = build_session(config(fixture, chunking, delay))
     schedule = session.runtime.schedule
-    steps = range(0, 4 * schedule.end)
+    steps = range(4 * schedule.end)
     original = ticks(session, fixture, 0, steps)
     seen_pending = False
     for k in range(2 * schedule.end, 3 * schedule.end + 1):      # a whole chunk cycle, from a mid-episode state
         session.reset()
-        ticks(session, fixture, 0, range(0, k))
+        ticks(session, fixture, 0, range(k))
         capsule = session.commit(label=f"row {k}")
         snapshot = session.runtime.arena.storage.clone()
         seen_pending |= capsule.chunk.pending
@@ -201,7 +201,7 @@ def test_a_capsule_with_a_refill_in_flight_survives_disk_and_a_fresh_process_run
     cfg = ServingConfig.from_params(params)
     session = build_session(cfg)
     schedule = session.runtime.schedule
-    ticks(session, fixture, 2, range(0, schedule.horizon + 2))          # a request is out
+    ticks(session, fixture, 2, range(schedule.horizon + 2))          # a request is out
     capsule = session.commit(label="in flight", persist=True)
     assert capsule.chunk.pending and capsule.chunk.delay == 4
     expected = ticks(session, fixture, 2, range(schedule.horizon + 2, 40))
@@ -215,16 +215,16 @@ def test_a_capsule_with_a_refill_in_flight_survives_disk_and_a_fresh_process_run
 def test_reset_and_reenter_discard_a_stale_refill(fixtures):
     fixture = fixtures["act_queue"]
     session = build_session(config(fixture, "async", "3"))
-    fresh = ticks(session, fixture, 1, range(0, 12))
+    fresh = ticks(session, fixture, 1, range(12))
     session.reset()
-    ticks(session, fixture, 0, range(0, 6))                      # step 5 requested a chunk from episode 0
+    ticks(session, fixture, 0, range(6))                      # step 5 requested a chunk from episode 0
     assert session.runtime.executor.pending
     session.reset()                                              # ... which must not take over here
-    assert values(ticks(session, fixture, 1, range(0, 12))) == values(fresh)
-    ticks(session, fixture, 0, range(0, 6))
+    assert values(ticks(session, fixture, 1, range(12))) == values(fresh)
+    ticks(session, fixture, 0, range(6))
     root = session.log_root_id
     session.reenter(root)                                        # a rollback to the episode's start
-    assert values(ticks(session, fixture, 1, range(0, 12))) == values(fresh)
+    assert values(ticks(session, fixture, 1, range(12))) == values(fresh)
 
 
 def test_a_slowed_refill_is_a_deadline_event_with_the_safe_action_not_a_divergence(fixtures):
@@ -234,7 +234,7 @@ def test_a_slowed_refill_is_a_deadline_event_with_the_safe_action_not_a_divergen
     can be late, however busy the machine."""
     fixture = fixtures["act_queue"]
     reference = build_session(config(fixture, "async", "2"))
-    expected = ticks(reference, fixture, 0, range(0, 30))
+    expected = ticks(reference, fixture, 0, range(30))
     assert reference.counters.late_refills == 0
     schedule = reference.runtime.schedule
     takeover = schedule.horizon + schedule.delay                 # the first request is at step `horizon`
@@ -248,7 +248,7 @@ def test_a_slowed_refill_is_a_deadline_event_with_the_safe_action_not_a_divergen
             release.wait(10)
         plan()
     worker.run_plan = slow_plan
-    got = ticks(session, fixture, 0, range(0, schedule.horizon + 1))        # ... the request at step `horizon`
+    got = ticks(session, fixture, 0, range(schedule.horizon + 1))        # ... the request at step `horizon`
     got += ticks(session, fixture, 0, range(schedule.horizon + 1, takeover), wait=False)
     threading.Timer(0.2, release.set).start()                   # the refill ends 0.2 s into its takeover step
     got += ticks(session, fixture, 0, range(takeover, takeover + 1), wait=False)
@@ -294,11 +294,11 @@ def test_capsules_of_another_schedule_or_with_a_forged_cursor_are_refused_and_ch
     params["capsules"]["directory"] = str(tmp_path / "caps")
     params["control"].update(chunking="async", inference_delay_steps="3", deadline_ms=0.0)
     session = build_session(ServingConfig.from_params(params))
-    ticks(session, fixture, 0, range(0, 7))
+    ticks(session, fixture, 0, range(7))
     capsule = session.commit(label="c", persist=True)
     params["control"]["inference_delay_steps"] = "2"
     other = build_session(ServingConfig.from_params(params))
-    ticks(other, fixture, 0, range(0, 4))
+    ticks(other, fixture, 0, range(4))
     live = other.runtime.arena.storage.clone()
     with pytest.raises(FingerprintMismatch, match=r"made under control.chunking async with inference delay 3 .* "
                                                   r"this runtime runs async with delay 2"):
@@ -309,7 +309,8 @@ def test_capsules_of_another_schedule_or_with_a_forged_cursor_are_refused_and_ch
     header = directory.header(capsule.id)
     assert header.chunk == capsule.chunk
     forged = dataclasses.replace(capsule, chunk=dataclasses.replace(capsule.chunk, cursor=capsule.chunk.cursor + 1))
-    mark_data = session.store.host_copy(capsule.id)
+    with session.store.lend(capsule.id) as loan:
+        mark_data = loan.host_bytes().clone()
     with pytest.raises(CorruptCapsule, match=r"chunk cursor \d+ / pending \d disagree with its metadata"):
         session.runtime.check_chunk_mark(forged.chunk, mark_data, capsule.id)
     with pytest.raises(CorruptCapsule, match=r"cannot occur under this schedule"):
@@ -332,7 +333,7 @@ def test_the_auto_delay_is_measured_once_and_recorded(fixtures):
     assert len(session.runtime.refill_seconds) == ChunkingOptions().auto_runs
     assert schedule.delay >= 1 and schedule.delay >= p99 * 5.0          # at least the refill's time in steps
     assert session.control.inference_delay_steps == str(schedule.delay)   # what bags and capsules record
-    ticks(session, fixture, 0, range(0, 3))
+    ticks(session, fixture, 0, range(3))
     assert session.commit().chunk.delay == schedule.delay
 
 
@@ -404,10 +405,10 @@ def test_cuda_capsules_at_every_row_restore_byte_exactly_and_replay_bit_identica
     session = build_session(ServingConfig.from_params(params))
     assert session.runtime.plan.captured
     end = session.runtime.schedule.end
-    original = ticks(session, fixture, 0, range(0, 3 * end))
+    original = ticks(session, fixture, 0, range(3 * end))
     for k in range(end, 2 * end + 1):
         session.reset()
-        ticks(session, fixture, 0, range(0, k))
+        ticks(session, fixture, 0, range(k))
         capsule = session.commit(label=f"row {k}")
         snapshot = session.runtime.arena.storage.clone()
         ticks(session, fixture, 0, range(k, k + 2))

@@ -168,7 +168,7 @@ def rows() -> Dict[str, np.ndarray]:
 
 def test_rollback_fork_and_reset_are_bit_identical(tmp_path, rows):
     session = build_session(quadruped(tmp_path, FIXTURES / "rsl_rl_lstm" / "policy.onnx"))
-    start = feed(session, rows, range(0, 20))
+    start = feed(session, rows, range(20))
     capsule = session.commit(label="k")
     first = feed(session, rows, range(20, 45))
     fork = session.fork(capsule.id, label="branch")
@@ -177,7 +177,7 @@ def test_rollback_fork_and_reset_are_bit_identical(tmp_path, rows):
     session.reenter(fork.id)
     assert feed(session, rows, range(20, 45)) == first                  # the fork holds the same state
     session.reset()
-    assert feed(session, rows, range(0, 20)) == start                   # a reset is the initial state
+    assert feed(session, rows, range(20)) == start                   # a reset is the initial state
     assert len(set(first)) == len(first)
 
 
@@ -187,7 +187,7 @@ def test_restoring_h_without_c_or_the_last_action_diverges(tmp_path, rows, kept)
     """The ablation: re-enter a capsule but keep the live values of some buffers (they
     are not restored); the actions that follow differ from the timeline's."""
     session = build_session(quadruped(tmp_path, FIXTURES / "rsl_rl_lstm" / "policy.onnx"))
-    feed(session, rows, range(0, 20))
+    feed(session, rows, range(20))
     capsule = session.commit(label="k")
     first = feed(session, rows, range(20, 40))
     arena = session.runtime.arena
@@ -330,7 +330,7 @@ def test_cuda_provider_graph_equals_eager_and_capsules_roll_back(tmp_path, rows)
         session = build_session(ServingConfig.from_params(params))
         assert int(session.runtime.arena["step"][0]) == 0                   # capture runs left no trace (32243)
         assert torch.count_nonzero(session.runtime.arena["onnx.h_in"]) == 0
-        feed(session, rows, range(0, 10))
+        feed(session, rows, range(10))
         capsule = session.commit(label="k")
         first = feed(session, rows, range(10, 30))
         session.reenter(capsule.id)

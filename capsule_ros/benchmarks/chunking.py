@@ -40,7 +40,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -97,7 +97,8 @@ def at(values: np.ndarray, t: int) -> np.ndarray:
     return values[t % len(values)]
 
 
-def summary(seconds: Sequence[float], period: float, actions: np.ndarray, seams: Sequence[int]) -> Dict[str, Any]:
+def summary(seconds: Union[Sequence[float], np.ndarray], period: float, actions: np.ndarray,
+            seams: Sequence[int]) -> Dict[str, Any]:
     ms = np.asarray(seconds) * 1e3
     jumps = np.abs(np.diff(actions, axis=0)).max(axis=1)              # |Δ action| from step t-1 to t, t >= 1
     at_seam = np.zeros(len(jumps), bool)
@@ -117,7 +118,8 @@ def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.nda
         return {"ran": False, "reason": f"no LeRobot environment at {python} (run tools/lerobot_bench/setup.sh or "
                                         "pass --lerobot-python)"}
     inputs, out = tmp / "observations.npz", tmp / "lerobot.npz"
-    np.savez(inputs, seed=np.asarray(0), **obs)
+    arrays: Dict[str, Any] = {"seed": np.asarray(0), **obs}
+    np.savez(inputs, **arrays)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([str(python), str(LEROBOT_SCRIPT), "--checkpoint", str(checkpoint), "--observations",
                            str(inputs), "--out", str(out)], env=env, capture_output=True, text=True)
@@ -148,6 +150,8 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
     runtime = dataclasses.replace(base.runtime, device=str(device), cpu_threads=1, seed=0)
     session = build_session(dataclasses.replace(base, control=control, runtime=runtime))
     session.enforce_deadline = paced
+    executor, schedule = session.runtime.executor, session.runtime.schedule
+    assert executor is not None and schedule is not None, "a chunking policy"
     period = 1.0 / rate
     steps = len(obs[STATE])
     seconds, actions, seams = np.zeros(steps), [], []
@@ -163,17 +167,17 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
         seconds[t] = time.perf_counter() - start
         assert record is not None
         actions.append(record.values)
-        if session.runtime.executor.last.program in TAKEOVERS:
+        if executor.last.program in TAKEOVERS:
             seams.append(t)
         if paced:
             time.sleep(max(0.0, next_at - time.perf_counter()))
-    counters, chunk = session.counters, session.runtime.executor.counters
+    counters, chunk = session.counters, executor.counters
     out = summary(seconds, period, np.stack(actions), seams)
     consume = [s for t, s in enumerate(seconds) if t not in set(seams)]
     out.update(consume_mean_ms=float(np.mean(consume) * 1e3) if consume else None,
                refills=chunk.refills, late_refills=counters.late_refills,
                session_deadline_misses=counters.deadline_misses if paced else None,
-               schedule=session.runtime.schedule.describe(), delay=session.runtime.schedule.delay,
+               schedule=schedule.describe(), delay=schedule.delay,
                refill_p99_ms=float(np.percentile(session.runtime.refill_seconds, 99) * 1e3)
                if session.runtime.refill_seconds else None, graphs=session.runtime.plan.captured,
                _actions=np.stack(actions))
@@ -192,9 +196,10 @@ def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_
             {"ran": False, "reason": "LeRobot's loop is measured on the CPU only (no LeRobot on the GPU machine)"}
         sync = session_side(checkpoint, obs, device, "sync", 1.0 / period, paced=False)
         asynchronous = session_side(checkpoint, obs, device, "async", 1.0 / period, paced=True)
-    result = {"case": case.name, "camera": list(camera), "rate_hz": 1.0 / period, "steps": steps,
-              "lerobot": lerobot, "sync": sync, "async": asynchronous}
-    actions = {side: result[side].pop("_actions", None) for side in ("lerobot", "sync", "async")}
+    sides: Dict[str, Dict[str, Any]] = {"lerobot": lerobot, "sync": sync, "async": asynchronous}
+    actions = {side: values.pop("_actions", None) for side, values in sides.items()}
+    result: Dict[str, Any] = {"case": case.name, "camera": list(camera), "rate_hz": 1.0 / period, "steps": steps,
+                              **sides}
     if lerobot.get("ran"):
         result["sync_mean_over_lerobot"] = sync["mean_ms"] / lerobot["mean_ms"]
         result["sync_p99_over_lerobot"] = sync["p99_ms"] / lerobot["p99_ms"]

@@ -87,8 +87,14 @@ class ArenaHost:
     stream: Optional[torch.cuda.Stream]
 
     def chunk_mark(self) -> None:
-        """A bare arena has no chunk schedule."""
+        """A bare arena has no chunk schedule (nor anything to check or resume)."""
         return None
+
+    def check_chunk_mark(self, mark: object, data: torch.Tensor, capsule_id: str) -> None:
+        pass
+
+    def resume_chunk_mark(self, mark: object) -> None:
+        pass
 
 
 def random_arena(layout: ArenaLayout, device: torch.device, seed: int = 0) -> ArenaHost:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -34,8 +35,14 @@ from capsule_ros.benchmarks.common import config_path, emit, environment, pct, p
 from capsule_ros.config import load_params_file
 
 OBS, ACTIONS = 48, 12
-FULL = {"hidden": 256, "mlp": (512, 256, 128)}
-QUICK = {"hidden": 64, "mlp": (64, 64)}
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    mlp: Tuple[int, ...]
+
+
+FULL = Shape(256, (512, 256, 128))
+QUICK = Shape(64, (64, 64))
 
 
 def write_lstm_policy(path: Path, hidden: int, mlp: Sequence[int], obs: int = OBS, actions: int = ACTIONS,
@@ -167,7 +174,8 @@ class PlainLoop:
 
 def alternate(a: Callable[[], None], b: Callable[[], None], blocks: int, per_block: int) -> Tuple[np.ndarray, ...]:
     """Seconds per call of ``a`` and ``b``, timed in alternating blocks."""
-    out_a, out_b = [], []
+    out_a: List[float] = []
+    out_b: List[float] = []
     for _ in range(blocks):
         for fn, out in ((a, out_a), (b, out_b)):
             for _ in range(per_block):
@@ -184,7 +192,7 @@ def run_onnx(device: torch.device, quick: bool) -> dict:
     from capsule_ros.serving.factory import build_policy
     shape = QUICK if quick else FULL
     result: dict = {"bench": "step", "policy": "onnx", **environment(device), "quick": quick,
-                    "model": {"lstm": shape["hidden"], "mlp": list(shape["mlp"]), "obs": OBS, "actions": ACTIONS}}
+                    "model": {"lstm": shape.hidden, "mlp": list(shape.mlp), "obs": OBS, "actions": ACTIONS}}
     if device.type == "cuda":
         import onnxruntime as ort
         if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -192,7 +200,7 @@ def run_onnx(device: torch.device, quick: bool) -> dict:
                                       "CUDA provider needs onnxruntime-gpu, which this machine does not have")
             return result
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_lstm_policy(Path(tmp) / "policy.onnx", shape["hidden"], shape["mlp"])
+        model = write_lstm_policy(Path(tmp) / "policy.onnx", shape.hidden, shape.mlp)
         result["model"]["bytes"] = model.stat().st_size
         reps = 300 if quick else 2000
         rows = sensor_rows(reps + 10)

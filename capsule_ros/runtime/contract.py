@@ -135,7 +135,7 @@ def check_state_contract(runtime: PolicyRuntime) -> None:
                         break
             except PolicyStepError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the user's step failed on other inputs: say so
+            except Exception as exc:
                 raise PolicyStepError(f"the policy's step fails during the start-up state check (seeded random "
                                       f"inputs): {type(exc).__name__}: {exc}; fix the step or set "
                                       "runtime.state_check: false") from exc

@@ -142,7 +142,7 @@ class GraphPlan:
             for name, program in self.programs.items():
                 try:
                     self._warm_up(program)
-                except Exception as exc:  # noqa: BLE001 - any failure of the user's step: say which inputs
+                except Exception as exc:
                     inputs = ", ".join(f"{slot.spec.name} {str(slot.spec.dtype).replace('torch.', '')}"
                                        f"{list(slot.spec.shape)}" for slot in self.arena.layout
                                        if slot.spec.kind == BufferKind.INPUT)

@@ -1,9 +1,9 @@
 """Making a CUDA stream current for a block, cheaply: the control step enters its stream
-several times per step, and ``torch.cuda.stream`` costs about 9 us a time on the H200
-machine's host (its Python resolves the current device and wraps streams in objects), as
-much as the whole consume step's GPU work. ``on_stream`` does the same switch through the
-two calls underneath (``_cuda_getCurrentStream`` / ``_cuda_setStream``), and falls back to
-``torch.cuda.stream`` where they are missing. A None stream (a CPU runtime) is a no-op.
+several times per step, and ``torch.cuda.stream``'s Python (it resolves the current device
+and wraps streams in objects) costs as much as a consume step's whole GPU work
+(docs/benchmarks.md, "Switching CUDA streams"). ``on_stream`` does the same switch through
+the two calls underneath (``_cuda_getCurrentStream`` / ``_cuda_setStream``), and falls back
+to ``torch.cuda.stream`` where they are missing. A None stream (a CPU runtime) is a no-op.
 """
 from __future__ import annotations
 

@@ -286,7 +286,7 @@ class _Binding:
         self.session, self.io = session, session.io_binding()
         self.run_options = ort.RunOptions()
         # the CUDA graph id, set to ONNX Runtime's default: when it is unset, its Python
-        # run_with_iobinding looks it up through an exception, ~40 us a call
+        # run_with_iobinding looks it up through an exception (docs/benchmarks.md, "ONNX Runtime's run option")
         self.run_options.add_run_config_entry("gpu_graph_id", "0")
         if device[0] == "cuda":          # the runtime's stream orders what follows; no host synchronisation
             self.run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
