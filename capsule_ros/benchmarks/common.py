@@ -69,7 +69,7 @@ def environment(device: torch.device) -> dict:
     info = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "device": str(device), "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(["capsule-ros", *sys.argv[1:]]) if sys.argv else "",
-            "cpu_threads": torch.get_num_threads()}
+            "cpu_threads": torch.get_num_threads(), "cpu_capability": str(torch.backends.cpu.get_cpu_capability())}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
@@ -85,6 +85,7 @@ class ArenaHost:
     layout: ArenaLayout
     fingerprint: str
     stream: Optional[torch.cuda.Stream]
+    numerics: str = ""
 
 
 def random_arena(layout: ArenaLayout, device: torch.device, seed: int = 0) -> ArenaHost:

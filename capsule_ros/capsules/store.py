@@ -105,6 +105,7 @@ class Capsule:
     held: bool = False                    # by the session (interrupt capsule, timeline root): never evicted
     payload: Optional[Payload] = field(default=None, repr=False)
     path: Optional[str] = None            # persisted copy in the capsule directory
+    numerics: str = ""                    # CPU numerics level of the runtime that made it ('' = unknown)
 
     @property
     def tier(self) -> Tier:
@@ -256,7 +257,7 @@ class CapsuleStore:
         self._copy(dst=payload.slab, src=runtime.arena.storage, runtime=runtime, payload=payload,
                    timing=self.snapshot_latency)
         capsule = Capsule(capsule_id, label, parent_id, episode_id, step, self.nbytes, self.fingerprint,
-                          time.time_ns(), pinned, held, None)
+                          time.time_ns(), pinned, held, None, numerics=runtime.numerics)
         self._attach(capsule, payload)
         self.counters.snapshots += 1
         return capsule
