@@ -210,11 +210,12 @@ def table(result: dict) -> None:
                   f"ratio {capsule['ratio_to_limit']:.2f}")
 
 
-def run_levels(args, levels: Sequence[str], rounds: int = 2) -> dict:
+def run_levels(args, levels: Sequence[str], rounds: int = 5) -> dict:
     """``bench step`` at each CPU numerics level in its own child process (a level is fixed
     for a process at torch's first operation), the levels alternating for ``rounds``
-    rounds so that a busy machine's noise falls on all of them alike. ``cost``: each
-    level's step p50 over the first level's, per policy and plan (mean over the rounds)."""
+    rounds so that a busy machine's noise falls on all of them alike. ``step_p50_ms``: the
+    median over the rounds of each run's step p50; ``cost``: each level's over the first
+    level's, per policy and plan."""
     runs: Dict[str, List[dict]] = {level: [] for level in levels}
     for _ in range(rounds):
         for level in levels:
@@ -224,13 +225,10 @@ def run_levels(args, levels: Sequence[str], rounds: int = 2) -> dict:
             if done.returncode != 0:
                 raise SystemExit(f"bench step --numerics {level}: {done.stderr.strip().splitlines()[-1:]}")
             runs[level].append(json.loads(done.stdout))
-    first = levels[0]
-    cost: Dict[str, Dict[str, float]] = {}
-    for level in levels[1:]:
-        for variant, base in _step_p50s(runs[first]).items():
-            cost.setdefault(level, {})[variant] = float(np.mean(
-                [mine / theirs for mine, theirs in zip(_step_p50s(runs[level])[variant], base, strict=True)]))
-    summary = {level: {variant: float(np.mean(v)) for variant, v in _step_p50s(r).items()} for level, r in runs.items()}
+    summary = {level: {variant: float(np.median(v)) for variant, v in _step_p50s(r).items()}
+               for level, r in runs.items()}
+    cost = {level: {variant: summary[level][variant] / summary[levels[0]][variant] for variant in summary[level]}
+            for level in levels[1:]}
     capability = {level: r[0].get("cpu_capability", "") for level, r in runs.items()}
     return {"bench": "step-numerics", **environment(resolve_device(args.device)), "quick": args.quick,
             "levels": list(levels), "rounds": rounds, "cpu_capability": capability, "step_p50_ms": summary,
@@ -254,7 +252,7 @@ def table_levels(result: dict) -> None:
               *[f"{level} / {levels[0]}" for level in levels[1:]]]
     rows = [[variant, *[result["step_p50_ms"][level][variant] for level in levels],
              *[result["cost"][level][variant] for level in levels[1:]]] for variant in result["step_p50_ms"][levels[0]]]
-    print_table(f"step latency by CPU numerics level on {result['device']} (ms; mean of {result['rounds']} "
+    print_table(f"step latency by CPU numerics level on {result['device']} (ms; median of {result['rounds']} "
                 "alternating rounds)", header, rows)
 
 

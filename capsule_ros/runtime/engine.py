@@ -50,7 +50,8 @@ class RuntimeConfig(ConfigSection):
                            "on, off", choices=("auto", "on", "off"), read_only=True)
     deterministic: bool = setting(True, "torch deterministic algorithms (bit-identical replays)", read_only=True)
     debug_checks: bool = setting(False, "check buffer addresses before every graph replay")
-    cpu_threads: int = setting(1, "torch intra-op threads on CPU (0 = torch's default)", low=0, high=1024,
+    cpu_threads: int = setting(1, "torch intra-op threads on CPU (0 = torch's default: the core count, only with "
+                               "numerics native)", low=0, high=1024,
                                read_only=True)
     numerics: str = setting(numerics.PORTABLE, numerics.SETTING_DOC, choices=numerics.CHOICES, read_only=True)
     seed: int = setting(0, "seed of the policy's counter-based RNG at reset", low=0, high=2**31 - 1)
