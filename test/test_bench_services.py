@@ -17,13 +17,9 @@ pytestmark = pytest.mark.ros
 
 
 def busy_loops() -> list:
-    """Processes running the hog's busy loop (``python -S -c 'while True: pass'``)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if cmdline[-3:] == ["-S", "-c", "while True: pass"] or cmdline[-2:] == ["-c", "while True: pass"]:
-            found.append(proc.pid)
-    return found
+    """Processes running the hog's busy loop."""
+    from capsule_ros.benchmarks.services import BUSY_LOOP
+    return [proc.pid for proc in psutil.process_iter(["cmdline"]) if (proc.info["cmdline"] or [])[-1:] == [BUSY_LOOP]]
 
 
 def test_services_bench_under_a_cpu_hog_reports_every_service_and_the_floor():

@@ -36,15 +36,19 @@ FLOOR_NS = "/bench_services_floor"
 SERVICES = ("commit", "reenter", "reset")
 
 
+BUSY_LOOP = "import os; os.setpriority(os.PRIO_PROCESS, 0, 0)\nwhile True: pass"   # at nice 0, whatever ours
+
+
 class CpuHog:
-    """A busy loop on each of ``cores`` cores, each its own process, from ``start`` to ``stop``."""
+    """A busy loop on each of ``cores`` cores, each its own process at normal priority (nice
+    0, also when the benchmark itself runs under ``nice``), from ``start`` to ``stop``."""
 
     def __init__(self, cores: int):
         self.cores = cores
         self.procs: List[subprocess.Popen] = []
 
     def start(self) -> None:
-        self.procs = [subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        self.procs = [subprocess.Popen([sys.executable, "-S", "-c", BUSY_LOOP], stdin=subprocess.DEVNULL)
                       for _ in range(self.cores)]
 
     def stop(self) -> None:
