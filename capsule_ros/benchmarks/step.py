@@ -5,7 +5,14 @@ Two figures per variant: ``gpu`` (the step alone, CUDA events; on a CPU the same
 ``loop``) and ``loop`` (what the node pays per step: write the staged inputs, step, read
 the action back; host clock). ``unguarded`` is the same plan without the step guard
 (``runtime.guard_steps``: one on-device copy of the state before each step, so a failed
-or non-finite step can be undone): the difference is the guard's cost.
+or non-finite step can be undone): the difference is the guard's cost. On a CPU, ``cpu``
+is the step thread's CPU time, which other processes of a busy machine do not inflate.
+
+``--numerics native,portable,...`` compares CPU numerics levels (``runtime.numerics``,
+``capsule_ros.runtime.numerics``): a level is fixed for a process at torch's first
+operation, so each level's ``bench step`` runs in its own child process, the levels
+alternating over 5 rounds; the table gives each level's median step p50 (CPU time on a
+CPU) and its ratio to the first level's: the cost of a pin.
 
 ``--policy exported`` times an exported program instead: the module ``--module`` names
 (default: the example package's GRU) is exported with ``capsule-ros export``'s code and
@@ -33,6 +40,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -73,7 +81,9 @@ def measure_runtime(runtime: PolicyRuntime, device: torch.device, reps: int) -> 
         runtime.step()
         runtime.read_outputs()
     loop = time_calls(loop_step, reps, torch.device("cpu"), warmup=5)
-    return {"gpu_ms": pct(gpu, 1e3), "loop_ms": pct(loop, 1e3), "graph_captured": runtime.plan.captured,
+    cpu = {} if device.type != "cpu" else {
+        "cpu_ms": pct(time_calls(runtime.step, reps, device, warmup=5, clock=time.thread_time), 1e3)}
+    return {"gpu_ms": pct(gpu, 1e3), "loop_ms": pct(loop, 1e3), **cpu, "graph_captured": runtime.plan.captured,
             "parameters": sum(p.numel() for p in runtime.policy.parameters()), "action": first,
             "threads": torch.get_num_threads() if device.type == "cpu" else None}
 
@@ -236,13 +246,15 @@ def run_levels(args, levels: Sequence[str], rounds: int = 5) -> dict:
 
 
 def _step_p50s(runs: List[dict]) -> Dict[str, List[float]]:
-    """'policy plan' -> the step p50 (ms) of each run."""
+    """'policy plan' -> the step p50 (ms) of each run: the step thread's CPU time on a CPU
+    (robust on a shared machine), CUDA-event time on a GPU."""
     out: Dict[str, List[float]] = {}
     for result in runs:
         for p in result["policies"]:
             for variant in ("graph", "eager", "unguarded"):
                 if p.get(variant):
-                    out.setdefault(f"{p['policy']} {variant}", []).append(p[variant]["gpu_ms"]["p50"])
+                    figure = p[variant].get("cpu_ms") or p[variant]["gpu_ms"]
+                    out.setdefault(f"{p['policy']} {variant}", []).append(figure["p50"])
     return out
 
 
@@ -252,7 +264,8 @@ def table_levels(result: dict) -> None:
               *[f"{level} / {levels[0]}" for level in levels[1:]]]
     rows = [[variant, *[result["step_p50_ms"][level][variant] for level in levels],
              *[result["cost"][level][variant] for level in levels[1:]]] for variant in result["step_p50_ms"][levels[0]]]
-    print_table(f"step latency by CPU numerics level on {result['device']} (ms; median of {result['rounds']} "
+    clock = "CPU time of the step" if result["device"] == "cpu" else "step"
+    print_table(f"{clock} by CPU numerics level on {result['device']} (p50 in ms; median of {result['rounds']} "
                 "alternating rounds)", header, rows)
 
 
