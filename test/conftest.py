@@ -10,6 +10,8 @@ import sys
 import pytest
 from hypothesis import settings
 
+from capsule_ros.runtime import numerics
+
 # CAPSULE_ROS_WITHOUT_ROS=1 makes every ROS 2 module unimportable, as on the GPU machine:
 # the ROS-free tests (the runtime, capsules, session, replay engine) must still run.
 ROS_MODULES = ("rclpy", "rcl_interfaces", "rosidl_runtime_py", "ament_index_python", "launch", "launch_ros",
@@ -27,6 +29,10 @@ class _NoRos(importlib.abc.MetaPathFinder):
 
 if os.environ.get("CAPSULE_ROS_WITHOUT_ROS") == "1":
     sys.meta_path.insert(0, _NoRos())
+
+# The suite runs at the default CPU numerics level (runtime.numerics: portable), pinned
+# before any test runs torch: a level is fixed at torch's first operation in a process.
+numerics.pin(numerics.PORTABLE)
 
 # Hypothesis profiles. "ci" (the default, what `make test` runs): derandomized, the same
 # examples on every run, so CI is reproducible. "dev": new examples every run.

@@ -489,21 +489,27 @@ def test_independent_mcap_reader_decodes_every_message():
                 kinds.append(msg.kind)
     assert counts == expected
     assert steps == list(range(1, N + 1)) + list(range(K + 1, N + 1))
-    assert kinds == [EventKind.COMMIT, EventKind.REENTER]
+    assert kinds == [EventKind.COMMIT, EventKind.SAVE, EventKind.REENTER]          # the commit persisted: SAVE
 
 
-def test_fixture_bags_replay_on_the_build_that_recorded_them():
+def test_fixture_bags_replay_bit_identically_on_any_machine_with_their_level():
+    """The committed bags were recorded at the pinned CPU numerics level avx2 (make_bags.py):
+    they verify here whatever this machine's own vector ISA, with the torch build of
+    requirements/ (a new torch needs new fixtures: make_bags.py)."""
     from capsule_ros.bag.metadata import runtime_versions
     manifest = json.loads((FIXTURES / "manifest.json").read_text())
-    with Recording(FIXTURES / "rollback_mcap") as recording:
-        recorded = recording.meta.versions
-    here = runtime_versions()
-    if any(recorded.get(k) != here.get(k) for k in ("torch", "cpu_capability", "machine")):
-        pytest.skip(f"fixtures recorded on {recorded}, this is {here}: bit-identity is per build")
+    for name in ("rollback_mcap", "events_sqlite3"):
+        with Recording(FIXTURES / name) as recording:
+            assert recording.meta.numerics == "avx2" and recording.config.runtime.numerics == "avx2"
+            assert recording.meta.versions["torch"] == runtime_versions()["torch"], \
+                "the fixture bags were recorded with another torch build: regenerate them (test/fixtures/make_bags.py)"
     verdict = replay_bag(FIXTURES / "rollback_mcap", ReplayOptions(
         from_capsule=manifest["rollback_mcap"]["capsule_id"], capsule_dir=FIXTURES / "capsules"))
-    assert verdict.identical and verdict.steps_compared == 2 * (N - K)
-    assert replay_bag(FIXTURES / "events_sqlite3").identical
+    assert verdict.identical and verdict.steps_compared == 2 * (N - K), (verdict.first_divergence, verdict.notes)
+    assert verdict.fingerprint_replay == verdict.fingerprint_recorded, "the fixtures are stale: make_bags.py"
+    assert (verdict.numerics_recorded, verdict.numerics_replay) == ("avx2", "avx2")
+    events = replay_bag(FIXTURES / "events_sqlite3")
+    assert events.identical and events.complete, (events.first_divergence, events.notes)
 
 
 @pytest.mark.ros

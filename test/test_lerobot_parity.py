@@ -28,7 +28,11 @@ from capsule_ros.runtime.arena import BufferKind, BufferSpec
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.rng import counter_normal
 
-TOLERANCE = 1e-5
+# LeRobot made the fixtures on a CPU at its native level (AVX512 kernels); the suite runs at
+# the default CPU numerics level, portable = avx2 (conftest.py), where a float32 pipeline sums
+# in another order: measured 1.5e-5 (Diffusion, 10 DDPM steps), 1.4e-6 (DDIM), 1.1e-6 (ACT);
+# at the fixtures' own level, native on such a CPU, 0 (docs/lerobot.md#how-close-to-lerobot).
+TOLERANCE = 3e-5
 SNAPSHOT_EPISODE, SNAPSHOT_STEP = 1, 253        # mid-queue for every fixture (253 % 5, % 4, % 8 != 0)
 
 

@@ -141,3 +141,55 @@ def test_move_between_tiers_and_to_disk():
     assert store.stats().free_slabs == {Tier.DEVICE: 1, Tier.HOST: 1, Tier.DISK: 0}
     with pytest.raises(NotFound, match="only on disk"):
         store.move(capsule.id, Tier.DEVICE)
+
+def _expected_victims(store, tier):
+    """By definition: the least recently used payload of ``tier`` that may move (no pin,
+    no hold, no loan), computed from every capsule (what the store's index must agree with)."""
+    groups = {}
+    for capsule in store.list():
+        if capsule.payload is not None and capsule.payload.tier == tier:
+            groups.setdefault(id(capsule.payload), (capsule.payload, []))[1].append(capsule)
+    movable = [(p, cs) for p, cs in groups.values() if p.loans == 0 and not any(c.pinned or c.held for c in cs)]
+    return min(movable, key=lambda pc: pc[0].last_used) if movable else None
+
+
+def test_demotion_and_eviction_follow_last_use_exactly_through_a_long_random_history():
+    """The store keeps payloads in least-recently-used order per tier instead of scanning
+    every capsule (a reset after thousands of episodes cost milliseconds that way): the
+    order must stay exact through restores of host capsules, forks, holds and drops."""
+    import random
+    runtime = make_runtime()
+    store = make_store(runtime, device_mb=slabs_mb(runtime, 3), host_mb=slabs_mb(runtime, 4))
+    evicted = []
+    store.on_evict = evicted.append
+    rng = random.Random(7)
+    for step in range(1, 400):
+        live = [c for c in store.list() if c.payload is not None]
+        op = rng.random()
+        if op < 0.45 or not live:
+            device_full = store.stats().free_slabs[Tier.DEVICE] == 0
+            expected = _expected_victims(store, Tier.DEVICE) if device_full else None
+            host_victim = (_expected_victims(store, Tier.HOST)
+                           if device_full and store.stats().free_slabs[Tier.HOST] == 0 else None)
+            before = len(evicted)
+            try:
+                made = store.snapshot(runtime, episode_id=1, step=step, held=rng.random() < 0.05)
+            except ResourceExhausted:
+                assert expected is None or host_victim is None
+                continue
+            if expected is not None:                               # it made room on the device
+                assert made.tier == Tier.DEVICE and all(c.tier != Tier.DEVICE for c in expected[1]), step
+            if host_victim is not None and len(evicted) > before:
+                assert {c.id for c in evicted[before:]} <= {c.id for c in host_victim[1]}, step
+        elif op < 0.7:
+            store.restore(rng.choice(live).id, runtime)           # touches it, on either tier
+        elif op < 0.8:
+            store.fork(rng.choice(live).id, label="f")
+        elif op < 0.9:
+            store.drop(rng.choice(live).id)
+        else:
+            capsule = rng.choice(live)
+            store.hold(capsule.id, not capsule.held)
+    assert store.counters.demotions > 20 and store.counters.evictions > 20
+    in_memory = {id(c.payload) for c in store.list() if c.payload is not None}
+    assert len(in_memory) <= 7                                       # the 3 + 4 slabs hold every capsule in memory

@@ -13,6 +13,8 @@ MCAP's ``rosbag2`` metadata record); ``rosbags`` writes it. Keys (all ``capsule_
   bytes) in write order, and their count, so a garbled bag is refused instead of being
   misreported as a divergence;
 - ``versions``: capsule_ros, torch, Python and the CPU capability, for the report;
+- ``numerics``: the CPU numerics level the policy ran at (``capsule_ros.runtime.numerics``:
+  ``avx2``, or ``native-avx512`` without a pin), which a replay sets again;
 - ``initial_inputs``: how many leading sensor messages are the inputs' state when the
   recording started (written by the node at start-up of the recording: a replay stages
   them but takes no step on them);
@@ -34,6 +36,7 @@ import yaml
 from capsule_ros.bag.errors import BadBag
 from capsule_ros.config import ConfigSection, field_default
 from capsule_ros.errors import CapsuleRosError
+from capsule_ros.runtime.numerics import recorded_level
 from capsule_ros.serving.config import ServingConfig
 
 PREFIX = "capsule_ros."
@@ -129,14 +132,15 @@ class RecordingMeta:
     messages: int = -1
     versions: Dict[str, str] = field(default_factory=dict)
     initial_inputs: int = 0
+    numerics: str = ""                  # '' = not recorded (a bag from before the level, or a foreign bag)
 
     @classmethod
     def for_node(cls, config: ServingConfig, action_topic: str, events_topic: str,
                  fingerprint: str = "") -> RecordingMeta:
-        node = node_of(action_topic)
-        ports = {name: PortTopic(resolve_topic(port.topic, node), port.type) for name, port in config.ports.items()}
-        return cls(config_params(config), node, ports, action_topic, events_topic, fingerprint,
-                   versions=runtime_versions())
+        """What the node records: its config, topics, graph fingerprint, and this process's
+        versions and numerics level."""
+        return dataclasses.replace(cls.from_config(config, action_topic, events_topic), fingerprint=fingerprint,
+                                   versions=runtime_versions(), numerics=recorded_level(config.runtime.numerics))
 
     def config(self, source: str = "bag") -> ServingConfig:
         """The recorded ServingConfig (BadBag when it does not validate here)."""
@@ -154,6 +158,7 @@ class RecordingMeta:
             "mode": str(self.params["control"].get("mode", "")),
             "digest": self.digest, "messages": str(self.messages),
             "versions": json.dumps(self.versions, sort_keys=True), "initial_inputs": str(self.initial_inputs),
+            "numerics": self.numerics,
             "chunking": json.dumps({k: self.params["control"].get(k) for k in
                                     ("chunking", "inference_delay_steps", "execution_horizon")}, sort_keys=True)
         }.items()}
@@ -174,16 +179,19 @@ class RecordingMeta:
                        fingerprint=custom.get(PREFIX + "fingerprint", ""), digest=custom.get(PREFIX + "digest", ""),
                        messages=int(custom.get(PREFIX + "messages", "-1")),
                        versions=json.loads(custom.get(PREFIX + "versions", "{}")),
-                       initial_inputs=int(custom.get(PREFIX + "initial_inputs", "0")))
+                       initial_inputs=int(custom.get(PREFIX + "initial_inputs", "0")),
+                       numerics=custom.get(PREFIX + "numerics", ""))
         except (yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
             raise BadBag(f"garbled capsule_ros metadata in metadata.yaml custom_data: {exc!r}") from None
 
     @classmethod
     def from_config(cls, config: ServingConfig, action_topic: str, events_topic: str) -> RecordingMeta:
         """For a bag without our metadata (e.g. ``ros2 bag record``): ports resolved from
-        the given config in the namespace of the recorded action topic."""
-        meta = cls.for_node(config, action_topic, events_topic)
-        return dataclasses.replace(meta, versions={})
+        the given config in the namespace of the recorded action topic. Nothing of this
+        process is asked (torch's CPU level must stay unset until the replay pins it)."""
+        node = node_of(action_topic)
+        ports = {name: PortTopic(resolve_topic(port.topic, node), port.type) for name, port in config.ports.items()}
+        return cls(config_params(config), node, ports, action_topic, events_topic)
 
     def with_config(self, config: ServingConfig) -> RecordingMeta:
         """The same recording, replayed with another config (``--params-file``)."""

@@ -55,6 +55,18 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class IgnoredTopic:
+    """A topic of the bag that the replay does not read."""
+
+    topic: str
+    msgtype: str
+    messages: int
+
+    def describe(self) -> str:
+        return f"{self.topic} ({self.msgtype}, {self.messages} message{'s' if self.messages != 1 else ''})"
+
+
+@dataclass(frozen=True)
 class ActionInfo:
     """What scheduling needs of a recorded action."""
 
@@ -147,6 +159,8 @@ class Recording:
         self.info = _metadata(path)
         self.storage = str(self.info.get("storage_identifier", "?"))
         self._override = config
+        self.ignored: List[IgnoredTopic] = []          # topics of the bag the replay does not read
+        self.has_own_metadata = False                   # recorded by capsule_ros (its custom_data)
         self._reader: Optional[Reader] = None
         self._scan: Optional[BagScan] = None
 
@@ -181,6 +195,7 @@ class Recording:
         for conn in connections:
             by_type.setdefault(conn.msgtype, []).append(conn.topic)
         custom = self.info.get("custom_data") or {}
+        self.has_own_metadata = "capsule_ros.params" in custom
         if self._override is not None and "capsule_ros.params" not in custom:
             actions, events = by_type.get(ACTION_TYPE, []), by_type.get(EVENT_TYPE, [])
             if len(actions) != 1 or len(events) != 1:
@@ -204,7 +219,19 @@ class Recording:
         if missing:
             raise BadBag(f"the bag lacks topic(s) {missing} (it has {sorted(c.topic for c in connections)})")
         self._connections = [c for c in connections if c.topic in self._roles]
+        self.ignored = self._ignored_topics(c for c in connections if c.topic not in self._roles)
         self.typestore = build_typestore(self._connections)
+
+    @staticmethod
+    def _ignored_topics(connections) -> List[IgnoredTopic]:
+        """Topics no port, action or event stream reads (``ros2 bag record -a`` adds /tf,
+        /rosout...; an edit may add anything): the replay neither feeds nor checks them,
+        and its verdict lists them so that nothing in the bag passes unseen."""
+        counts: Dict[Tuple[str, str], int] = {}
+        for conn in connections:
+            key = (conn.topic, conn.msgtype)
+            counts[key] = counts.get(key, 0) + int(getattr(conn, "msgcount", 0) or 0)
+        return [IgnoredTopic(topic, msgtype, n) for (topic, msgtype), n in sorted(counts.items())]
 
     # -- reading --------------------------------------------------------------------------------
     def entries(self) -> Iterator[Entry]:

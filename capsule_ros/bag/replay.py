@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import dataclasses
 import enum
 import tempfile
 import time
@@ -61,7 +62,9 @@ from capsule_ros.bag.targets import InProcessTarget, ReplayTarget
 from capsule_ros.bag.verdict import Act, Divergence, Verdict, differences, max_abs_diff
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.errors import CapsuleRosError
+from capsule_ros.runtime import numerics
 from capsule_ros.runtime.schema import BufferKind
+from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.records import ActionSource, EventKind, HoldMode
 from capsule_ros.serving.verbs import VERBS
 
@@ -513,6 +516,10 @@ class Replayer:
         if changed:
             v.notes.append("recorded on another build (" + ", ".join(changed) + "): bit-identity is promised on "
                            "the same device, build and config")
+        if v.numerics_recorded.startswith(numerics.NATIVE) and v.numerics_recorded != v.numerics_replay:
+            v.notes.append(f"recorded without a CPU numerics pin ({v.numerics_recorded}) and replayed at "
+                           f"{v.numerics_replay}: bit-identity holds only at the same level; record with "
+                           "runtime.numerics: portable (docs/rosbag-replay.md#portable-recordings)")
 
 
 # -- library entry point ------------------------------------------------------------------------------
@@ -521,7 +528,6 @@ def replay_bag(bag, options: ReplayOptions = ReplayOptions(), node_target=None) 
     """Replay ``bag`` and return the verdict (raises BagError subclasses). With
     ``options.node``, ``node_target`` makes the policy_node target (the bag layer has no
     ROS: ``capsule_ros.ros.replay_target.NodeTarget``, as ``capsule-ros replay --node`` passes)."""
-    from capsule_ros.serving.config import ServingConfig
     from capsule_ros.serving.factory import capsule_directory_path
     config = None
     if options.params_file is not None:
@@ -537,7 +543,7 @@ def replay_bag(bag, options: ReplayOptions = ReplayOptions(), node_target=None) 
             raise ReplaySetupError("--ablation runs in-process (it changes what a re-entry restores)")
         ablation = ABLATIONS[options.ablation]
     with Recording(bag, config) as recording:
-        cfg = recording.config
+        cfg, level = _at_recorded_numerics(recording)
         if options.node and cfg.control.mode != "trigger":
             raise ReplaySetupError("this bag was recorded in timer mode: its steps followed the wall clock; "
                                    "replay it in-process (the default), which steps where the node acted")
@@ -557,7 +563,28 @@ def replay_bag(bag, options: ReplayOptions = ReplayOptions(), node_target=None) 
                 target = stack.enter_context(node_target(cfg, files, workdir, options.timeout_s))
             else:
                 target = stack.enter_context(InProcessTarget(cfg, files, ablation))
-            verdict = Replayer(recording, target, options).run()
+            replayer = Replayer(recording, target, options)
+            replayer.verdict.numerics_recorded, replayer.verdict.numerics_replay = recording.meta.numerics, level
+            replayer.verdict.topics_ignored = [t.describe() for t in recording.ignored]
+            verdict = replayer.run()
             if options.ablation:
                 verdict.target += f" (ablation: re-entry restores only {options.ablation})"
             return verdict
+
+
+def _at_recorded_numerics(recording: Recording) -> Tuple[ServingConfig, str]:
+    """The recording's config at the CPU numerics level it was recorded at, pinned in this
+    process (``capsule_ros.runtime.numerics``), and the level the replay records; a
+    ReplaySetupError says why when this machine (or this process) cannot run it. A bag
+    of capsule_ros from before the level ran unpinned (native); a foreign bag replays at
+    the level of the config it is given."""
+    cfg = recording.config
+    recorded = recording.meta.numerics
+    try:
+        if recorded or recording.has_own_metadata:
+            cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime,
+                                                                       numerics=numerics.replay_setting(recorded)))
+        numerics.pin(cfg.runtime.numerics)
+    except CapsuleRosError as exc:
+        raise ReplaySetupError(f"the bag was recorded at CPU numerics level {recorded or 'native'}: {exc}") from None
+    return cfg, numerics.recorded_level(cfg.runtime.numerics)

@@ -112,6 +112,9 @@ class Verdict:
     fingerprint_recorded: str = ""
     fingerprint_replay: str = ""
     versions_recorded: Dict[str, str] = field(default_factory=dict)
+    numerics_recorded: str = ""  # CPU numerics level of the recording ('' = not recorded)
+    numerics_replay: str = ""    # the level the replay ran at
+    topics_ignored: List[str] = field(default_factory=list)   # bag topics neither fed nor checked
     notes: List[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -151,6 +154,8 @@ class Verdict:
                      f"{self.steps_skipped} skipped)")
         else:
             title = "[bold green]BIT-IDENTICAL[/]"
+        if self.topics_ignored:
+            title += f" [yellow]({len(self.topics_ignored)} topic(s) of the bag not replayed: listed below)[/]"
         table = Table(title=f"capsule-ros replay: {title}", show_header=False, title_justify="left")
         table.add_column("what", style="bold")
         table.add_column("value")
@@ -169,6 +174,12 @@ class Verdict:
             rows.append(("recorded deadline misses", f"{self.deadline_misses} (safe actions of late or failed steps)"))
         if self.steps_unrecorded:
             rows.append(("recording ended", f"before the action of {self.steps_unrecorded} input(s)"))
+        for topic in self.topics_ignored:           # neither fed to the policy nor compared
+            rows.append(("[yellow]topic ignored[/]", topic))
+        if self.numerics_replay:
+            rows.append(("numerics", f"{self.numerics_replay} " + (
+                "(as recorded)" if self.numerics_recorded == self.numerics_replay else
+                f"[yellow](recorded {self.numerics_recorded or 'without a level'})[/]")))
         same = self.fingerprint_recorded == self.fingerprint_replay
         rows.append(("graph fingerprint", f"{self.fingerprint_replay[:12]} "
                      + ("(as recorded)" if same else f"[yellow](recorded {self.fingerprint_recorded[:12] or '?'})[/]")))

@@ -1,9 +1,11 @@
-"""The baseline for `capsule-ros bench loop`: what a user writes today.
+"""The baseline for `capsule-ros bench loop` and `bench services`: what a user writes today.
 
 A plain rclpy node that keeps the policy's state as ordinary tensors and calls the same
 policy eagerly in its subscription callback, then publishes the action (the same
 capsule_ros/msg/Action message). No arena, no graph, no capsules, no watchdog, no
-deadline: the minimum a user would write.
+deadline: the minimum a user would write. Its ``~/trigger`` (std_srvs/Trigger) answers at
+once from the executor's thread: the floor a service of a Python node doing this work
+can reach (``bench services`` calls it beside the capsule services).
 
     python -m capsule_ros.benchmarks.baseline_node --ros-args -r __ns:=/baseline
 """
@@ -16,6 +18,7 @@ from geometry_msgs.msg import PointStamped
 from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import JointState
+from std_srvs.srv import Trigger
 
 from capsule_ros.benchmarks.common import config_path
 from capsule_ros.msg import Action
@@ -36,6 +39,11 @@ class BaselinePolicyNode(Node):
         self.pub = self.create_publisher(Action, "~/action", 10)
         self.create_subscription(PointStamped, "arm/goal", self.on_goal, 10)
         self.create_subscription(JointState, "arm/joint_states", self.on_joints, qos_profile_sensor_data)
+        self.create_service(Trigger, "~/trigger", self.on_trigger)
+
+    def on_trigger(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        response.success, response.message = True, f"step {int(self.state['step'][0])}"
+        return response
 
     def on_goal(self, msg: PointStamped) -> None:
         self.state["goal"].copy_(torch.tensor([msg.point.x, msg.point.y]))

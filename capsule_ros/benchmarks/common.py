@@ -36,9 +36,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def time_calls(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 2,
-               stream: Optional[torch.cuda.Stream] = None) -> np.ndarray:
+               stream: Optional[torch.cuda.Stream] = None,
+               clock: Callable[[], float] = time.perf_counter) -> np.ndarray:
     """Seconds per call: CUDA events around each call on a GPU (``stream`` or the current
-    one), a host clock on a CPU."""
+    one), ``clock`` on a CPU (wall time; ``time.thread_time``: the calling thread's CPU
+    time, which a busy machine's other processes do not inflate)."""
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
@@ -53,9 +55,9 @@ def time_calls(fn: Callable[[], object], reps: int, device: torch.device, warmup
             end.synchronize()
             out[i] = start.elapsed_time(end) / 1e3
         else:
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            out[i] = time.perf_counter() - t0
+            out[i] = clock() - t0
     return out
 
 
@@ -69,7 +71,7 @@ def environment(device: torch.device) -> dict:
     info = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "device": str(device), "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(["capsule-ros", *sys.argv[1:]]) if sys.argv else "",
-            "cpu_threads": torch.get_num_threads()}
+            "cpu_threads": torch.get_num_threads(), "cpu_capability": str(torch.backends.cpu.get_cpu_capability())}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
@@ -85,6 +87,7 @@ class ArenaHost:
     layout: ArenaLayout
     fingerprint: str
     stream: Optional[torch.cuda.Stream]
+    numerics: str = ""
 
     def chunk_mark(self) -> None:
         """A bare arena has no chunk schedule (nor anything to check or resume)."""

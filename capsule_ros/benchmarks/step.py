@@ -5,7 +5,14 @@ Two figures per variant: ``gpu`` (the step alone, CUDA events; on a CPU the same
 ``loop``) and ``loop`` (what the node pays per step: write the staged inputs, step, read
 the action back; host clock). ``unguarded`` is the same plan without the step guard
 (``runtime.guard_steps``: one on-device copy of the state before each step, so a failed
-or non-finite step can be undone): the difference is the guard's cost.
+or non-finite step can be undone): the difference is the guard's cost. On a CPU, ``cpu``
+is the step thread's CPU time, which other processes of a busy machine do not inflate.
+
+``--numerics native,portable,...`` compares CPU numerics levels (``runtime.numerics``,
+``capsule_ros.runtime.numerics``): a level is fixed for a process at torch's first
+operation, so each level's ``bench step`` runs in its own child process, the levels
+alternating over 5 rounds; the table gives each level's median step p50 (CPU time on a
+CPU) and its ratio to the first level's: the cost of a pin.
 
 ``--policy exported`` times an exported program instead: the module ``--module`` names
 (default: the example package's GRU) is exported with ``capsule-ros export``'s code and
@@ -31,10 +38,14 @@ time is a forward pass, the worst case of LeRobot's ``select_action``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List, Sequence
 
 import numpy as np
 import torch
@@ -73,12 +84,19 @@ def measure_runtime(runtime: PolicyRuntime, device: torch.device, reps: int) -> 
         runtime.step()
         runtime.read_outputs()
     loop = time_calls(loop_step, reps, torch.device("cpu"), warmup=5)
-    return {"gpu_ms": pct(gpu, 1e3), "loop_ms": pct(loop, 1e3), "graph_captured": runtime.plan.captured,
+    cpu = {} if device.type != "cpu" else {
+        "cpu_ms": pct(time_calls(runtime.step, reps, device, warmup=5, clock=time.thread_time), 1e3)}
+    return {"gpu_ms": pct(gpu, 1e3), "loop_ms": pct(loop, 1e3), **cpu, "graph_captured": runtime.plan.captured,
             "parameters": sum(p.numel() for p in runtime.policy.parameters()), "action": first,
             "threads": torch.get_num_threads() if device.type == "cpu" else None}
 
 
-def run_exported(device: torch.device, quick: bool, module_spec: str) -> dict:
+def at_level(config: ServingConfig, level: str) -> ServingConfig:
+    """``config`` at the CPU numerics level the benchmark runs at (``--numerics``)."""
+    return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, numerics=level))
+
+
+def run_exported(device: torch.device, quick: bool, module_spec: str, level: str = "portable") -> dict:
     """The exported program served (graph and eager plan) against its module run eagerly."""
     from capsule_ros.policies.export import export_module, load_factory
     from capsule_ros.policies.exported import ExportedPolicy
@@ -89,7 +107,7 @@ def run_exported(device: torch.device, quick: bool, module_spec: str) -> dict:
         report = export_module(module, Path(tmp) / "program.pt2", source={"module": module_spec})
         served = {}
         for graphs in ((True, False) if device.type == "cuda" else (False,)):
-            config = RuntimeConfig(device=str(device), cuda_graphs=graphs, guard_steps=False)
+            config = RuntimeConfig(device=str(device), cuda_graphs=graphs, guard_steps=False, numerics=level)
             runtime = PolicyRuntime(ExportedPolicy.from_file(report.path), config)
             served["graph" if graphs else "eager"] = measure_runtime(runtime, device, reps)
     interface = report.interface
@@ -108,11 +126,11 @@ def run_exported(device: torch.device, quick: bool, module_spec: str) -> dict:
             "speedup": eager["gpu_ms"]["p50"] / best["gpu_ms"]["p50"]}
 
 
-def run(device_name: str = "auto", quick: bool = False) -> dict:
+def run(device_name: str = "auto", quick: bool = False, level: str = "portable") -> dict:
     device = resolve_device(device_name)
-    default = ServingConfig.from_file(config_path("policy.yaml"))
+    default = at_level(ServingConfig.from_file(config_path("policy.yaml")), level)
     default = dataclasses.replace(default, policy=dataclasses.replace(default.policy, weights=""))
-    reference = ServingConfig.from_file(config_path("reference_hybrid.yaml"))
+    reference = at_level(ServingConfig.from_file(config_path("reference_hybrid.yaml")), level)
     if quick or device.type == "cpu":
         # the 0.75 B bf16 reference is GPU-sized: on a CPU (or --quick) use its scaled-down variant
         quick_shape = dataclasses.replace(reference.policy_settings, **QUICK)
@@ -132,7 +150,7 @@ def run(device_name: str = "auto", quick: bool = False) -> dict:
         guarded = row["graph"] or row["eager"]
         row["guard_cost"] = guarded["gpu_ms"]["p50"] / row["unguarded"]["gpu_ms"]["p50"]
         policies.append(row)
-    return {"bench": "step", **environment(device), "quick": quick, "policies": policies}
+    return {"bench": "step", **environment(device), "quick": quick, "numerics": level, "policies": policies}
 
 
 def table_exported(result: dict) -> None:
@@ -143,7 +161,7 @@ def table_exported(result: dict) -> None:
                 f"{result['speedup']:.2f}x the eager module", ["variant", "step p50", "step p99"], rows)
 
 
-def run_act(device_name: str = "auto", quick: bool = False) -> dict:
+def run_act(device_name: str = "auto", quick: bool = False, level: str = "portable") -> dict:
     """ACT from a LeRobot checkpoint at batch 1 (module docstring)."""
     from capsule_ros.benchmarks.lerobot_act import checkpoint_summary, serving_config, write_act_checkpoint
     from capsule_ros.benchmarks.snapshot import bench_state
@@ -151,7 +169,7 @@ def run_act(device_name: str = "auto", quick: bool = False) -> dict:
     reps = (10 if quick else 30) if device.type == "cpu" else (50 if quick else 300)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = write_act_checkpoint(Path(tmp) / "pretrained_model", quick=quick)
-        config = serving_config(checkpoint)
+        config = at_level(serving_config(checkpoint), level)
         row: dict = {"policy": "act" + ("-quick" if quick else ""), "checkpoint": checkpoint_summary(checkpoint)}
         row["eager"] = measure(config, device, False, reps)
         if device.type == "cuda":
@@ -172,7 +190,7 @@ def run_act(device_name: str = "auto", quick: bool = False) -> dict:
                                      2000 if runtime.layout.nbytes < 2**24 else 200)
         row["capsule"]["state_bytes"] = {kind.value: hi - lo for kind in BufferKind
                                          for lo, hi in [runtime.layout.byte_range(kind)] if hi > lo}
-    return {"bench": "step", **environment(device), "quick": quick, "policies": [row]}
+    return {"bench": "step", **environment(device), "quick": quick, "numerics": level, "policies": [row]}
 
 
 def table(result: dict) -> None:
@@ -199,13 +217,65 @@ def table(result: dict) -> None:
                   f"ratio {capsule['ratio_to_limit']:.2f}")
 
 
+def run_levels(args, levels: Sequence[str], rounds: int = 5) -> dict:
+    """``bench step`` at each CPU numerics level in its own child process (a level is fixed
+    for a process at torch's first operation), the levels alternating for ``rounds``
+    rounds so that a busy machine's noise falls on all of them alike. ``step_p50_ms``: the
+    median over the rounds of each run's step p50; ``cost``: each level's over the first
+    level's, per policy and plan."""
+    runs: Dict[str, List[dict]] = {level: [] for level in levels}
+    for _ in range(rounds):
+        for level in levels:
+            argv = [sys.executable, "-m", "capsule_ros.cli.main", "bench", "step", "--json", "--numerics", level,
+                    "--device", args.device, "--policy", args.policy, "--module", args.module]
+            done = subprocess.run(argv + (["--quick"] if args.quick else []), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"bench step --numerics {level}: {done.stderr.strip().splitlines()[-1:]}")
+            runs[level].append(json.loads(done.stdout))
+    summary = {level: {variant: float(np.median(v)) for variant, v in _step_p50s(r).items()}
+               for level, r in runs.items()}
+    cost = {level: {variant: summary[level][variant] / summary[levels[0]][variant] for variant in summary[level]}
+            for level in levels[1:]}
+    capability = {level: r[0].get("cpu_capability", "") for level, r in runs.items()}
+    return {"bench": "step-numerics", **environment(resolve_device(args.device)), "quick": args.quick,
+            "levels": list(levels), "rounds": rounds, "cpu_capability": capability, "step_p50_ms": summary,
+            "cost": cost, "runs": runs}
+
+
+def _step_p50s(runs: List[dict]) -> Dict[str, List[float]]:
+    """'policy plan' -> the step p50 (ms) of each run: the step thread's CPU time on a CPU
+    (robust on a shared machine), CUDA-event time on a GPU."""
+    out: Dict[str, List[float]] = {}
+    for result in runs:
+        for p in result["policies"]:
+            for variant in ("graph", "eager", "unguarded"):
+                if p.get(variant):
+                    figure = p[variant].get("cpu_ms") or p[variant]["gpu_ms"]
+                    out.setdefault(f"{p['policy']} {variant}", []).append(figure["p50"])
+    return out
+
+
+def table_levels(result: dict) -> None:
+    levels = result["levels"]
+    header = ["policy, plan", *[f"{level} ({result['cpu_capability'][level]}) p50" for level in levels],
+              *[f"{level} / {levels[0]}" for level in levels[1:]]]
+    rows = [[variant, *[result["step_p50_ms"][level][variant] for level in levels],
+             *[result["cost"][level][variant] for level in levels[1:]]] for variant in result["step_p50_ms"][levels[0]]]
+    clock = "CPU time of the step" if result["device"] == "cpu" else "step"
+    print_table(f"{clock} by CPU numerics level on {result['device']} (p50 in ms; median of {result['rounds']} "
+                "alternating rounds)", header, rows)
+
+
 def main(args) -> int:
+    levels = args.numerics
     if args.policy == "onnx":
         from capsule_ros.benchmarks import onnx_step
         return onnx_step.main(args)
-    if args.policy == "exported":
-        emit(run_exported(resolve_device(args.device), args.quick, args.module), args.json, table_exported)
+    if len(levels) > 1:
+        emit(run_levels(args, levels), args.json, table_levels)
+    elif args.policy == "exported":
+        emit(run_exported(resolve_device(args.device), args.quick, args.module, levels[0]), args.json, table_exported)
     else:
-        emit(run_act(args.device, args.quick) if args.policy == "act" else run(args.device, args.quick),
-             args.json, table)
+        emit(run_act(args.device, args.quick, levels[0]) if args.policy == "act" else
+             run(args.device, args.quick, levels[0]), args.json, table)
     return 0

@@ -163,7 +163,7 @@ class CapsuleDirectory:
                                   f"max_file_bytes = {self.max_file_bytes}, it could not be loaded back")
         header = CapsuleHeader(capsule.id, capsule.label, capsule.parent_id, episode, step, stamp, nbytes,
                                capsule.fingerprint, tuple(BufferRecord.of(e) for e in schema), self.chunk_bytes,
-                               chunk=capsule.chunk)
+                               numerics=capsule.numerics, chunk=capsule.chunk)
         part = path.with_name(capsule.id + PART_SUFFIX)
         with os_errors(part):
             try:
@@ -217,7 +217,7 @@ class CapsuleDirectory:
             raise CorruptCapsule(f"capsule file {str(path)!r} holds capsule {header.capsule_id!r}, not {capsule_id!r}")
         return Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
                        header.nbytes, header.fingerprint, header.stamp_ns, pinned=False, payload=None,
-                       path=str(path), chunk=header.chunk)
+                       path=str(path), numerics=header.numerics, chunk=header.chunk)
 
     def remove(self, capsule_id: str) -> None:
         """Delete a capsule file (NotFound if there is none)."""

@@ -36,6 +36,7 @@ import hmac
 import io
 import json
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass, field, fields, replace
@@ -81,6 +82,8 @@ _U64 = 1 << 64
 
 _WRAP_AAD_PREFIX = b"capsule-ros/v1/data-key\x00"
 _BUFFER_KEYS = ("name", "shape", "dtype", "kind", "offset", "nbytes")
+_OPTIONAL_KEYS = ("numerics", "chunk")    # written when set; files from before them read as ""  / None
+MAX_NUMERICS_CHARS = 32
 _KINDS = frozenset(k.value for k in BufferKind)
 
 PathLike = Union[str, os.PathLike]
@@ -141,6 +144,7 @@ class CapsuleHeader:
     salt: bytes = field(default=b"", repr=False)
     wrapped_key: bytes = field(default=b"", repr=False)
     key_nonce: bytes = field(default=b"", repr=False)
+    numerics: str = ""          # CPU numerics level it was made at (runtime/numerics.py); '' = not recorded
     chunk: Optional[ChunkMark] = None     # a chunking policy's schedule mark (key "chunk", absent otherwise)
 
     def __post_init__(self) -> None:
@@ -177,6 +181,8 @@ class CapsuleHeader:
         if self.encrypted:
             out["wrapped_key"] = self.wrapped_key.hex()
             out["key_nonce"] = self.key_nonce.hex()
+        if self.numerics:
+            out["numerics"] = self.numerics
         if self.chunk is not None:
             out["chunk"] = self.chunk.to_json()
         return out
@@ -273,10 +279,9 @@ def parse_header(obj: Any, *, encrypted: bool, max_bytes: int,
     ``error`` is CorruptCapsule for a file being read and InvalidArgument for a header a
     caller asks us to write: one validator for both directions.
     """
-    keys = [f.name for f in fields(CapsuleHeader) if f.name not in ("wrapped_key", "key_nonce", "chunk")]
+    keys = [f.name for f in fields(CapsuleHeader) if f.name not in ("wrapped_key", "key_nonce", *_OPTIONAL_KEYS)]
     keys += ["chunk_count"] + (["wrapped_key", "key_nonce"] if encrypted else [])
-    if isinstance(obj, dict) and "chunk" in obj:
-        keys.append("chunk")
+    keys += [k for k in _OPTIONAL_KEYS if isinstance(obj, dict) and k in obj]
     _check_keys(obj, keys, error, "header ")
     capsule_id = _get(obj, "capsule_id", str, error, "")
     parent_id = _get(obj, "parent_id", str, error, "")
@@ -316,9 +321,12 @@ def parse_header(obj: Any, *, encrypted: bool, max_bytes: int,
     salt = _get_hex(obj, "salt", SALT_BYTES, error)
     wrapped_key = _get_hex(obj, "wrapped_key", WRAPPED_KEY_BYTES, error) if encrypted else b""
     key_nonce = _get_hex(obj, "key_nonce", NONCE_BYTES, error) if encrypted else b""
+    numerics = _get_str(obj, "numerics", MAX_NUMERICS_CHARS, error) if "numerics" in obj else ""
+    if "numerics" in obj and not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", numerics):
+        raise error(f"numerics = {_quote(numerics)}: must be a level name such as 'avx2' or 'native-avx512'")
     chunk = ChunkMark.from_json(obj["chunk"], "", error) if "chunk" in obj else None
     return CapsuleHeader(capsule_id, label, parent_id, episode_id, step, stamp_ns, nbytes, fingerprint,
-                         tuple(schema), chunk_bytes, salt, wrapped_key, key_nonce, chunk)
+                         tuple(schema), chunk_bytes, salt, wrapped_key, key_nonce, numerics, chunk)
 
 
 # -- keys and tags ---------------------------------------------------------------------------------

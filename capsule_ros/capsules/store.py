@@ -29,9 +29,15 @@ snapshot copy, and a restore waits for the step in flight and is waited on by th
 
 Mechanism only: the store decides nothing about when to snapshot or what a rollback
 means (that is ``capsule_ros.serving``). It is not thread-safe; callers serialise.
+
+Cost: the verbs cost the same with 10 or 10,000 capsules in memory. The store keeps, per
+memory tier, its payloads in least-recently-used order (and each payload's capsules), so
+choosing what to demote or evict looks at the oldest payloads only; a scan of every
+capsule per snapshot made ~/reset 5x slower after a few thousand episodes.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import logging
@@ -65,6 +71,7 @@ class ArenaOwner(Protocol):
     layout: ArenaLayout
     arena: StateArena
     stream: Optional[torch.cuda.Stream]
+    numerics: str                         # the CPU numerics level it runs at (runtime/numerics.py)
 
     def chunk_mark(self) -> Optional[ChunkMark]: ...
 
@@ -114,6 +121,7 @@ class Capsule:
     held: bool = False                    # by the session (interrupt capsule, timeline root): never evicted
     payload: Optional[Payload] = field(default=None, repr=False)
     path: Optional[str] = None            # persisted copy in the capsule directory
+    numerics: str = ""                    # CPU numerics level of the runtime that made it ('' = unknown)
     chunk: Optional[ChunkMark] = None     # a chunking policy's chunk state (host mirror of the bytes)
 
     @property
@@ -282,6 +290,10 @@ class CapsuleStore:
             Tier.HOST: SlabPool(Tier.HOST, nbytes, int(config.host_budget_mb * 2**20), torch.device("cpu"), cuda),
         }
         self._capsules: Dict[str, Capsule] = {}
+        # per memory tier: id(payload) -> payload, least recently used first; and its capsules
+        self._lru: Dict[Tier, collections.OrderedDict[int, Payload]] = {
+            Tier.DEVICE: collections.OrderedDict(), Tier.HOST: collections.OrderedDict()}
+        self._holders: Dict[int, List[Capsule]] = {}
         self._clock = 0
         self.counters = StoreCounters()
         self.restore_latency = LatencyWindow()    # copy time: CUDA events on GPU, wall time on CPU
@@ -296,6 +308,9 @@ class CapsuleStore:
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
         self._capsules.clear()
+        self._holders.clear()
+        for order in self._lru.values():
+            order.clear()
         self._pending_timings.clear()
         for pool in self._pools.values():
             pool.close()
@@ -346,7 +361,7 @@ class CapsuleStore:
         self._copy(dst=payload.slab, src=runtime.arena.storage, runtime=runtime, payload=payload,
                    timing=self.snapshot_latency)
         capsule = Capsule(capsule_id, label, parent_id, episode_id, step, self.nbytes, self.fingerprint,
-                          time.time_ns(), pinned, held, None, chunk=runtime.chunk_mark())
+                          time.time_ns(), pinned, held, None, numerics=runtime.numerics, chunk=runtime.chunk_mark())
         self._attach(capsule, payload)
         self.counters.snapshots += 1
         return capsule
@@ -525,10 +540,14 @@ class CapsuleStore:
         """Whether ``count`` new capsules fit without touching ``protect``: free slabs plus
         slabs that demotion or eviction can free (unpinned, unheld). Changes nothing."""
         protected = {id(p) for p in protect if p is not None}
-        free = sum(pool.free for pool in self._pools.values())
-        movable = sum(1 for tier in (Tier.DEVICE, Tier.HOST) for key, (p, cs) in self._payloads(tier).items()
-                      if key not in protected and self._movable(p, cs))
-        return free + movable >= count
+        needed = count - sum(pool.free for pool in self._pools.values())
+        for tier in (Tier.DEVICE, Tier.HOST):
+            for key, (p, cs) in self._payloads(tier):
+                if needed <= 0:
+                    return True
+                if key not in protected and self._movable(p, cs):
+                    needed -= 1
+        return needed <= 0
 
     def _flush_timings(self) -> None:
         """Move completed CUDA copy timings into their latency windows (non-blocking)."""
@@ -549,12 +568,17 @@ class CapsuleStore:
                 "or device kind")
 
     def _touch(self, payload: Payload) -> None:
+        """``payload`` is the most recently used of its tier (it must hold a capsule)."""
         self._clock += 1
         payload.last_used = self._clock
+        order = self._lru[payload.tier]
+        order[id(payload)] = payload
+        order.move_to_end(id(payload))
 
     def _attach(self, capsule: Capsule, payload: Payload) -> None:
         capsule.payload = payload
         payload.refs += 1
+        self._holders.setdefault(id(payload), []).append(capsule)
         self._touch(payload)
         self._capsules[capsule.id] = capsule
 
@@ -562,15 +586,34 @@ class CapsuleStore:
         payload, capsule.payload = capsule.payload, None
         if payload is not None:
             payload.refs -= 1
+            holders = self._holders[id(payload)]
+            holders.remove(capsule)
+            if not holders:
+                self._forget(payload)
             if payload.refs == 0 and payload.loans == 0:    # a lent slab is freed when its loan ends
                 self._pools[payload.tier].give_back(payload)
 
-    def _payloads(self, tier: Tier) -> Dict[int, Tuple[Payload, List[Capsule]]]:
-        out: Dict[int, Tuple[Payload, List[Capsule]]] = {}
-        for capsule in self._capsules.values():
-            if capsule.payload is not None and capsule.payload.tier == tier:
-                out.setdefault(id(capsule.payload), (capsule.payload, []))[1].append(capsule)
-        return out
+    def _forget(self, payload: Payload) -> None:
+        """No capsule holds ``payload`` any more: out of the LRU order."""
+        del self._holders[id(payload)]
+        del self._lru[payload.tier][id(payload)]
+
+    def _retier(self, payload: Payload, tier: Tier) -> None:
+        """``payload`` moved to ``tier``, where it keeps its place by last use: usually the
+        newest (only a least recently used payload is demoted), else the tier is re-sorted."""
+        del self._lru[payload.tier][id(payload)]
+        payload.tier = tier
+        order = self._lru[tier]
+        newest = next(reversed(order.values()), None)
+        order[id(payload)] = payload
+        if newest is not None and newest.last_used > payload.last_used:
+            ordered = sorted(order.values(), key=lambda p: p.last_used)
+            order.clear()
+            order.update((id(p), p) for p in ordered)
+
+    def _payloads(self, tier: Tier) -> Iterable[Tuple[int, Tuple[Payload, List[Capsule]]]]:
+        """(key, (payload, its capsules)) of ``tier``, least recently used first."""
+        return ((key, (p, self._holders[key])) for key, p in self._lru[tier].items())
 
     @staticmethod
     def _movable(payload: Payload, capsules: List[Capsule]) -> bool:
@@ -579,9 +622,8 @@ class CapsuleStore:
 
     def _lru_victim(self, tier: Tier, protect: Iterable[Payload]) -> Optional[Tuple[Payload, List[Capsule]]]:
         protected = {id(p) for p in protect}
-        candidates = [(p, cs) for key, (p, cs) in self._payloads(tier).items()
-                      if key not in protected and self._movable(p, cs)]
-        return min(candidates, key=lambda pc: pc[0].last_used) if candidates else None
+        return next(((p, cs) for key, (p, cs) in self._payloads(tier)
+                     if key not in protected and self._movable(p, cs)), None)
 
     def _free_slab(self, tier: Tier, protect: Sequence[Payload]) -> Optional[torch.Tensor]:
         """A free slab of ``tier``, making room by demotion / eviction when needed."""
@@ -599,7 +641,8 @@ class CapsuleStore:
             self.counters.demotions += 1
             return pool.acquire()
         # HOST (or DEVICE with no room on HOST): drop the bytes from memory.
-        for capsule in capsules:
+        self._forget(payload)
+        for capsule in list(capsules):
             if capsule.path is None:
                 del self._capsules[capsule.id]
                 self.counters.evictions += 1
@@ -627,7 +670,8 @@ class CapsuleStore:
         old_slab, old_tier = payload.slab, payload.tier
         self._copy(dst=slab, src=old_slab, runtime=None, payload=payload)
         payload.wait()   # the old slab returns to its pool: the copy out of it must be done
-        payload.slab, payload.tier = slab, tier
+        payload.slab = slab
+        self._retier(payload, tier)
         self._pools[old_tier].release(old_slab)
         return True
 

@@ -35,6 +35,7 @@ def _text(path: str, header: CapsuleHeader, reason: Optional[str]) -> str:
     rows = [("file", path), ("capsule", header.capsule_id), ("label", repr(header.label)),
             ("parent", header.parent_id or "-"), ("episode", header.episode_id), ("step", header.step),
             ("stamp_ns", header.stamp_ns), ("bytes", header.nbytes), ("fingerprint", header.fingerprint),
+            ("numerics", header.numerics or "not recorded"),
             ("encrypted", "yes (AES-256-GCM)" if header.encrypted else "no (SHA-256 checksums)"),
             ("chunks", f"{header.chunk_count} x {header.chunk_bytes} bytes (last {last})"),
             ("buffers", len(header.schema))]
@@ -53,6 +54,7 @@ def _json(path: str, header: Optional[CapsuleHeader], reason: Optional[str], err
     if header is not None:
         info = {k: v for k, v in header.to_json().items() if k not in ("wrapped_key", "key_nonce")}
         info["encrypted"] = header.encrypted
+        info["numerics"] = header.numerics
     return json.dumps({"file": path, "valid": reason is None, "reason": reason, "error": error, "header": info},
                       indent=2, sort_keys=True)
 

@@ -11,8 +11,23 @@ from typing import List, Optional
 
 
 def _bench(args) -> int:
+    from capsule_ros.errors import ConfigError
+    from capsule_ros.runtime import numerics
     if args.policy != "builtin" and args.which != "step":
         raise SystemExit(f"capsule-ros bench {args.which}: --policy {args.policy} is an option of bench step only")
+    if args.cpu_hog and args.which != "services":
+        raise SystemExit(f"capsule-ros bench {args.which}: --cpu-hog is an option of bench services only")
+    args.numerics = [level.strip() for level in args.numerics.split(",") if level.strip()]
+    unknown = [level for level in args.numerics if level not in numerics.CHOICES]
+    if unknown or not args.numerics:
+        raise SystemExit(f"capsule-ros bench: --numerics {','.join(unknown)}: levels are {', '.join(numerics.CHOICES)}")
+    if len(args.numerics) > 1 and args.which != "step":
+        raise SystemExit(f"capsule-ros bench {args.which}: several --numerics levels side by side is bench step only")
+    if len(args.numerics) == 1:
+        try:       # before the benchmark runs torch: the level is fixed at its first operation
+            numerics.pin(args.numerics[0])
+        except ConfigError as exc:
+            raise SystemExit(f"capsule-ros bench: --numerics {args.numerics[0]}: {exc}") from None
     module = __import__(f"capsule_ros.benchmarks.{args.which}", fromlist=["main"])
     return module.main(args)
 
@@ -48,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, help="chunking: steps per side (default 3000; --quick 200)")
     bench.add_argument("--lerobot-python", help="chunking: the Python of LeRobot's environment for its baseline "
                                                 "loop (default tools/lerobot_bench/.venv/bin/python)")
+    bench.add_argument("--numerics", default="portable", metavar="LEVEL[,LEVEL...]",
+                       help="CPU numerics level of the policies (runtime.numerics: portable, native, baseline, avx2, "
+                            "avx512; default: %(default)s, the node's); step takes several, measured side by side in "
+                            "child processes (the cost of a pin: --numerics native,avx2)")
+    bench.add_argument("--cpu-hog", action="store_true",
+                       help="services: a busy loop on every core for the whole run (a loaded robot computer)")
     bench.set_defaults(func=_bench)
 
     for name, (_, text) in DELEGATED.items():

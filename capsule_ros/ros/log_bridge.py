@@ -7,6 +7,16 @@ installs one handler on the ``capsule_ros`` logger for its lifetime. Levels map 
 one (rclpy's severities have Python's numbers), the Python logger follows the ROS
 logger's level (``--ros-args --log-level``), and records do not propagate to Python's root
 logger meanwhile, so nothing is printed twice.
+
+rclpy binds a severity to each *call site* of its logger (file, line and bytecode offset:
+a second severity from the same call raises "Logger severity cannot be changed between
+calls"), so ``emit`` calls each severity's method from a line of its own.
+
+In a process that imported ROS 2 ``launch`` (launch_testing, pytest with launch_pytest, a
+node run in-process), every Python logger created afterwards does not propagate to its
+parent (``launch.logging.LaunchLogger``), so the library's module loggers would never reach
+this handler; ``install`` turns propagation back on for the existing ``capsule_ros.*``
+loggers (``remove`` restores them).
 """
 from __future__ import annotations
 
@@ -23,6 +33,7 @@ class RosLogBridge(logging.Handler):
         self.ros_logger = ros_logger
         self._library = logging.getLogger(LIBRARY_LOGGER)
         self._saved = (self._library.level, self._library.propagate)
+        self._reconnected: list = []           # child loggers whose propagation install turned back on
 
     @classmethod
     def install(cls, ros_logger) -> RosLogBridge:
@@ -31,6 +42,10 @@ class RosLogBridge(logging.Handler):
         library.addHandler(bridge)
         library.setLevel(int(ros_logger.get_effective_level()) or logging.INFO)
         library.propagate = False
+        for name, logger in list(logging.Logger.manager.loggerDict.items()):
+            if name.startswith(LIBRARY_LOGGER + ".") and isinstance(logger, logging.Logger) and not logger.propagate:
+                logger.propagate = True
+                bridge._reconnected.append(logger)
         return bridge
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -38,11 +53,17 @@ class RosLogBridge(logging.Handler):
             text = f"[{record.name.removeprefix(LIBRARY_LOGGER + '.')}] {record.getMessage()}"
             if record.exc_info:
                 text += "\n" + logging.Formatter().formatException(record.exc_info)
-            level = record.levelno
-            log = (self.ros_logger.fatal if level >= logging.CRITICAL else self.ros_logger.error
-                   if level >= logging.ERROR else self.ros_logger.warning if level >= logging.WARNING
-                   else self.ros_logger.info if level >= logging.INFO else self.ros_logger.debug)
-            log(text)
+            level, ros = record.levelno, self.ros_logger
+            if level >= logging.CRITICAL:           # one call site per severity (module docstring)
+                ros.fatal(text)
+            elif level >= logging.ERROR:
+                ros.error(text)
+            elif level >= logging.WARNING:
+                ros.warning(text)
+            elif level >= logging.INFO:
+                ros.info(text)
+            else:
+                ros.debug(text)
         except Exception:  # noqa: BLE001 - logging must never raise into the caller
             self.handleError(record)
 
@@ -51,3 +72,5 @@ class RosLogBridge(logging.Handler):
         self._library.removeHandler(self)
         self._library.setLevel(self._saved[0])
         self._library.propagate = self._saved[1]
+        for logger in self._reconnected:
+            logger.propagate = False

@@ -53,12 +53,14 @@ class ManagedProcess:
         return self.proc.returncode
 
 
-def start_executable(name: str, args: List[str], log_path: Path) -> ManagedProcess:
-    return ManagedProcess([installed_executable(name), *args], log_path)
+def start_executable(name: str, args: List[str], log_path: Path,
+                     env: Optional[Dict[str, str]] = None) -> ManagedProcess:
+    """An installed executable (``env``: its whole environment, default this process's)."""
+    return ManagedProcess([installed_executable(name), *args], log_path, env)
 
 
 def start_policy_node(workdir: Path, params: dict, *, namespace: str = "", params_file: Path,
-                      tag: str = "") -> ManagedProcess:
+                      tag: str = "", env: Optional[Dict[str, str]] = None) -> ManagedProcess:
     """``policy_node`` with ``params_file`` plus ``params`` as a second (overriding) file;
     its log and overlay files in ``workdir`` are named by ``tag`` (default: the namespace)."""
     tag = tag or namespace.strip("/").replace("/", "_") or "policy"
@@ -67,7 +69,7 @@ def start_policy_node(workdir: Path, params: dict, *, namespace: str = "", param
     args = ["--ros-args", "--params-file", str(params_file), "--params-file", str(overlay)]
     if namespace:
         args += ["-r", f"__ns:={namespace}"]
-    return start_executable("policy_node", args, Path(workdir) / f"{tag}.log")
+    return start_executable("policy_node", args, Path(workdir) / f"{tag}.log", env)
 
 
 def workdir(prefix: str = "capsule-ros-") -> Path:

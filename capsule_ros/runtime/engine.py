@@ -33,6 +33,7 @@ import torch
 
 from capsule_ros.config import ConfigSection, setting
 from capsule_ros.errors import ConfigError, InvalidArgument
+from capsule_ros.runtime import numerics
 from capsule_ros.runtime.arena import STATE_KINDS, ArenaLayout, BufferKind, StateArena
 from capsule_ros.runtime.chunking import (
     ChunkExecutor,
@@ -67,8 +68,10 @@ class RuntimeConfig(ConfigSection):
                            "on, off", choices=("auto", "on", "off"), read_only=True)
     deterministic: bool = setting(True, "torch deterministic algorithms (bit-identical replays)", read_only=True)
     debug_checks: bool = setting(False, "check buffer addresses before every graph replay")
-    cpu_threads: int = setting(1, "torch intra-op threads on CPU (0 = torch's default)", low=0, high=1024,
+    cpu_threads: int = setting(1, "torch intra-op threads on CPU (0 = torch's default: the core count, only with "
+                               "numerics native)", low=0, high=1024,
                                read_only=True)
+    numerics: str = setting(numerics.PORTABLE, numerics.SETTING_DOC, choices=numerics.CHOICES, read_only=True)
     seed: int = setting(0, "seed of the policy's counter-based RNG at reset", low=0, high=2**31 - 1)
     guard_steps: bool = setting(True, "keep the state before each step (one on-device copy) so a step that "
                                 "fails or outputs non-finite values is undone", read_only=True)
@@ -78,6 +81,9 @@ class RuntimeConfig(ConfigSection):
     graph_fallback: str = setting("off", "when the step cannot be captured as a CUDA graph: off (start-up fails, "
                                   "naming the problem) or eager (run it without a graph, slower, with a warning)",
                                   choices=("off", "eager"), read_only=True)
+
+    def check(self) -> None:
+        numerics.check_threads(self.numerics, self.cpu_threads)
 
     def compile_enabled(self, device: torch.device) -> bool:
         if self.compile == "auto":
@@ -99,8 +105,10 @@ class RuntimeConfig(ConfigSection):
         return device
 
 
-def configure_torch(config: RuntimeConfig, device: torch.device) -> None:
-    """Process-wide torch settings the determinism contract needs."""
+def configure_torch(config: RuntimeConfig, device: torch.device) -> str:
+    """Process-wide torch settings the determinism contract needs; returns the numerics
+    level the runtime records (``numerics.recorded_level``)."""
+    numerics.pin(config.numerics)
     if config.deterministic:
         if device.type == "cuda":
             # cuBLAS needs a fixed workspace for deterministic results; must precede its init.
@@ -111,6 +119,7 @@ def configure_torch(config: RuntimeConfig, device: torch.device) -> None:
         torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     if device.type == "cpu" and config.cpu_threads:
         torch.set_num_threads(config.cpu_threads)
+    return numerics.recorded_level(config.numerics)
 
 
 def runtime_fingerprint(policy: StatefulPolicy, config: RuntimeConfig,
@@ -199,7 +208,7 @@ class PolicyRuntime:
         policy (ConfigError when its numbers cannot work)."""
         self.config = config
         self.device = config.resolve_device()
-        configure_torch(config, self.device)
+        self.numerics = configure_torch(config, self.device)     # the level its capsules record
         self.policy = policy.to(self.device).eval()
         for p in self.policy.parameters():
             p.requires_grad_(False)

@@ -12,6 +12,7 @@ from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.store import CapsuleStore
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.registry import BuildContext, policy_kind
+from capsule_ros.runtime import numerics
 from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
 from capsule_ros.runtime.chunking import ChunkSchedule, resolve_delay
 from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, StreamKeeper, runtime_fingerprint
@@ -46,7 +47,9 @@ def build_policy(config: ServingConfig, weights: Optional[str] = None,
                  device: Optional[torch.device] = None) -> StatefulPolicy:
     """The configured kind's policy for the configured ports (``weights`` overrides
     policy.weights). ``device`` lets the kind build its modules there directly (random
-    initialisation of a large policy is much faster on a GPU)."""
+    initialisation of a large policy is much faster on a GPU). The CPU numerics level is
+    pinned first: building the policy runs torch's first kernels (``runtime.numerics``)."""
+    numerics.pin(config.runtime.numerics)
     spec = config.policy.weights if weights is None else weights
     context = BuildContext(settings=config.policy_settings, inputs=tuple(input_specs(config)), ports=config.ports,
                            weights=resolve_weights(spec), seed=config.policy.init_seed,
