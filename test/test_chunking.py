@@ -1,7 +1,7 @@
 """Chunk-aware execution without ROS (``capsule_ros.runtime.chunking``), on the LeRobot
 fixtures (``test/fixtures/lerobot``): the network runs only when a chunk is due; async mode
 equals LeRobot's own ``predict_action_chunk`` in the fixed-delay loop of
-``tools/lerobot_fixtures/async_reference.py`` (``async.npz``) bit for bit; capsules taken at
+``tools/lerobot_fixtures/make_references.py`` (``async.npz``) bit for bit; capsules taken at
 every row of a chunk, and while a refill is in flight, restore byte-exactly and the actions
 after them are bit-identical; stale refills are discarded by reset and re-enter; a slowed
 refill is a deadline event, not a divergence; chunk schedules that cannot work, and capsules

@@ -7,7 +7,8 @@ chunk 100, 10 action steps, 30 Hz), ``diffusion`` (Diffusion Policy, 8 action st
 checkpoints (LeRobot's default architectures, one camera: 240 x 320 on a CPU, ALOHA's
 480 x 640 on a GPU; ``--quick``: small networks and a 96 x 128 camera). Every side gets the
 same checkpoint and the same seeded observations (joint positions as a random walk, a
-panning textured camera), one torch thread each on a CPU.
+panning textured camera), one torch thread each and the same CPU numerics level
+(``runtime.numerics``) on a CPU.
 
 Sides, each over ``--steps`` steps (default 3000) of one episode:
 
@@ -112,7 +113,7 @@ def summary(seconds: Union[Sequence[float], np.ndarray], period: float, actions:
 
 
 def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.ndarray], period: float,
-                 tmp: Path) -> Dict[str, Any]:
+                 tmp: Path, level: str) -> Dict[str, Any]:
     """LeRobot's loop in its own environment, or why it did not run."""
     if python is None or not python.exists():
         return {"ran": False, "reason": f"no LeRobot environment at {python} (run tools/lerobot_bench/setup.sh or "
@@ -120,14 +121,14 @@ def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.nda
     inputs, out = tmp / "observations.npz", tmp / "lerobot.npz"
     arrays: Dict[str, Any] = {"seed": np.asarray(0), **obs}
     np.savez(inputs, **arrays)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CAPSULE_ROS_NUMERICS": level}
     done = subprocess.run([str(python), str(LEROBOT_SCRIPT), "--checkpoint", str(checkpoint), "--observations",
                            str(inputs), "--out", str(out)], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         return {"ran": False, "reason": f"the LeRobot loop failed: {done.stderr.strip()[-600:]}"}
     with np.load(out, allow_pickle=False) as data:
         seconds, actions = data["seconds"], data["action"]
-        versions = {"lerobot": str(data["lerobot"]), "torch": str(data["torch"])}
+        versions = {"lerobot": str(data["lerobot"]), "torch": str(data["torch"]), "numerics": str(data["numerics"])}
     refills = _lerobot_refills(checkpoint, len(seconds))
     return {"ran": True, **versions, **summary(seconds, period, actions, refills), "_actions": actions}
 
@@ -192,7 +193,8 @@ def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_
         tmp = Path(tmp_name)
         checkpoint = case.write(tmp / "pretrained_model", camera, quick)
         obs = observations(steps, camera)
-        lerobot = lerobot_side(lerobot_python, checkpoint, obs, period, tmp) if device.type == "cpu" else \
+        level = serving_config(checkpoint).runtime.numerics            # the session's: LeRobot runs at it too
+        lerobot = lerobot_side(lerobot_python, checkpoint, obs, period, tmp, level) if device.type == "cpu" else \
             {"ran": False, "reason": "LeRobot's loop is measured on the CPU only (no LeRobot on the GPU machine)"}
         sync = session_side(checkpoint, obs, device, "sync", 1.0 / period, paced=False)
         asynchronous = session_side(checkpoint, obs, device, "async", 1.0 / period, paced=True)

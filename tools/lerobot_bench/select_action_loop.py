@@ -9,24 +9,31 @@ For every step: ``predict_action`` (LeRobot's observation conversion, preprocess
 of that call (an input array shorter than the others, the camera frames, cycles).
 Diffusion's noise comes from capsule_ros's counter-based RNG at each step
 (``tools/lerobot_fixtures/make_fixtures.CounterNoise``), so both sides sample alike and
-their actions can be compared bit for bit. ``IN.npz``: one array per input feature
+their actions can be compared bit for bit, at the CPU numerics level ``CAPSULE_ROS_NUMERICS``
+(pinned before torch runs; the benchmark passes its own). ``IN.npz``: one array per input feature
 [steps, ...] and ``seed``; ``OUT.npz``: ``seconds`` [steps] and ``action`` [steps, A].
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
-import lerobot
-import numpy as np
-import torch
-from lerobot.policies.act.modeling_act import ACTPolicy
-from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
-from lerobot.policies.factory import make_pre_post_processors
+from capsule_ros.runtime import numerics
 
-from tools.lerobot_fixtures.make_fixtures import CounterNoise, predict_action
+# the CPU numerics level capsule_ros's side runs at (the benchmark passes it), before torch runs
+LEVEL = numerics.pin(os.environ.get("CAPSULE_ROS_NUMERICS", numerics.PORTABLE), cpu_threads=1)
+
+import lerobot  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from lerobot.policies.act.modeling_act import ACTPolicy  # noqa: E402
+from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy  # noqa: E402
+from lerobot.policies.factory import make_pre_post_processors  # noqa: E402
+
+from tools.lerobot_fixtures.make_fixtures import CounterNoise, predict_action  # noqa: E402
 
 
 def main() -> None:
@@ -59,7 +66,7 @@ def main() -> None:
         seconds[t] = time.perf_counter() - start
         actions.append(action.reshape(-1).numpy().copy())
     np.savez(args.out, seconds=seconds, action=np.stack(actions).astype(np.float32),
-             lerobot=np.asarray(lerobot.__version__), torch=np.asarray(torch.__version__))
+             lerobot=np.asarray(lerobot.__version__), torch=np.asarray(torch.__version__), numerics=np.asarray(LEVEL))
 
 
 if __name__ == "__main__":

@@ -32,17 +32,22 @@ script checks against the committed actions first.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, List
 
-import numpy as np
-import torch
-from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
-from lerobot.policies.utils import populate_queues, prepare_observation_for_inference
+from capsule_ros.runtime import numerics
 
-from tools.lerobot_fixtures.make_fixtures import (
+LEVEL = numerics.pin(os.environ.get("CAPSULE_ROS_NUMERICS", numerics.PORTABLE), cpu_threads=1)  # before torch runs
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy  # noqa: E402
+from lerobot.policies.utils import populate_queues, prepare_observation_for_inference  # noqa: E402
+
+from tools.lerobot_fixtures.make_fixtures import (  # noqa: E402
     FIXTURES,
     OUT,
     CounterNoise,
@@ -52,6 +57,7 @@ from tools.lerobot_fixtures.make_fixtures import (
 )
 
 CHUNKING = ("act_queue", "diffusion", "diffusion_ddim_env")
+ALL = ("act_queue", "act_ensemble", "diffusion", "diffusion_ddim_env")
 OBS_IMAGES = "observation.images"
 
 
@@ -138,35 +144,37 @@ def make(name: str) -> None:
     fx = next(f() for f in FIXTURES if f().name == name)
     directory, inputs, outputs = load(name)
     seeds = inputs["seeds"]
-    policy = fx.policy_cls.from_pretrained(directory)
     committed = outputs["action"]
-    select, _ = rollout(fx, directory, inputs, seeds)
-    sync_same = bool(np.array_equal(select.view(np.uint32), committed.view(np.uint32)))
-    out: Dict[str, np.ndarray] = {}
-    delays = delays_for(policy)
-    horizons = []
-    for delay in delays:
-        got = loop(fx, directory, inputs, seeds, delay)
-        length = lengths(policy)
-        horizons.append(policy.config.n_action_steps if delay == 0 else min(policy.config.n_action_steps,
-                                                                            length - delay))
-        if delay == 0:
-            assert np.array_equal(got.view(np.uint32), select.view(np.uint32)), \
-                f"{name}: the d = 0 loop is not select_action's"
-            continue
-        out[f"action_d{delay}"] = got
-    np.savez_compressed(OUT / name / "async.npz", delays=np.asarray(delays[1:], np.int64),
-                        horizons=np.asarray(horizons[1:], np.int64), **out)
-    meta = {"versions": versions(), "sync_select_action_equals_outputs_npz": sync_same,
-            "delays": delays[1:], "horizons": horizons[1:], "chunk_length": lengths(policy)}
-    (OUT / name / "async.json").write_text(json.dumps(meta, indent=2) + "\n")
-    print(f"{name}: select_action still gives outputs.npz bit for bit: {sync_same}; async delays {delays[1:]} "
-          f"(horizons {horizons[1:]}, chunk {lengths(policy)})")
+    select, extra = rollout(fx, directory, inputs, seeds)
+    unchanged = bool(np.array_equal(select.view(np.uint32), committed.view(np.uint32)))
+    np.savez_compressed(OUT / name / "outputs.npz", action=select, **extra)
+    meta = {"versions": versions(), "numerics": LEVEL,
+            "select_action_equals_the_previous_outputs": unchanged,
+            "max_abs_diff_to_the_previous_outputs": float(np.abs(select - committed).max())}
+    if name in CHUNKING:
+        policy = fx.policy_cls.from_pretrained(directory)
+        out: Dict[str, np.ndarray] = {}
+        delays, horizons = delays_for(policy), []
+        for delay in delays:
+            got = loop(fx, directory, inputs, seeds, delay)
+            horizons.append(policy.config.n_action_steps if delay == 0 else min(policy.config.n_action_steps,
+                                                                                lengths(policy) - delay))
+            if delay == 0:
+                assert np.array_equal(got.view(np.uint32), select.view(np.uint32)), \
+                    f"{name}: the d = 0 loop is not select_action's"
+                continue
+            out[f"action_d{delay}"] = got
+        np.savez_compressed(OUT / name / "async.npz", delays=np.asarray(delays[1:], np.int64),
+                            horizons=np.asarray(horizons[1:], np.int64), **out)
+        meta.update(delays=delays[1:], horizons=horizons[1:], chunk_length=lengths(policy))
+    (OUT / name / "references.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"{name} at {LEVEL}: select_action {'unchanged' if unchanged else 'changed'} (max abs diff "
+          f"{meta['max_abs_diff_to_the_previous_outputs']:.3g}); async delays {meta.get('delays', [])}")
 
 
 def main(argv: List[str]) -> None:
     torch.set_num_threads(1)
-    for name in argv or CHUNKING:
+    for name in argv or ALL:
         make(name)
 
 
