@@ -10,6 +10,7 @@ of another schedule or with a forged cursor, are refused with the numbers.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 from typing import Dict, List
@@ -276,9 +277,13 @@ def wait_until(predicate, timeout: float = 30.0) -> bool:
 
 def test_a_schedule_that_cannot_work_is_refused_at_configure_with_the_numbers(fixtures, tmp_path):
     fixture = fixtures["act_queue"]                               # chunk 10, n_action_steps 5
-    with pytest.raises(ConfigError, match=r"inference_delay_steps = 10 and execution horizon .* a chunk of 10 "
-                                          r"actions has too few left"):
+    with pytest.raises(ConfigError, match=r"inference_delay_steps = 10: a chunk of 10 actions has none left .* "
+                                          r"the delay must be below 10, at most 5") as refused:
         prepare_serving(config(fixture, "async", "10"))
+    assert not re.search(r"-\d", str(refused.value))                    # no negative horizon or row counts
+    with pytest.raises(ConfigError, match=r"inference_delay_steps = 6 and execution horizon 5: a chunk of 10 "
+                                          r"actions has too few left"):
+        prepare_serving(config(fixture, "async", "6", execution_horizon=5))
     with pytest.raises(ConfigError, match=r"execution horizon 2 < inference_delay_steps 4: .* raise "
                                           r"control.execution_horizon to at least 4"):
         prepare_serving(config(fixture, "async", "4", execution_horizon=2))
@@ -340,7 +345,7 @@ def test_the_auto_delay_is_measured_once_and_recorded(fixtures):
 def test_an_auto_delay_the_chunk_cannot_take_is_refused_with_the_measurement(fixtures):
     fixture = fixtures["diffusion"]                       # 15 rows: d + e <= 15 and e >= d, so d <= 7
     with pytest.raises(ConfigError, match=r"inference_delay_steps auto measured a refill of [\d.]+ ms \(p99 of 5\) "
-                                          r"at control.rate_hz 10000: \d+ steps with its margin; .*too few left"):
+                                          r"at control.rate_hz 10000: \d+ steps with its margin; .*none left"):
         build_session(config(fixture, "async", "auto", rate_hz=10000.0))
 
 

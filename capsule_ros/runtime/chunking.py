@@ -110,8 +110,14 @@ class ChunkSchedule:
         if delay < 1:
             raise ConfigError(f"control.inference_delay_steps = {delay}: async chunking needs a delay of at least 1 "
                               "step (0 would be sync)")
+        if delay >= length:
+            raise ConfigError(
+                f"control.chunking async with inference_delay_steps = {delay}: a chunk of {length} actions has none "
+                f"left to execute (each chunk is executed from row {delay}: its first {delay} actions count as "
+                f"executed while it is planned); the delay must be below {length}, at most {length // 2} to leave as "
+                "many rows as it takes to plan the next; lower the delay or predict longer chunks")
         executed = horizon or min(cadence.horizon, length - delay)
-        if delay >= length or executed < 1 or executed + delay > length:
+        if executed < 1 or executed + delay > length:
             raise ConfigError(
                 f"control.chunking async with inference_delay_steps = {delay} and execution horizon {executed}: a "
                 f"chunk of {length} actions has too few left; each chunk is executed from row {delay} (its first "

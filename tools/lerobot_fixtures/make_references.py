@@ -2,7 +2,7 @@
 
 Run in an environment with LeRobot (not the project's), from the repository root:
 
-    PYTHONPATH=. <lerobot venv>/bin/python tools/lerobot_fixtures/async_reference.py [NAME ...]
+    PYTHONPATH=. <lerobot venv>/bin/python tools/lerobot_fixtures/make_references.py [NAME ...]
 
 For each chunking fixture (``act_queue``, ``diffusion``, ``diffusion_ddim_env``) it loads the
 committed checkpoint and inputs, checks that this LeRobot's ``select_action`` loop still
