@@ -4,6 +4,7 @@ Timings are printed, never asserted. ROS-free (bench/run_gpu.sh runs the CUDA te
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,42 @@ def test_bench_step_policy_act_reports_steps_and_the_capsule_against_the_copy_li
     assert capsule["limit_us"] > 0 and capsule["ratio_to_limit"] > 0
     print(f"act-quick on cpu: step p50 {row['eager']['gpu_ms']['p50']:.1f} ms, capsule {capsule['bytes']} B "
           f"snapshot {capsule['snapshot_us']:.2f} us vs limit {capsule['limit_us']:.2f} us")
+
+
+def test_bench_chunking_reports_every_side_and_says_why_one_did_not_run(tmp_path):
+    """The quick ACT case through the command: the session sides report their figures and
+    bit-equal sync actions need LeRobot's side, which is reported as not run (no LeRobot
+    environment given) with the reason; the finished case is printed on stderr at once."""
+    result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "chunking", "--quick",
+                             "--device", "cpu", "--cases", "act10", "--steps", "40", "--json",
+                             "--lerobot-python", str(tmp_path / "no-lerobot" / "python")],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (case,) = json.loads(result.stdout)["cases"]
+    assert case["lerobot"] == {"ran": False, "reason": case["lerobot"]["reason"]}
+    assert "no LeRobot environment" in case["lerobot"]["reason"]
+    for side in ("sync", "async"):
+        assert case[side]["mean_ms"] > 0 and case[side]["p50_ms"] <= case[side]["p99_ms"] <= case[side]["max_ms"]
+    assert case["sync"]["refills"] == 4                     # 40 steps, 10 rows per chunk: the network 4 times
+    assert case["async"]["delay"] >= 1 and "async, inference delay" in case["async"]["schedule"]
+    assert "bench chunking: case act10 done:" in result.stderr
+
+
+def test_bench_chunking_reports_a_schedule_the_configuration_refuses(tmp_path):
+    """A case whose auto delay cannot fit its chunk (a control rate far beyond the refill's)
+    keeps its other sides and says, with the numbers, why async did not run."""
+    from capsule_ros.benchmarks import chunking
+    case = chunking.Case("too-fast", "act", 10000.0, chunk_size=10, n_action_steps=10)
+    result = chunking.run_case(case, torch_device("cpu"), quick=True, steps=20, lerobot_python=None)
+    assert result["sync"]["refills"] == 2
+    assert result["async"]["ran"] is False
+    assert re.search(r"refused at configure: inference_delay_steps auto measured a refill of [\d.]+ ms .* none "
+                     r"left", result["async"]["reason"]), result["async"]["reason"]
+
+
+def torch_device(name: str):
+    import torch
+    return torch.device(name)
 
 
 def test_policy_is_an_option_of_bench_step_only():

@@ -35,13 +35,15 @@ LeRobot's. ``actions_equal_lerobot``: sync's actions against LeRobot's, bit for 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -49,6 +51,7 @@ import torch
 from capsule_ros.benchmarks.common import emit, environment, print_table, resolve_device
 from capsule_ros.benchmarks.lerobot_act import CAMERA, PORTS, STATE, serving_config, write_act_checkpoint
 from capsule_ros.benchmarks.lerobot_diffusion import write_diffusion_checkpoint
+from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.chunking import Program
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,7 +137,6 @@ def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.nda
 
 
 def _lerobot_refills(checkpoint: Path, steps: int) -> List[int]:
-    import json
     n = json.loads((checkpoint / "config.json").read_text())["n_action_steps"]
     return list(range(0, steps, n))
 
@@ -153,6 +155,7 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
     session.enforce_deadline = paced
     executor, schedule = session.runtime.executor, session.runtime.schedule
     assert executor is not None and schedule is not None, "a chunking policy"
+    start_refills = executor.counters.refills           # start-up (checks, rehearsal) planned some already
     period = 1.0 / rate
     steps = len(obs[STATE])
     seconds, actions, seams = np.zeros(steps), [], []
@@ -176,7 +179,7 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
     out = summary(seconds, period, np.stack(actions), seams)
     consume = [s for t, s in enumerate(seconds) if t not in set(seams)]
     out.update(consume_mean_ms=float(np.mean(consume) * 1e3) if consume else None,
-               refills=chunk.refills, late_refills=counters.late_refills,
+               refills=chunk.refills - start_refills, late_refills=counters.late_refills,
                session_deadline_misses=counters.deadline_misses if paced else None,
                schedule=schedule.describe(), delay=schedule.delay,
                refill_p99_ms=float(np.percentile(session.runtime.refill_seconds, 99) * 1e3)
@@ -196,21 +199,43 @@ def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_
         level = serving_config(checkpoint).runtime.numerics            # the session's: LeRobot runs at it too
         lerobot = lerobot_side(lerobot_python, checkpoint, obs, period, tmp, level) if device.type == "cpu" else \
             {"ran": False, "reason": "LeRobot's loop is measured on the CPU only (no LeRobot on the GPU machine)"}
-        sync = session_side(checkpoint, obs, device, "sync", 1.0 / period, paced=False)
-        asynchronous = session_side(checkpoint, obs, device, "async", 1.0 / period, paced=True)
+        sync = _refused_or(lambda: session_side(checkpoint, obs, device, "sync", 1.0 / period, paced=False))
+        asynchronous = _refused_or(lambda: session_side(checkpoint, obs, device, "async", 1.0 / period, paced=True))
     sides: Dict[str, Dict[str, Any]] = {"lerobot": lerobot, "sync": sync, "async": asynchronous}
     actions = {side: values.pop("_actions", None) for side, values in sides.items()}
     result: Dict[str, Any] = {"case": case.name, "camera": list(camera), "rate_hz": 1.0 / period, "steps": steps,
                               **sides}
     if lerobot.get("ran"):
-        result["sync_mean_over_lerobot"] = sync["mean_ms"] / lerobot["mean_ms"]
-        result["sync_p99_over_lerobot"] = sync["p99_ms"] / lerobot["p99_ms"]
-        result["async_p99_over_lerobot"] = asynchronous["p99_ms"] / lerobot["p99_ms"]
-        diff = np.abs(actions["sync"] - actions["lerobot"])
-        result["actions_equal_lerobot"] = bool(np.array_equal(actions["sync"].view(np.uint32),
-                                                              actions["lerobot"].view(np.uint32)))
-        result["actions_max_abs_diff"] = float(diff.max())
+        for side, figure in (("sync", "mean_ms"), ("sync", "p99_ms"), ("async", "p99_ms")):
+            if sides[side].get("ran", True):
+                result[f"{side}_{figure[:-3]}_over_lerobot"] = sides[side][figure] / lerobot[figure]
+        if actions["sync"] is not None:
+            diff = np.abs(actions["sync"] - actions["lerobot"])
+            result["actions_equal_lerobot"] = bool(np.array_equal(actions["sync"].view(np.uint32),
+                                                                  actions["lerobot"].view(np.uint32)))
+            result["actions_max_abs_diff"] = float(diff.max())
+    print(f"bench chunking: case {case.name} done: " + json.dumps(_headline(result)), file=sys.stderr, flush=True)
     return result
+
+
+def _refused_or(side: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+    """A session side's figures, or (a schedule the configuration refuses, e.g. an auto
+    delay the chunk cannot take) why it did not run, with the numbers of the refusal."""
+    try:
+        return side()
+    except ConfigError as exc:
+        return {"ran": False, "reason": f"refused at configure: {exc}"}
+
+
+def _headline(result: Dict[str, Any]) -> Dict[str, Any]:
+    """A case's main figures (progress on stderr: a long run's finished cases are not lost)."""
+    out: Dict[str, Any] = {k: v for k, v in result.items()
+                           if k.endswith("_over_lerobot") or k == "actions_equal_lerobot"}
+    for side in ("lerobot", "sync", "async"):
+        r = result[side]
+        out[side] = ({k: r[k] for k in ("mean_ms", "p99_ms", "misses_per_1000", "delay") if k in r}
+                     if r.get("ran", True) else r["reason"][:300])
+    return out
 
 
 def run(device_name: str = "auto", quick: bool = False, steps: Optional[int] = None,
@@ -240,7 +265,7 @@ def table(result: dict) -> None:
     for case in result["cases"]:
         ratios = {k: case[k] for k in ("sync_mean_over_lerobot", "sync_p99_over_lerobot", "async_p99_over_lerobot",
                                        "actions_equal_lerobot") if k in case}
-        print(case["case"], case["async"]["schedule"], ratios)
+        print(case["case"], case["async"].get("schedule", case["async"].get("reason")), ratios)
 
 
 def main(args) -> int:
