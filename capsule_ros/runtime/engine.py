@@ -224,6 +224,9 @@ class PolicyRuntime:
         state_start, state_end = self.layout.byte_range(*STATE_KINDS, BufferKind.OUTPUT)
         self._state_region = self.arena.storage[state_start:state_end]
         self._undo = torch.empty_like(self._state_region) if config.guard_steps else None
+        # a GPU step's outputs come back inside its graph (see _programs; read_step_outputs)
+        self._fold_outputs = self.device.type == "cuda" and config.cuda_graphs and policy.torch_graph_capture
+        self._outputs_in_host = False       # the last step's program copied its outputs to the host
         self.plan = GraphPlan(policy, self.arena, use_graphs=config.cuda_graphs, stream=self.stream,
                               debug_checks=config.debug_checks, eager_fallback=config.graph_fallback == "eager",
                               programs=self._programs())
@@ -256,21 +259,26 @@ class PolicyRuntime:
                  self.device, self.layout.nbytes, len(self.layout), self.plan.captured, self.fingerprint[:12])
 
     def _programs(self) -> Dict[str, Callable[[], None]]:
-        """The plan's programs: the policy's step, or its chunk schedule's; with the step
-        guard each begins by keeping the state it may change (``undo_step``), inside the
-        same graph on a GPU (one launch less per step)."""
+        """The plan's programs: the policy's step, or its chunk schedule's. With the step
+        guard each begins by keeping the state it may change (``undo_step``); on a GPU each
+        ends by copying meta + outputs to the pinned host buffer ``read_step_outputs``
+        reads. Both copies are inside the program's graph: two launches fewer per step."""
         programs = self.executor.programs() if self.executor is not None else {
             STEP_PROGRAM: lambda: self.policy.step(self.arena.views)}
         undo, state = self._undo, self._state_region
-        if undo is None:
-            return programs
+        fold_outputs = self._fold_outputs
 
-        def guarded(program: Callable[[], None]) -> Callable[[], None]:
+        def wrapped(program: Callable[[], None]) -> Callable[[], None]:
             def run() -> None:
-                undo.copy_(state)
+                if undo is not None:
+                    undo.copy_(state)
                 program()
+                if fold_outputs:
+                    self._out_host.copy_(self._output_region, non_blocking=True)
             return run
-        return {name: guarded(program) for name, program in programs.items()}
+        if undo is None and not fold_outputs:
+            return programs
+        return {name: wrapped(program) for name, program in programs.items()}
 
     # -- state ------------------------------------------------------------------------------
     def _chunk_executor(self, policy: StatefulPolicy, options: ChunkingOptions) -> ChunkExecutor:
@@ -325,6 +333,7 @@ class PolicyRuntime:
 
     def reset(self, episode: int, seed: Optional[int] = None) -> None:
         """Write the policy's initial state (eagerly) for a new episode."""
+        self._outputs_in_host = False
         with torch.no_grad(), self._stream_ctx():
             self.policy.init_state(self.arena.views, episode=episode,
                                    seed=self.config.seed if seed is None else seed)
@@ -334,6 +343,7 @@ class PolicyRuntime:
 
     def set_episode(self, episode: int) -> None:
         """Relabel the live state's episode id (a reset from a capsule keeps its state)."""
+        self._outputs_in_host = False
         with self._stream_ctx():
             self.arena[EPISODE].fill_(episode)
 
@@ -362,6 +372,7 @@ class PolicyRuntime:
     def load_state(self, data: torch.Tensor) -> None:
         """Overwrite the whole arena with ``data`` (uint8, the arena's size), ordered on the
         runtime's stream and complete on return."""
+        self._outputs_in_host = False
         with self._stream_ctx():
             self.arena.storage.copy_(data.to(self.device))
         self.synchronize()
@@ -375,6 +386,7 @@ class PolicyRuntime:
         ``eager``: run the captured program's Python instead (the start-up check)."""
         program = self.executor.before_step(self.stream) if self.executor is not None else None
         self.plan.step(program.value if program is not None else STEP_PROGRAM, eager=eager)
+        self._outputs_in_host = self._fold_outputs
         if self.executor is None or program is None:
             return RefillReport()
         self.executor.after_step(program, self.stream)
@@ -387,6 +399,7 @@ class PolicyRuntime:
     def undo_step(self) -> None:
         """Put the state back as it was before the last ``step`` (guard on; complete on
         return). For a step that raised or whose outputs the caller refused."""
+        self._outputs_in_host = False
         if self._undo is None:
             raise InvalidArgument("runtime.guard_steps is off: there is no copy to undo the step with")
         with self._stream_ctx():
@@ -403,12 +416,27 @@ class PolicyRuntime:
 
     def read_outputs(self) -> StepOutputs:
         """Copy meta + outputs to the host (one copy, synchronises the runtime's stream)."""
+        self._outputs_in_host = False
         if self.stream is None:
             self._out_host.copy_(self._output_region)
         else:
             with on_stream(self.stream):
                 self._out_host.copy_(self._output_region, non_blocking=True)
             self.stream.synchronize()
+        return self._host_outputs()
+
+    def read_step_outputs(self) -> StepOutputs:
+        """``read_outputs`` right after ``step``, with nothing in between that writes the
+        arena: on a GPU the step's program already copied them to the host, so this only
+        waits for it (one launch fewer per control step)."""
+        if not self._outputs_in_host:
+            return self.read_outputs()
+        self._outputs_in_host = False
+        assert self.stream is not None
+        self.stream.synchronize()
+        return self._host_outputs()
+
+    def _host_outputs(self) -> StepOutputs:
         v = self._out_views
         if self.executor is not None and self.config.debug_checks and int(v[CHUNK_CURSOR][0]) != self.executor.cursor:
             raise RuntimeError(f"chunk cursor {int(v[CHUNK_CURSOR][0])} in the arena, {self.executor.cursor} in "

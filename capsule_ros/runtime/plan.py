@@ -190,12 +190,13 @@ class GraphPlan:
         ``eager`` the Python it was captured from); asynchronous on CUDA."""
         if self.debug_checks:
             self._check_addresses()
-        with torch.inference_mode(), self._stream_ctx():
-            graph = None if eager else self._graphs.get(program)
-            if graph is not None:
+        graph = None if eager else self._graphs.get(program)
+        if graph is not None:            # a replay needs no autograd mode: the graph's kernels are fixed
+            with self._stream_ctx():
                 graph.replay()
-            else:
-                self.programs[program]()
+            return
+        with torch.inference_mode(), self._stream_ctx():
+            self.programs[program]()
 
     def prefill(self, tokens: torch.Tensor) -> None:
         """Consume a token prefix; on CUDA each distinct length is captured once."""

@@ -109,7 +109,7 @@ class GuardedStep:
             try:
                 uploaded = self.runtime.load_inputs()
                 refill_late = self.runtime.step().late
-                out = self.runtime.read_outputs()
+                out = self.runtime.read_step_outputs()
                 if not (np.isfinite(out.action).all() and np.isfinite(out.chunk).all()):
                     fault = StepFault.NONFINITE
             except Exception as exc:
