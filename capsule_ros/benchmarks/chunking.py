@@ -177,8 +177,12 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
             time.sleep(max(0.0, next_at - time.perf_counter()))
     counters, chunk = session.counters, executor.counters
     out = summary(seconds, period, np.stack(actions), seams)
-    consume = [s for t, s in enumerate(seconds) if t not in set(seams)]
-    out.update(consume_mean_ms=float(np.mean(consume) * 1e3) if consume else None,
+    consume = np.asarray([s for t, s in enumerate(seconds) if t not in set(seams)]) * 1e3
+    if paced and device.type == "cuda":
+        out["gpu_wake_floor"] = gpu_wake_floor(session.runtime, period)
+    out.update(consume_mean_ms=float(consume.mean()) if len(consume) else None,
+               consume_p50_ms=float(np.percentile(consume, 50)) if len(consume) else None,
+               consume_p99_ms=float(np.percentile(consume, 99)) if len(consume) else None,
                refills=chunk.refills - start_refills, late_refills=counters.late_refills,
                session_deadline_misses=counters.deadline_misses if paced else None,
                schedule=schedule.describe(), delay=schedule.delay,
@@ -187,6 +191,28 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
                _actions=np.stack(actions))
     session.release()
     return out
+
+
+def gpu_wake_floor(runtime, period: float, runs: int = 100) -> Dict[str, float]:
+    """What any step that touches the GPU pays at this rate, whatever the host does: the
+    consume program's graph replayed and waited for, each time after the GPU sat idle for
+    one control period (its clocks drop while idle). Run after the measured steps (it
+    moves the cursor; the session is released next)."""
+    ms = []
+    for _ in range(runs):
+        time.sleep(period)
+        start = time.perf_counter()
+        runtime.plan.step(Program.CONSUME.value)          # its graph copies the outputs to the host too
+        runtime.synchronize()
+        ms.append((time.perf_counter() - start) * 1e3)
+    back_to_back = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        runtime.plan.step(Program.CONSUME.value)          # its graph copies the outputs to the host too
+        runtime.synchronize()
+        back_to_back.append((time.perf_counter() - start) * 1e3)
+    return {"after_idle_p50_ms": float(np.percentile(ms, 50)), "after_idle_p99_ms": float(np.percentile(ms, 99)),
+            "back_to_back_p50_ms": float(np.percentile(back_to_back, 50))}
 
 
 def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_python: Optional[Path]) -> dict:
