@@ -21,10 +21,11 @@ from runtime_fixtures import arena_bytes, default_config, gru_config, make_polic
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
+from capsule_ros.runtime.chunking import chunked_step
 from capsule_ros.runtime.contract import PolicyStateError
-from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
+from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.plan import PolicyStepError
-from capsule_ros.runtime.policy import ACTION, STEP, StatefulPolicy, standard_specs
+from capsule_ros.runtime.policy import ACTION, STEP, ChunkCadence, StatefulPolicy, chunk_specs, standard_specs
 from capsule_ros.serving.factory import build_policy
 
 torch.set_num_threads(1)
@@ -85,6 +86,85 @@ class _Item(_Scaler):
 
     def gain(self, state):
         return torch.full((), 1.0 + float(state["x"].abs().max().item()), device=state["x"].device)
+
+
+class _Chunker(StatefulPolicy):
+    """A chunking policy that keeps the contract: plan writes x * (1, 2, 3, 4) * gain as a
+    chunk of 4 rows, 2 executed per chunk; observe reads nothing."""
+
+    action_dim, chunk_horizon = 2, 1
+
+    def cadence(self):
+        return ChunkCadence(length=4, horizon=2, reads=("x",))
+
+    def state_spec(self):
+        x = BufferSpec("x", (2,), torch.float32, BufferKind.INPUT)
+        return [x, *standard_specs(2, 1), *chunk_specs(4, 2, [x])]
+
+    def init_state(self, state, *, episode, seed):
+        for name, view in state.items():
+            if name != "x":
+                view.zero_()
+
+    def gain(self, state) -> torch.Tensor:
+        return torch.ones((), device=state["x"].device)
+
+    def plan(self, state, chunk):
+        rows = torch.arange(1, 5, dtype=torch.float32, device=chunk.device)[:, None]
+        chunk.copy_(state["x"][None, :] * rows * self.gain(state))
+
+    def emit(self, state, action, upcoming):
+        state[ACTION].copy_(action)
+        state[STEP].add_(1)
+
+    def step(self, state):
+        chunked_step(self, state, 2)
+
+    def architecture(self):
+        return {"policy": type(self).__name__.strip("_").lower()}
+
+
+class _ChunkerCounter(_Chunker):
+    """Its network counts its runs in a Python attribute: a restored capsule cannot bring it back."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def gain(self, state):
+        self.calls += 1
+        return torch.full((), float(self.calls), device=state["x"].device)
+
+
+CHUNK_SCHEDULES = {"sync": ChunkingOptions("sync"), "async": ChunkingOptions("async", delay=1, horizon=2)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", sorted(CHUNK_SCHEDULES))
+def test_the_check_runs_every_program_of_a_chunk_schedule(device, mode):
+    """The repeated steps cover the schedule's every program: async mode includes an
+    episode's first (synchronous) refill, not only the refill worker's plans."""
+    from capsule_ros.runtime.contract import check_state_contract
+    runtime = PolicyRuntime(_Chunker(), RuntimeConfig(device=device), chunking=CHUNK_SCHEDULES[mode])
+    before = arena_bytes(runtime)
+    programs = check_state_contract(runtime)
+    if mode == "sync":
+        assert programs == ["consume", "refill"]
+    else:                        # d = 1, e = 2: refill, consume, request at row 2, adopt at row 3 = end
+        assert programs == ["refill", "consume", "request", "adopt"]
+    assert arena_bytes(runtime) == before
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", sorted(CHUNK_SCHEDULES))
+def test_a_chunking_policy_with_state_outside_its_buffers_is_refused(device, mode):
+    """A Python counter in the network: the repeated refill (sync) or the repeated request
+    and its adopted chunk (async, planned by the refill worker) write other actions."""
+    with pytest.raises(PolicyStateError, match=r"policy chunkercounter keeps state outside its declared buffers: "
+                                               r".*\['action'\] after repeated step"):
+        PolicyRuntime(_ChunkerCounter(), RuntimeConfig(device=device), chunking=CHUNK_SCHEDULES[mode])
+    PolicyRuntime(_ChunkerCounter(), RuntimeConfig(device=device, state_check=False),
+                  chunking=CHUNK_SCHEDULES[mode])          # the documented opt-out serves it
 
 
 @pytest.mark.parametrize("device", DEVICES)

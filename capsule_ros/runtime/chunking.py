@@ -191,7 +191,9 @@ class RefillWorker:
     def prepare(self) -> None:
         """Warm up (and on a GPU capture) the plan; called once before stepping."""
 
-    def submit(self, live_stream: Optional[torch.cuda.Stream]) -> None:
+    def submit(self, live_stream: Optional[torch.cuda.Stream], eager: bool = False) -> None:
+        """Start planning the live arena's request (``eager``: a GPU worker runs the Python
+        its graph was captured from, as the start-up check's eager pass needs)."""
         raise NotImplementedError
 
     def ready(self) -> bool:
@@ -211,7 +213,7 @@ class InlineRefill(RefillWorker):
     """Plans at submission, on the caller's thread: the same bits as the other workers,
     without concurrency. For replicas (the recompute fallback), regeneration, checks."""
 
-    def submit(self, live_stream: Optional[torch.cuda.Stream]) -> None:
+    def submit(self, live_stream: Optional[torch.cuda.Stream], eager: bool = False) -> None:
         with on_stream(live_stream):
             self.copy_request()
             self.run_plan()
@@ -233,7 +235,7 @@ class ThreadRefill(RefillWorker):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capsule-refill")
         self._future: Optional[concurrent.futures.Future] = None
 
-    def submit(self, live_stream: Optional[torch.cuda.Stream]) -> None:
+    def submit(self, live_stream: Optional[torch.cuda.Stream], eager: bool = False) -> None:
         self.copy_request()
         self._future = self._pool.submit(self.run_plan)
 
@@ -282,12 +284,12 @@ class StreamRefill(RefillWorker):
             self.arena.storage.copy_(saved)
         self.stream.synchronize()
 
-    def submit(self, live_stream: Optional[torch.cuda.Stream]) -> None:
+    def submit(self, live_stream: Optional[torch.cuda.Stream], eager: bool = False) -> None:
         assert self.stream is not None and live_stream is not None
         self.stream.wait_stream(live_stream)
         copied, done = torch.cuda.Event(), torch.cuda.Event()
         with on_stream(self.stream), torch.inference_mode():
-            if self._copy_graph is not None and self._plan_graph is not None:
+            if self._copy_graph is not None and self._plan_graph is not None and not eager:
                 self._copy_graph.replay()
                 copied.record(self.stream)
                 self._plan_graph.replay()
@@ -412,8 +414,9 @@ class ChunkExecutor:
         self.last = RefillReport(program, late)
         return program
 
-    def after_step(self, program: Program, live_stream: Optional[torch.cuda.Stream]) -> None:
-        """Advance the mirror as the program advanced the arena; send a new request off."""
+    def after_step(self, program: Program, live_stream: Optional[torch.cuda.Stream], eager: bool = False) -> None:
+        """Advance the mirror as the program advanced the arena; send a new request off
+        (``eager``: planned by the Python a GPU worker's graph was captured from)."""
         s = self.schedule
         if program == Program.REFILL:
             self.cursor = 0
@@ -426,7 +429,7 @@ class ChunkExecutor:
         if program in (Program.REQUEST, Program.ADOPT_REQUEST):
             self.pending = True
             assert self.worker is not None
-            self.worker.submit(live_stream)
+            self.worker.submit(live_stream, eager)
             self.counters.refills += 1
         self.cursor += 1
 

@@ -10,13 +10,17 @@ snapshot and runs the same two steps again; the outputs after each step and the 
 arena at the end must be the same bits both times. A captured graph replays what
 capture froze (a Python counter is a constant there), so with a graph the repeated steps
 are run a third time eagerly, through the same Python the graph was captured from, and
-must match. A chunking policy's repeated steps start one row before its request point,
-so that they run every program of its chunk schedule (consume and refill; async also
-request and adopt), each checked the same way. Then the arena gets back its bytes from
-before the check, so the live state is untouched.
+must match. A chunking policy's repeated steps run every program of its chunk schedule,
+each checked the same way: in sync mode from one row before the chunk is used up
+(consume, refill); in async mode from a used-up chunk with nothing requested, so that
+they run an episode's first refill, then consume, request, consume while the request is
+out, and adopt (on a GPU the eager pass also plans the request through the Python the
+worker's own graph was captured from). Then the arena gets back its bytes from before
+the check, so the live state is untouched.
 
-Cost: five steps (seven with a graph; a chunking policy: its horizon's end less the
-cursor, a few steps) and three copies of the arena, once per start (``runtime.state_check``;
+Cost: five steps (seven with a graph; a chunking policy: two in sync mode, the horizon
+plus the delay plus one in async mode) and three copies of the arena, once per start
+(``runtime.state_check``;
 docs/benchmarks.md, "Start-up state check"). What it cannot see: hidden state
 that changes nothing within two steps (a counter acting every hundred steps), and
 randomness outside the arena that happens to repeat. It runs only with
@@ -27,13 +31,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Dict, List
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.arena import BufferKind
-from capsule_ros.runtime.plan import PolicyStepError
+from capsule_ros.runtime.chunkmark import ChunkMode
+from capsule_ros.runtime.plan import STEP_PROGRAM, PolicyStepError
 from capsule_ros.runtime.policy import CHUNK_CURSOR
 
 if TYPE_CHECKING:
@@ -83,27 +88,30 @@ def _differing(runtime: PolicyRuntime, now: torch.Tensor, before: torch.Tensor, 
 
 
 def _chunk_steps(runtime: PolicyRuntime) -> int:
-    """Repeated steps for a chunking policy, after its cursor is set one row before the
-    request point: they then run every program of its schedule (consume and refill; async:
-    consume, request, consume while the request is out, adopt)."""
+    """Repeated steps for a chunking policy, after its cursor is set so that they run every
+    program of its schedule: sync, one row before the chunk is used up (consume, refill);
+    async, a used-up chunk with nothing requested (refill, consume, request, consume while
+    the request is out, adopt)."""
     executor = runtime.executor
     assert executor is not None
     schedule = executor.schedule
-    cursor = max(0, schedule.horizon - 1)
+    cursor = schedule.end if schedule.mode == ChunkMode.ASYNC else max(0, schedule.horizon - 1)
     runtime.arena[CHUNK_CURSOR].fill_(cursor)
     executor.cursor, executor.pending = cursor, False
-    return schedule.end - cursor + 1
+    return schedule.horizon + schedule.delay + 1 if schedule.mode == ChunkMode.ASYNC else schedule.end - cursor + 1
 
 
-def check_state_contract(runtime: PolicyRuntime) -> None:
+def check_state_contract(runtime: PolicyRuntime) -> List[str]:
     """Raise PolicyStateError when steps repeated from a snapshot differ (see the module
-    docstring); the arena keeps its bytes either way."""
+    docstring); the arena keeps its bytes either way. Returns the programs the repeated
+    steps ran, in order (``step`` for a policy without a chunk cadence)."""
     arena, plan = runtime.arena, runtime.plan
     outputs = arena.region(BufferKind.META, BufferKind.OUTPUT)
     outputs_start = runtime.layout.byte_range(BufferKind.META, BufferKind.OUTPUT)[0]
     stream = torch.cuda.stream(runtime.stream) if runtime.stream is not None else contextlib.nullcontext()
     started = time.perf_counter()
     differs: List[str] = []
+    programs: List[str] = []
     with stream:
         saved = arena.storage.clone()
         try:
@@ -114,7 +122,7 @@ def check_state_contract(runtime: PolicyRuntime) -> None:
                 repeated = _chunk_steps(runtime) if runtime.executor is not None else REPEATED
                 rows = _random_inputs(runtime, repeated, seed=1)
                 snapshot = arena.storage.clone()
-                first = [_run(runtime, row, outputs) for row in rows]
+                first = [_run(runtime, row, outputs, programs=programs) for row in rows]
                 end = arena.storage.clone()
                 passes = [("", False)] + ([(" run eagerly, against the captured graph (capture froze what the step "
                                             "keeps outside its buffers)", True)] if plan.captured else [])
@@ -143,8 +151,8 @@ def check_state_contract(runtime: PolicyRuntime) -> None:
                 differs.append(f"{buffers} at the end")
         finally:
             runtime.load_state(saved)
-    LOG.info("state check: %d steps in %.1f ms", BEFORE_SNAPSHOT + (len(passes) + 1) * repeated,
-             (time.perf_counter() - started) * 1e3)
+    LOG.info("state check: %d steps (repeated: %s) in %.1f ms", BEFORE_SNAPSHOT + (len(passes) + 1) * repeated,
+             ", ".join(programs), (time.perf_counter() - started) * 1e3)
     if differs:
         raise PolicyStateError(
             f"policy {_policy_name(runtime)} keeps state outside its declared buffers: restored to a snapshot taken "
@@ -152,14 +160,18 @@ def check_state_contract(runtime: PolicyRuntime) -> None:
             f"{' and '.join(differs)}; everything a step carries to the next (queues, histories, counters, "
             "RNG state) must live in its state_spec() buffers (docs/bring-your-own-policy.md), or set "
             "runtime.state_check: false to serve it anyway (capsules will not restore that state)")
+    return programs
 
 
 def _run(runtime: PolicyRuntime, row: Dict[str, torch.Tensor], outputs: torch.Tensor,
-         eager: bool = False) -> torch.Tensor:
+         eager: bool = False, programs: Optional[List[str]] = None) -> torch.Tensor:
     """One step on ``row`` (written straight into the arena's inputs) through the runtime's
-    schedule; a copy of ``outputs`` (meta + outputs) after it."""
+    schedule; a copy of ``outputs`` (meta + outputs) after it. ``programs`` collects which
+    program the step ran."""
     for name, value in row.items():
         runtime.arena[name].copy_(value)
-    runtime.step(eager=eager)
+    report = runtime.step(eager=eager)
     runtime.synchronize()
+    if programs is not None:
+        programs.append(report.program.value if report.program is not None else STEP_PROGRAM)
     return outputs.clone()

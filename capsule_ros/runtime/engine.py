@@ -389,7 +389,7 @@ class PolicyRuntime:
         self._outputs_in_host = self._fold_outputs
         if self.executor is None or program is None:
             return RefillReport()
-        self.executor.after_step(program, self.stream)
+        self.executor.after_step(program, self.stream, eager)
         return self.executor.last
 
     @property
