@@ -16,6 +16,7 @@ and ``policy.kind: exported`` (a torch.export program written by ``capsule-ros e
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import pickle
 import zipfile
@@ -33,9 +34,10 @@ from capsule_ros.policies.export import InterfaceError, export_module
 from capsule_ros.policies.exported import ExportedConfig, ExportedPolicy, ProgramError
 from capsule_ros.policies.registry import kind_names, policy_kind
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
+from capsule_ros.runtime.chunking import InlineRefill, ThreadRefill
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.rng import counter_normal
-from capsule_ros.serving.factory import build_runtime, build_session
+from capsule_ros.serving.factory import build_policy, build_runtime, build_session, chunking_options, port_bindings
 
 torch.set_num_threads(1)
 HORIZON = 8       # policy.gru_chunk.chunk_horizon of examples/gru_policy/config/gru_chunk.yaml
@@ -92,6 +94,45 @@ def test_gru_chunk_executes_one_row_per_step_of_a_chunk_planned_every_horizon_st
         assert action.tobytes() == predicted[index].tobytes(), t
     assert int(runtime.arena["chunk.cursor"][0]) == HORIZON          # three whole chunks executed
     assert runtime.executor.counters.refills - refills == 3          # the head ran three times in 24 steps
+
+
+@pytest.mark.parametrize("exported", [False, True], ids=["gru_chunk", "exported"])
+def test_exported_programs_and_the_example_kind_plan_only_when_a_chunk_is_due(tmp_path, program, exported):
+    runtime = build_runtime(gru_config(tmp_path, program if exported else None))
+    assert runtime.schedule is not None and runtime.schedule.describe() == f"sync, {HORIZON} of {HORIZON} actions " \
+                                                                           "per chunk"
+    refills, consumes = runtime.executor.counters.refills, runtime.executor.counters.consumes
+    step_all(runtime, observations(3 * HORIZON, 1))
+    assert runtime.executor.counters.refills - refills == 3
+    assert runtime.executor.counters.consumes - consumes == 3 * (HORIZON - 1)
+
+
+@pytest.mark.parametrize("exported", [False, True], ids=["gru_chunk", "exported"])
+def test_async_chunking_of_the_example_equals_its_inline_plan_and_survives_a_capsule_in_flight(tmp_path, program,
+                                                                                                exported):
+    """Async (d = 2) with the refill worker's thread gives the bits of the same schedule
+    planned inline; a state taken while a request is out (cursor past the horizon, pending)
+    restored into another runtime re-issues it and continues bit-identically."""
+    config = gru_config(tmp_path, program if exported else None)
+    config = dataclasses.replace(config, control=dataclasses.replace(config.control, chunking="async",
+                                                                     inference_delay_steps="2"))
+    threaded = build_runtime(config)
+    inline = PolicyRuntime(build_policy(config), config.runtime, inputs=port_bindings(config),
+                           chunking=chunking_options(config, worker="inline"))
+    assert isinstance(threaded.executor.worker, ThreadRefill) and isinstance(inline.executor.worker, InlineRefill)
+    schedule = threaded.schedule
+    assert (schedule.delay, schedule.horizon, schedule.end) == (2, HORIZON - 2, HORIZON)
+    obs = observations(3 * HORIZON + 3, 5)
+    in_flight = schedule.horizon + 1          # the first chunk's request went out at row e and is not adopted yet
+    head = step_all(threaded, obs[:in_flight])
+    mark, state = threaded.chunk_mark(), threaded.arena.storage.clone()
+    assert mark.pending and schedule.horizon < mark.cursor < schedule.end
+    tail = step_all(threaded, obs[in_flight:])
+    assert as_bytes(head + tail) == as_bytes(step_all(inline, obs))
+    restored = build_runtime(config)
+    restored.load_state(state)
+    assert restored.chunk_mark() == mark
+    assert as_bytes(step_all(restored, obs[in_flight:])) == as_bytes(tail)
 
 
 # -- exported programs, served in-process --------------------------------------------------------
