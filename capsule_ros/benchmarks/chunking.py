@@ -3,7 +3,10 @@ chunking) against LeRobot's own loop, side by side in one run.
 
 Cases (``--cases``): ``act100`` (ACT, chunk 100, 100 action steps, 30 Hz), ``act10`` (ACT,
 chunk 100, 10 action steps, 30 Hz), ``diffusion`` (Diffusion Policy, 8 action steps, 10 Hz,
-10 DDPM steps); ``benchmarks/lerobot_act.py`` and ``lerobot_diffusion.py`` write the
+10 DDPM steps, the U-Net of DiffusionConfig's defaults), ``diffusion-small`` (the same with a
+U-Net of (128, 256, 512) channels, about a tenth of the default's work: on a 2-core CPU the
+default U-Net's refill takes longer than a chunk's rows last at 10 Hz, so no delay can hide
+it, which the ``diffusion`` case reports); ``benchmarks/lerobot_act.py`` and ``lerobot_diffusion.py`` write the
 checkpoints (LeRobot's default architectures, one camera: 240 x 320 on a CPU, ALOHA's
 480 x 640 on a GPU; ``--quick``: small networks and a 96 x 128 camera). Every side gets the
 same checkpoint and the same seeded observations (joint positions as a random walk, a
@@ -67,6 +70,7 @@ class Case:
     rate_hz: float
     chunk_size: int = 100         # ACT
     n_action_steps: int = 100
+    down_dims: Optional[Sequence[int]] = None     # Diffusion: the U-Net's channels (None: DiffusionConfig's)
 
     def write(self, directory: Path, camera, quick: bool) -> Path:
         if self.kind == "act":
@@ -74,11 +78,14 @@ class Case:
                         "input_features": {STATE: {"type": "STATE", "shape": [14]},
                                            CAMERA: {"type": "VISUAL", "shape": [3, *camera]}}}
             return write_act_checkpoint(directory, quick=quick, features=features)
-        return write_diffusion_checkpoint(directory, camera, quick=quick, n_action_steps=self.n_action_steps)
+        overrides = {"down_dims": list(self.down_dims)} if self.down_dims and not quick else {}
+        return write_diffusion_checkpoint(directory, camera, quick=quick, n_action_steps=self.n_action_steps,
+                                          **overrides)
 
 
 CASES = {c.name: c for c in (Case("act100", "act", 30.0, 100, 100), Case("act10", "act", 30.0, 100, 10),
-                             Case("diffusion", "diffusion", 10.0, n_action_steps=8))}
+                             Case("diffusion", "diffusion", 10.0, n_action_steps=8),
+                             Case("diffusion-small", "diffusion", 10.0, n_action_steps=8, down_dims=(128, 256, 512)))}
 
 
 FRAMES = 64    # distinct camera frames, cycled (3000 frames of 480 x 640 would take 2.7 GB)
