@@ -21,6 +21,11 @@ TEST_REF = re.compile(r"\b(?:test/)?(test_[a-z0-9_]+)\.py(?:::(test_[a-z0-9_]+))
 BARE_TEST_REF = re.compile(r"(?<![\w./-])(test_[a-z0-9_]+)\b(?!\.py|\(|\s*=)")
 PATH_REF = re.compile(r"(?<![\w./-])((?:docs|config|launch|bench|examples|tools|scripts|srv|msg|action|runtime|"
                       r"policies|capsules|serving|bag|ros|bt|cli|benchmarks|sim)/[\w./-]*\.[a-z0-9]+)\b")
+# files at the top of the repository, cited by their bare name (a user's own pyproject.toml is not one of them)
+TOP_REF = re.compile(r"(?<![\w./-])([A-Z][A-Z0-9_-]*\.md|CMakeLists\.txt|package\.xml|setup\.py|setup\.sh|Makefile|"
+                     r"ruff\.toml|mypy\.ini|pytest\.ini)\b")
+# a document's neighbours in docs/, cited by their bare name from another document there
+DOC_REF = re.compile(r"(?<![\w./-])([a-z][a-z0-9-]*\.md)\b")
 BENCH_REF = re.compile(r"docs/benchmarks\.md,?\s+\"([^\"]+)\"")
 
 
@@ -106,28 +111,39 @@ def is_module_name(dotted: str) -> bool:
 
 
 def unresolved() -> List[str]:
+    bad: List[str] = []
+    for where, text in sources():
+        bad += unresolved_in(where, prose(where, text))
+    return bad
+
+
+def unresolved_in(where: str, body: str) -> List[str]:
+    """What the prose ``body`` of ``where`` cites that does not exist."""
     bad = []
     sections = benchmark_sections()
-    for where, text in sources():
-        body = prose(where, text)
-        for dotted in MODULE_REF.findall(body):
-            if (where.endswith(".py") or is_module_name(dotted)) and not resolves(dotted.rstrip(".")):
-                bad.append(f"{where}: {dotted}")
-        for module, function in TEST_REF.findall(body):
-            path = TESTS / f"{module}.py"
-            if not path.is_file() or (function and function not in names_in(path)):
-                bad.append(f"{where}: {module}.py" + (f"::{function}" if function else ""))
-        for name in BARE_TEST_REF.findall(body):
-            if name not in known_test_names():
-                bad.append(f"{where}: {name}")
-        for ref in PATH_REF.findall(body):
-            ref = ref.rstrip(".")
-            if not any((base / ref).exists() for base in (REPO, PACKAGE)) and not any(REPO.glob(f"examples/**/{ref}")):
-                bad.append(f"{where}: {ref}")
-        for cited in BENCH_REF.findall(body):
-            cited = " ".join(cited.split())
-            if not any(section.startswith(cited) for section in sections):
-                bad.append(f"{where}: docs/benchmarks.md \"{cited}\"")
+    for dotted in MODULE_REF.findall(body):
+        if (where.endswith(".py") or is_module_name(dotted)) and not resolves(dotted.rstrip(".")):
+            bad.append(f"{where}: {dotted}")
+    for module, function in TEST_REF.findall(body):
+        path = TESTS / f"{module}.py"
+        if not path.is_file() or (function and function not in names_in(path)):
+            bad.append(f"{where}: {module}.py" + (f"::{function}" if function else ""))
+    for name in BARE_TEST_REF.findall(body):
+        if name not in known_test_names():
+            bad.append(f"{where}: {name}")
+    for ref in PATH_REF.findall(body):
+        ref = ref.rstrip(".")
+        if not any((base / ref).exists() for base in (REPO, PACKAGE)) and not any(REPO.glob(f"examples/**/{ref}")):
+            bad.append(f"{where}: {ref}")
+    for ref in TOP_REF.findall(body):
+        if not (REPO / ref).is_file():
+            bad.append(f"{where}: {ref}")
+    if where.startswith("docs/"):
+        bad += [f"{where}: {ref}" for ref in DOC_REF.findall(body) if not (REPO / "docs" / ref).is_file()]
+    for cited in BENCH_REF.findall(body):
+        cited = " ".join(cited.split())
+        if not any(section.startswith(cited) for section in sections):
+            bad.append(f"{where}: docs/benchmarks.md \"{cited}\"")
     return bad
 
 
@@ -141,6 +157,16 @@ def test_cited_modules_tests_files_and_benchmark_sections_exist():
                                         ("capsule_ros.srv", True)])
 def test_the_resolver_itself(dotted, ok):
     assert resolves(dotted) is ok
+
+
+@pytest.mark.parametrize("where, text, bad", [
+    ("capsule_ros/serving/verbs.py", "the external contract: DESIGN.md section 2", ["DESIGN.md"]),
+    ("capsule_ros/x.py", "CMakeLists.txt lists the interfaces; README.md says how", []),
+    ("capsule_ros/x.py", "see docs/nowhere.md and config/policy.yaml", ["docs/nowhere.md"]),
+    ("docs/onnx.md", "[the figures](benchmarks.md#x), [elsewhere](nowhere.md)", ["nowhere.md"]),
+])
+def test_file_citations_outside_the_source_tree_are_caught(where, text, bad):
+    assert unresolved_in(where, text) == [f"{where}: {ref}" for ref in bad]
 
 
 def test_measured_figures_are_cited_not_pasted_into_the_code():
