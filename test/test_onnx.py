@@ -15,7 +15,8 @@
   version, the execution provider and the optimisation level;
 - control flow and dynamic dimensions, bad terms and bad roles are refused or served as
   documented, each with a message naming what to change;
-- Twist and TwistStamped ports;
+- Twist and TwistStamped ports; the ros2_control configuration of docs/onnx.md matches
+  its parameter file;
 - ``capsule-ros bench step --policy onnx`` reports the median of its rounds, identical
   actions and the machine's load;
 - on a GPU with onnxruntime-gpu, the CUDA provider path (its graph, issue 32243's guard).
@@ -253,6 +254,40 @@ def test_the_benchmark_reports_rounds_identical_actions_and_the_load():
     assert result["ratio"] == result["guarded"]["ratio"] and result["met"] == (result["ratio"] <= 1.1)
     assert len(result["load_average"]) == len(result["load_average_after"]) == 3
     print(f"served / plain (quick model) {result['ratio']:.3f}, rounds {result['guarded']['round_ratios']}")
+
+
+def test_the_ros2_control_configuration_matches_the_parameter_file():
+    """config/quadruped_controllers.yaml (the ros2_control configuration of docs/onnx.md)
+    against config/onnx_quadruped.yaml: the controller types; the joint state broadcaster
+    publishes /joint_states with every joint of the joints port and the interfaces its
+    fields read, and runs at the rate the policy steps at; the IMU broadcaster publishes
+    ``/<name>/imu`` in the control frame; the forward command controller takes the legs
+    output (Float64MultiArray on ``/<name>/commands``, its interface) with ``indices``
+    mapping each of its joints to the policy's joint of that name."""
+    import yaml
+    controllers = yaml.safe_load((REPO / "config" / "quadruped_controllers.yaml").read_text())
+    node = load_params_file(REPO / "config" / "onnx_quadruped.yaml")
+    manager = controllers["controller_manager"]["ros__parameters"]
+    kinds = {"joint_state_broadcaster/JointStateBroadcaster": "joints",
+             "imu_sensor_broadcaster/IMUSensorBroadcaster": "imu",
+             "forward_command_controller/ForwardCommandController": "legs"}
+    name = {kinds[entry["type"]]: controller for controller, entry in manager.items() if isinstance(entry, dict)}
+    assert sorted(name) == sorted(kinds.values())
+    joints, imu, legs = (controllers[name[kind]]["ros__parameters"] for kind in ("joints", "imu", "legs"))
+    ports, output, control = node["ports"], node["outputs"]["legs"], node["control"]
+
+    assert (ports["joints"]["topic"], ports["joints"]["type"]) == ("/joint_states", "sensor_msgs/msg/JointState")
+    assert sorted(joints["joints"]) == sorted(ports["joints"]["names"]) and len(set(joints["joints"])) == 12
+    assert set(ports["joints"]["fields"]) <= set(joints["interfaces"])
+    assert control["mode"] == "trigger" and control["trigger_port"] == "joints"
+    assert joints["update_rate"] == 50 and manager["update_rate"] % joints["update_rate"] == 0
+
+    assert ports["imu"]["topic"] == f"/{name['imu']}/imu"
+    assert ports["imu"]["type"] == "sensor_msgs/msg/Imu" and imu["frame_id"] == control["frame_id"]
+
+    assert output["topic"] == f"/{name['legs']}/commands"
+    assert output["type"] == "std_msgs/msg/Float64MultiArray" and output["interface"] == legs["interface_name"]
+    assert [ports["joints"]["names"][i] for i in output["indices"]] == legs["joints"] == joints["joints"]
 
 
 # -- capsules -----------------------------------------------------------------------------------------
