@@ -205,7 +205,10 @@ class ObservationPlan:
 
     def vectors(self) -> Tuple[List[float], List[float], List[float], List[float]]:
         """(offset, low, high, scale), one entry per observation value."""
-        offset, low, high, scale = [], [], [], []
+        offset: List[float] = []
+        low: List[float] = []
+        high: List[float] = []
+        scale: List[float] = []
         for t in self.terms:
             offset += t.offset
             low += [t.clip[0]] * t.size
