@@ -169,6 +169,46 @@ def test_file_citations_outside_the_source_tree_are_caught(where, text, bad):
     assert unresolved_in(where, text) == [f"{where}: {ref}" for ref in bad]
 
 
+# A figure measured on some machine as documents write one: a time with decimals ("62.7 us"),
+# a percentile with its value ("p99 5.4 ms"), a ratio with decimals ("1.12x", but not a
+# target: "at most 1.1x"), an approximate time, size or throughput ("~1.1 ms", "~6 MiB",
+# "220 MB/s"), a time per step or call ("472 ms per step"). Limits, defaults and sizes of
+# formats are written as whole numbers ("20 ms", "500 ms", "256 MiB") and are not caught.
+DOC_FIGURE = re.compile(r"(?<![\w.])\d+\.\d+\s*(?:us|µs|ms|s)\b|\bp(?:50|95|99)\s+\d+(?:\.\d+)?\s*(?:us|ms|s)\b|"
+                        r"(?<![\w.])\d+\.\d+x\b|~\s?\d+(?:\.\d+)?\s*(?:us|ms|s|KiB|MiB|GiB|KB|MB|GB)\b|"
+                        r"\d+(?:\.\d+)?\s*(?:KB|MB|GB|KiB|MiB|GiB)/s\b|"
+                        r"\d+(?:\.\d+)?\s*(?:us|ms|s)\s+(?:per step|a step|per call|a call|each)\b")
+TARGET_WORDS = ("at most", "within", "<=", "≤", "target")
+
+
+def doc_figures(text: str) -> List[str]:
+    """The measured figures ``DOC_FIGURE`` finds in ``text``, targets left out."""
+    return [m.group(0) for m in DOC_FIGURE.finditer(text)
+            if not any(word in text[max(0, m.start() - 12):m.start()] for word in TARGET_WORDS)]
+
+
+@pytest.mark.parametrize("text, found", [
+    ("the served step took 62.7 us against 56.1 us (1.12x)", ["62.7 us", "56.1 us", "1.12x"]),
+    ("commit p50 1.6 ms / p99 5.4 ms", ["p50 1.6 ms", "p99 5.4 ms"]),
+    ("reading the file (~1.1 ms for 144 KB), peak ~6 MiB, 220 MB/s", ["~1.1 ms", "~6 MiB", "220 MB/s"]),
+    ("an ACT step takes 472 ms per step", ["472 ms per step"]),
+    ("an answer within 20 ms at p99; the default is 500 ms; a 256 MiB payload", []),
+    ("the target is at most 1.1x the plain loop; config 2.0 scale; ros2 0.36.1", []),
+])
+def test_the_document_figure_finder(text, found):
+    assert doc_figures(text) == found
+
+
+def test_measured_figures_live_only_in_docs_benchmarks_md():
+    """The README and the docs cite the sections of docs/benchmarks.md (with its command,
+    date and machine) instead of pasting a measured figure, which goes stale where it is."""
+    found = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        if path.name != "benchmarks.md":
+            found += [f"{path.relative_to(REPO)}: {figure}" for figure in doc_figures(path.read_text())]
+    assert found == []
+
+
 def test_measured_figures_are_cited_not_pasted_into_the_code():
     """A figure measured on some machine (``measured ...``, ``~3.8 ms``, ``on the H200``)
     goes stale in a docstring; the code names the section of docs/benchmarks.md instead."""
