@@ -7,7 +7,8 @@ docs/architecture.md has the map):
 - ``capsule_ros.runtime``: the state arena, the policy protocol, the graph plan, the
   runtime with its step guard, the graph fingerprint, safetensors weights.
 - ``capsule_ros.policies``: the policy kinds: the reference hybrid policy and the shipped
-  default weights, exported ``torch.export`` programs, LeRobot ACT / Diffusion.
+  default weights, exported ``torch.export`` programs, LeRobot ACT / Diffusion, and ONNX
+  models run by ONNX Runtime (``onnx``: Isaac Lab / rsl_rl and sb3-contrib exports).
 - ``capsule_ros.capsules``: the capsule store (snapshot, restore, fork, drop, move between
   tiers), the on-disk format and the capsule directory.
 - ``capsule_ros.serving``: the episode session (state machine, the verb table, its step

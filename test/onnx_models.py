@@ -1,10 +1,11 @@
 """Small ONNX models for the policy.kind onnx tests, written with onnx.helper (seeded):
 a recurrent cell whose state output can be written in place, a model with an If node,
-one with a dynamic batch dimension, and one with an input capsule_ros cannot feed."""
+one with a dynamic batch dimension, and one with an input capsule_ros cannot feed; and a
+fixture's model with its state and episode-start tensors renamed."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 import numpy as np
 
@@ -74,3 +75,20 @@ def with_if(path: Path) -> Path:
                   helper.make_tensor_value_info("h_in", TensorProto.FLOAT, [1, HIDDEN])],
                  [helper.make_tensor_value_info("actions", TensorProto.FLOAT, [1, ACTIONS]),
                   helper.make_tensor_value_info("h_out", TensorProto.FLOAT, [1, HIDDEN])], inits)
+
+
+def renamed(source: Path, path: Path, names: Dict[str, str]) -> Path:
+    """``source`` with some of its graph inputs and outputs renamed (``names``: old -> new),
+    everything else (weights, nodes, opset) as it is: the same model exported with names
+    that capsule_ros's defaults do not recognise."""
+    import onnx
+    model = onnx.load(str(source))
+    graph = model.graph
+    for value in [*graph.input, *graph.output]:
+        value.name = names.get(value.name, value.name)
+    for node in graph.node:
+        node.input[:] = [names.get(name, name) for name in node.input]
+        node.output[:] = [names.get(name, name) for name in node.output]
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path

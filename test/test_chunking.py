@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
-import time
 from typing import Dict, List
 
 import numpy as np
@@ -22,6 +21,7 @@ from lerobot_fixtures import FIXTURES, PORTS, Fixture, load_npz
 
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.errors import ConfigError, CorruptCapsule, FingerprintMismatch
+from capsule_ros.polling import wait_until
 from capsule_ros.runtime.chunking import ChunkSchedule, InlineRefill, Program, ThreadRefill
 from capsule_ros.runtime.chunkmark import ChunkMark
 from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime
@@ -73,7 +73,7 @@ def ticks(session, fixture: Fixture, episode: int, steps: range, wait: bool = Tr
     worker = session.runtime.executor.worker
     for t in steps:
         if worker is not None and wait:
-            assert wait_until(worker.ready)
+            wait_until(worker.ready, 30.0, "the refill in flight", interval=0.001)
         for key, value in fixture.features.items():
             session.write_input(PORTS[key], value[episode, t])
         out.append(session.tick())
@@ -262,15 +262,6 @@ def test_a_slowed_refill_is_a_deadline_event_with_the_safe_action_not_a_divergen
     others = [i for i in range(30) if i != takeover]
     assert [got[i].values.tobytes() for i in others] == [expected[i].values.tobytes() for i in others]
     assert session.runtime.schedule.delay == 2                   # the delay never changes
-
-
-def wait_until(predicate, timeout: float = 30.0) -> bool:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.001)
-    return True
 
 
 # -- what is refused ---------------------------------------------------------------------------------

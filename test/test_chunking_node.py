@@ -25,9 +25,8 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 import pytest
-from harness import REPO, ClientNode, start_policy_node
+from harness import REPO, ClientNode, FixtureDriver, start_policy_node
 from lerobot_fixtures import FIXTURES, Fixture, load_npz
-from test_lerobot_node import FixtureDriver
 
 pytestmark = pytest.mark.ros
 DELAY, STEPS = 3, 60

@@ -155,3 +155,13 @@ def _on_boundary(node: ast.Attribute) -> bool:
     """``<something>.boundary.held`` (and the other entries)."""
     value = node.value
     return isinstance(value, ast.Attribute) and value.attr == "boundary"
+
+
+def test_test_modules_import_helpers_from_the_harness_not_from_each_other():
+    """A helper two test modules need lives in test/harness.py (or a fixture module such as
+    lerobot_fixtures.py), never in a test_*.py that the other imports (which would tie the two modules' set-up
+    and fixtures together, and hide the helper from the next engineer)."""
+    tests = PACKAGE.parent / "test"
+    found = [f"{path.name}:{line} imports {module}" for path in sorted(tests.glob("*.py"))
+             for line, module in imports(path) if module.split(".")[0].startswith("test_")]
+    assert found == []

@@ -25,7 +25,7 @@ from typing import Dict, List
 import numpy as np
 import py_trees
 import pytest
-from harness import REPO, ClientNode, start_policy_node, wait_for
+from harness import REPO, ClientNode, FixtureDriver, start_policy_node, wait_for
 from lerobot_fixtures import PORTS, Fixture
 
 from capsule_ros.bt import INTERRUPT_KEY, interrupt_then_resume, tick_until_done
@@ -52,70 +52,6 @@ class Call(py_trees.behaviour.Behaviour):
     def update(self):
         self.fn()
         return py_trees.common.Status.SUCCESS
-
-
-class FixtureDriver:
-    """Publishes one step of a fixture's inputs at a time: the non-trigger ports first,
-    each acknowledged in ~/status (topics are not ordered between them), then the joint
-    state that triggers the step; returns the action it triggered."""
-
-    def __init__(self, client: ClientNode, ns: str, fixture: Fixture):
-        from rclpy.qos import QoSProfile, ReliabilityPolicy
-        from sensor_msgs.msg import Image, JointState
-        from std_msgs.msg import Float32MultiArray
-
-        from capsule_ros.msg import Action, RuntimeStatus
-        reliable = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
-        self.client, self.capsules, self.fixture = client, client.capsules, fixture
-        self.actions = client.subscribe(Action, f"{ns}/capsule_policy/action", reliable)
-        self.status = client.subscribe(RuntimeStatus, f"{ns}/capsule_policy/status")
-        types = {"sensor_msgs/msg/Image": Image, "sensor_msgs/msg/JointState": JointState,
-                 "std_msgs/msg/Float32MultiArray": Float32MultiArray}
-        params = fixture.node_params()["ports"]
-        self.publishers = {PORTS[key]: client.publisher(types[params[PORTS[key]]["type"]],
-                                                        f"{ns}/{params[PORTS[key]]['topic']}", reliable)
-                           for key in fixture.features}
-        for publisher in self.publishers.values():
-            client.wait_for_subscribers(publisher)
-        self.sent = dict.fromkeys(self.publishers, 0)
-        self.stamp = 0
-
-    def message(self, port: str, value: np.ndarray):
-        self.stamp += 1
-        msg = self.publishers[port].msg_type()
-        if port == "front_camera":
-            msg.header.stamp.sec = self.stamp
-            msg.height, msg.width = int(value.shape[0]), int(value.shape[1])
-            msg.encoding, msg.step = "rgb8", int(value.shape[1]) * 3
-            msg.data = value.tobytes()
-        elif port == "joints":
-            msg.header.stamp.sec = self.stamp
-            msg.name = [f"j{i}" for i in range(value.shape[0])]
-            msg.position = [float(v) for v in value]
-        else:
-            msg.data = [float(v) for v in value]
-        return msg
-
-    def _acknowledged(self, port: str) -> bool:
-        return any(p.name == port and p.received >= self.sent[port]
-                   for s in self.client.drain(self.status) for p in s.ports)
-
-    def step(self, episode: int, t: int):
-        for key, values in self.fixture.features.items():
-            port = PORTS[key]
-            if port == "joints":
-                continue
-            self.publishers[port].publish(self.message(port, values[episode, t]))
-            self.sent[port] += 1
-            wait_for(lambda port=port: self._acknowledged(port), timeout=30, what=f"the node to take {port}")
-        self.client.drain(self.actions)
-        state = self.fixture.features["observation.state"][episode, t]
-        self.publishers["joints"].publish(self.message("joints", state))
-        self.sent["joints"] += 1
-        return self.actions.get(timeout=60)
-
-    def run(self, steps: range, episode: int = 0) -> list:
-        return [self.step(episode, t) for t in steps]
 
 
 def values(actions) -> np.ndarray:

@@ -81,6 +81,10 @@ def test_the_full_lifecycle_from_another_process(managed):
     assert driver.latest_status().actions_published == published and driver.actions.empty()
 
     assert lifecycle.change("activate") is True                     # resumes from the deactivate's capsule
+    # it subscribes to its ports again; a message sent before that subscription is matched is
+    # not delivered, and on a busy machine matching takes a while
+    wait_for(lambda: driver.joints_pub.get_subscription_count() == 1, timeout=30,
+             what="the active node to subscribe to its ports again")
     after = driver.run(obs[5:])
     assert [a.step for a in after] == list(range(before[-1].step + 1, before[-1].step + 6))
     client.capsules.reenter(anchor.id)                              # the same inputs without the pause

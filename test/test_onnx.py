@@ -6,20 +6,27 @@
   ``InferenceSession.run`` loop answers, feeding h, c and the last action back; their
   committed traces agree;
 - state pairs, the episode-start flag and the in-place decision come out as documented;
-  an LSTM's state is moved back with one copy of one byte range;
+  an LSTM's state is moved back with one copy of one byte range; ONNX Runtime writes
+  every output into its arena buffer; the observation terms give the same bits over
+  numpy (a CPU arena) and torch (a CUDA one), projected gravity the plain formula's;
 - capsules roll back, fork and reset bit-identically; restoring h but not c, or h and c
   but not the last action, diverges;
 - the fingerprint follows the model's bytes (external data included), ONNX Runtime's
   version, the execution provider and the optimisation level;
 - control flow and dynamic dimensions, bad terms and bad roles are refused or served as
   documented, each with a message naming what to change;
-- Twist and TwistStamped ports;
+- Twist and TwistStamped ports; the ros2_control configuration of docs/onnx.md matches
+  its parameter file;
+- ``capsule-ros bench step --policy onnx`` reports the median of its rounds, identical
+  actions and the machine's load;
 - on a GPU with onnxruntime-gpu, the CUDA provider path (its graph, issue 32243's guard).
 """
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -28,7 +35,7 @@ import pytest
 import torch
 from onnx_models import recurrent_cell, with_if
 
-from capsule_ros.benchmarks.onnx_step import PlainLoop, sensor_rows
+from capsule_ros.benchmarks.onnx_step import ROUNDS, PlainLoop, sensor_rows
 from capsule_ros.config import load_params_file
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.ort.model import read_model
@@ -136,7 +143,7 @@ def test_roles_pairs_and_one_copy_of_one_range(tmp_path):
     binding = next(iter(policy._bindings.values()))
     assert len(binding.copies) == 1                                   # h and c back with one copy
     target, source = binding.copies[0]
-    assert target.numel() == source.numel() == runtime.layout["onnx.c_in"].end - runtime.layout["onnx.h_in"].offset
+    assert target.size == source.size == runtime.layout["onnx.c_in"].end - runtime.layout["onnx.h_in"].offset
     sb3 = build_runtime(quadruped(tmp_path / "sb3", FIXTURES / "sb3_lstm" / "policy.onnx")).policy.roles
     assert sb3.episode_start is not None and sb3.episode_start.name == "episode_starts"
     assert [(p.input.name, p.output.name) for p in sb3.pairs] == [("lstm_h", "lstm_h_out"), ("lstm_c", "lstm_c_out")]
@@ -157,6 +164,130 @@ def test_a_state_output_the_graph_allows_is_written_in_place(tmp_path):
         assert targets.tobytes() == expected.tobytes(), binding
         results[binding] = targets.tobytes()
     assert results["auto"] == results["copy"]
+
+
+@pytest.mark.parametrize("name, outputs", [
+    ("rsl_rl_lstm", {"actions": "onnx.actions", "h_out": "onnx.h_out", "c_out": "onnx.c_out"}),
+    ("cell", {"actions": "onnx.actions", "h_out": "onnx.h_in"}),          # written in place
+])
+def test_onnx_runtime_writes_every_output_into_its_arena_buffer(tmp_path, name, outputs):
+    """No allocation per step: after steps have run, each output ONNX Runtime's IO binding
+    holds lies at the address of its arena buffer (ONNX Runtime allocated none of its own)."""
+    model = recurrent_cell(tmp_path / "cell.onnx") if name == "cell" else FIXTURES / name / "policy.onnx"
+    runtime = build_runtime(quadruped(tmp_path, model))
+    serve(runtime, sensor_rows(5, seed=2), 5)
+    binding = next(iter(runtime.policy._bindings.values()))
+    bound = binding.io.get_outputs()
+    assert len(bound) == len(outputs)
+    assert sorted(value.data_ptr() for value in bound) == sorted(runtime.arena[buffer].data_ptr()
+                                                                 for buffer in outputs.values())
+    assert sorted(tuple(value.shape()) for value in bound) == sorted(tuple(runtime.arena[buffer].shape)
+                                                                      for buffer in outputs.values())
+
+
+def test_the_observation_terms_give_the_same_bits_over_numpy_and_over_torch(tmp_path):
+    """A CPU arena's step assembles the observation with numpy, a CUDA arena's with torch
+    (``capsule_ros.policies.ort.arrays``): the same operations in the same order, so the
+    same bits; here both run over the same CPU arena, with values that the clips cut."""
+    from capsule_ros.policies.ort.arrays import NUMPY, TORCH
+    from capsule_ros.policies.ort.observations import assembler, constant_tensors
+    runtime = build_runtime(quadruped(tmp_path, FIXTURES / "rsl_rl_lstm" / "policy.onnx"))
+    plan, state = runtime.policy.observations, runtime.arena.views
+    last = state["onnx.actions"].reshape(-1)
+    rng = np.random.default_rng(4)
+    with torch.inference_mode():
+        outs = {ops: torch.empty(plan.size) for ops in (NUMPY, TORCH)}
+        assemble = {ops: assembler(plan, state, out, last, constant_tensors(plan), ops) for ops, out in outs.items()}
+        rows = sensor_rows(20, seed=5)
+        rows["base_twist"] *= 8.0
+        for t in range(20):
+            for name, values in rows.items():
+                state[name].copy_(torch.from_numpy(values[t]))
+            last.copy_(torch.from_numpy(rng.normal(0, 8, last.numel()).astype(np.float32)))
+            for fn in assemble.values():
+                fn()
+            assert outs[NUMPY].numpy().tobytes() == outs[TORCH].numpy().tobytes(), t
+        assert outs[NUMPY].abs().max() == 10.0                           # the last action's clip cut
+
+
+@pytest.mark.parametrize("term, offset, scale", [("projected_gravity:imu.orientation", 0.0, 1.0),
+                                                  ("projected_gravity:imu.orientation offset=0.25 scale=3", 0.25, 3.0)])
+def test_projected_gravity_is_the_plain_formula_to_the_bit(tmp_path, term, offset, scale):
+    """(2(wy - xz), -2(wx + yz), 2(x^2 + y^2) - 1) as a plain numpy loop computes it, then
+    the term's offset and scale, over numpy and over torch; without an offset of its own
+    the z's ``- 1`` is done by the offset vector, with one it is a step of its own."""
+    from capsule_ros.policies.ort.arrays import NUMPY, TORCH
+    from capsule_ros.policies.ort.observations import ObservationPlan, assembler, constant_tensors
+    config = quadruped(tmp_path, FIXTURES / "rsl_rl_lstm" / "policy.onnx")
+    plan = ObservationPlan.parse([term], config.ports, (), 12, "test")
+    imu = torch.zeros(7)
+    with torch.inference_mode():
+        outs = {ops: torch.empty(3) for ops in (NUMPY, TORCH)}
+        assemble = [assembler(plan, {"imu": imu}, out, torch.zeros(12), constant_tensors(plan), ops)
+                    for ops, out in outs.items()]
+        for x, y, z, w, *_ in sensor_rows(50, seed=9)["imu"]:
+            imu[:4] = torch.tensor([x, y, z, w])
+            two = np.float32(2.0)
+            gravity = np.array([two * (w * y - x * z), -two * (w * x + y * z), two * (x * x + y * y) - np.float32(1)],
+                               np.float32)
+            expected = ((gravity - np.float32(offset)) * np.float32(scale)).astype(np.float32).tobytes()
+            for fn in assemble:
+                fn()
+            assert [out.numpy().tobytes() for out in outs.values()] == [expected, expected]
+
+
+def test_the_benchmark_reports_rounds_identical_actions_and_the_load():
+    """``capsule-ros bench step --policy onnx --quick --json``: the ratio of each variant is
+    the median of its rounds' ratios, with their range, the served actions equal the plain
+    loop's bit for bit, and the machine's load is recorded. Timings are printed, never
+    asserted (docs/benchmarks.md holds the figures)."""
+    done = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "step", "--policy", "onnx",
+                           "--device", "cpu", "--quick", "--json"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for variant in ("guarded", "unguarded"):
+        row = result[variant]
+        assert row["identical_actions"] is True
+        assert len(row["round_ratios"]) == ROUNDS == result["rounds"]
+        assert row["ratio"] == float(np.median(row["round_ratios"]))
+        assert row["spread"] == [min(row["round_ratios"]), max(row["round_ratios"])]
+    assert result["ratio"] == result["guarded"]["ratio"] and result["met"] == (result["ratio"] <= 1.1)
+    assert len(result["load_average"]) == len(result["load_average_after"]) == 3
+    print(f"served / plain (quick model) {result['ratio']:.3f}, rounds {result['guarded']['round_ratios']}")
+
+
+def test_the_ros2_control_configuration_matches_the_parameter_file():
+    """config/quadruped_controllers.yaml (the ros2_control configuration of docs/onnx.md)
+    against config/onnx_quadruped.yaml: the controller types; the joint state broadcaster
+    publishes /joint_states with every joint of the joints port and the interfaces its
+    fields read, and runs at the rate the policy steps at; the IMU broadcaster publishes
+    ``/<name>/imu`` in the control frame; the forward command controller takes the legs
+    output (Float64MultiArray on ``/<name>/commands``, its interface) with ``indices``
+    mapping each of its joints to the policy's joint of that name."""
+    import yaml
+    controllers = yaml.safe_load((REPO / "config" / "quadruped_controllers.yaml").read_text())
+    node = load_params_file(REPO / "config" / "onnx_quadruped.yaml")
+    manager = controllers["controller_manager"]["ros__parameters"]
+    kinds = {"joint_state_broadcaster/JointStateBroadcaster": "joints",
+             "imu_sensor_broadcaster/IMUSensorBroadcaster": "imu",
+             "forward_command_controller/ForwardCommandController": "legs"}
+    name = {kinds[entry["type"]]: controller for controller, entry in manager.items() if isinstance(entry, dict)}
+    assert sorted(name) == sorted(kinds.values())
+    joints, imu, legs = (controllers[name[kind]]["ros__parameters"] for kind in ("joints", "imu", "legs"))
+    ports, output, control = node["ports"], node["outputs"]["legs"], node["control"]
+
+    assert (ports["joints"]["topic"], ports["joints"]["type"]) == ("/joint_states", "sensor_msgs/msg/JointState")
+    assert sorted(joints["joints"]) == sorted(ports["joints"]["names"]) and len(set(joints["joints"])) == 12
+    assert set(ports["joints"]["fields"]) <= set(joints["interfaces"])
+    assert control["mode"] == "trigger" and control["trigger_port"] == "joints"
+    assert joints["update_rate"] == 50 and manager["update_rate"] % joints["update_rate"] == 0
+
+    assert ports["imu"]["topic"] == f"/{name['imu']}/imu"
+    assert ports["imu"]["type"] == "sensor_msgs/msg/Imu" and imu["frame_id"] == control["frame_id"]
+
+    assert output["topic"] == f"/{name['legs']}/commands"
+    assert output["type"] == "std_msgs/msg/Float64MultiArray" and output["interface"] == legs["interface_name"]
+    assert [ports["joints"]["names"][i] for i in output["indices"]] == legs["joints"] == joints["joints"]
 
 
 # -- capsules -----------------------------------------------------------------------------------------

@@ -6,7 +6,13 @@
   that builds the same observation and feeds h, c and the last action back, and the
   ``Float64MultiArray`` output carries them in the controller's joint order;
 - reset, rollback and fork through the services are exact;
-- a bag recorded through ``~/record`` verifies with ``capsule-ros replay --verify``.
+- a bag recorded through ``~/record`` verifies with ``capsule-ros replay --verify``;
+- sb3-contrib's RecurrentPPO export (its episode-start flag), with its state and flag
+  renamed so that no default recognises them, serves bit for bit with
+  ``policy.onnx.state`` and ``policy.onnx.episode_start`` naming them.
+
+The tests of the Isaac Lab model share one node, put back as a fresh one before each
+(``restore_node``); the sb3-contrib model gets a node of its own.
 """
 from __future__ import annotations
 
@@ -16,15 +22,23 @@ import sys
 
 import numpy as np
 import pytest
-from harness import REPO, ClientNode, start_policy_node, wait_for
+from harness import REPO, ClientNode, restore_node, start_policy_node, wait_for
+from onnx_models import renamed
 
 from capsule_ros.benchmarks.onnx_step import PlainLoop, sensor_rows
 from capsule_ros.config import load_params_file
+from capsule_ros.policies.ort.model import OnnxModelError
 from capsule_ros.serving.config import ServingConfig
+from capsule_ros.serving.factory import build_policy
 
 pytestmark = pytest.mark.ros
 PARAMS = REPO / "config" / "onnx_quadruped.yaml"
 MODEL = REPO / "test" / "fixtures" / "onnx" / "rsl_rl_lstm" / "policy.onnx"
+SB3_MODEL = REPO / "test" / "fixtures" / "onnx" / "sb3_lstm" / "policy.onnx"
+# sb3-contrib's names (lstm_h:lstm_h_out, episode_starts) -> ones no default recognises
+SB3_NAMES = {"lstm_h": "memory_h", "lstm_h_out": "memory_h_next", "lstm_c": "memory_c", "lstm_c_out": "memory_c_next",
+             "episode_starts": "first_step"}
+SB3_STATE = (("memory_h", "memory_h_next"), ("memory_c", "memory_c_next"))
 NS = "/quad"
 RELIABLE = {"qos": "reliable", "depth": 500}
 OVERRIDES = {"ports": {"joints": {"topic": "joint_states", **RELIABLE}, "imu": {"topic": "imu", **RELIABLE},
@@ -41,7 +55,7 @@ TO_ROBOT = [POLICY_JOINTS.index(name) for name in ROBOT_JOINTS]
 class Robot:
     """Publishes a quadruped's sensors and triggers one step per joint state."""
 
-    def __init__(self, client: ClientNode):
+    def __init__(self, client: ClientNode, ns: str = NS):
         from geometry_msgs.msg import Twist, TwistStamped
         from rclpy.qos import QoSProfile, ReliabilityPolicy
         from sensor_msgs.msg import Imu, JointState
@@ -51,11 +65,11 @@ class Robot:
         qos = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
         self.client, self.capsules = client, client.capsules
         self.types = {"joints": JointState, "imu": Imu, "cmd_vel": Twist, "base_twist": TwistStamped}
-        self.pub = {name: client.publisher(kind, f"{NS}/{OVERRIDES['ports'][name]['topic']}", qos)
+        self.pub = {name: client.publisher(kind, f"{ns}/{OVERRIDES['ports'][name]['topic']}", qos)
                     for name, kind in self.types.items()}
-        self.actions = client.subscribe(Action, f"{NS}/capsule_policy/action", qos)
-        self.legs = client.subscribe(Float64MultiArray, f"{NS}/legs", qos)
-        self.status = client.subscribe(RuntimeStatus, f"{NS}/capsule_policy/status")
+        self.actions = client.subscribe(Action, f"{ns}/capsule_policy/action", qos)
+        self.legs = client.subscribe(Float64MultiArray, f"{ns}/legs", qos)
+        self.status = client.subscribe(RuntimeStatus, f"{ns}/capsule_policy/status")
         for publisher in self.pub.values():
             client.wait_for_subscribers(publisher)
         self.sent = dict.fromkeys(self.types, 0)
@@ -109,7 +123,7 @@ def values(run) -> list:
 
 
 @pytest.fixture(scope="module")
-def robot(tmp_path_factory, rclpy_context):
+def shared(tmp_path_factory, rclpy_context):
     tmp = tmp_path_factory.mktemp("onnx")
     proc = start_policy_node(tmp, OVERRIDES, namespace=NS, params_file=PARAMS, tag="quad")
     client = ClientNode(rclpy_context, "quad_client", node_path=f"{NS}/capsule_policy")
@@ -118,15 +132,28 @@ def robot(tmp_path_factory, rclpy_context):
     assert proc.stop() == 0, proc.log()
 
 
+@pytest.fixture
+def robot(shared):
+    """The module's node, put back as a fresh one comes up (``restore_node``) before each
+    test: the tests reset, commit, fork, re-enter and record on it."""
+    proc, bot, tmp = shared
+    restore_node(bot.client, {})
+    for q in (bot.actions, bot.legs):
+        ClientNode.drain(q)
+    return shared
+
+
 @pytest.fixture(scope="module")
 def rows():
     return sensor_rows(40, seed=21)
 
 
-def reference(rows, steps: int) -> list:
+def reference(rows, steps: int, model=MODEL, **loop) -> list:
+    """The joint targets of a plain ONNX Runtime loop (``PlainLoop``: state pairs and the
+    episode-start input in ``loop``), as the node's action values' bytes."""
     settings = ServingConfig.from_params(load_params_file(PARAMS)).policy_settings
-    loop = PlainLoop(MODEL, settings)
-    return [loop.step(rows, t).astype(np.float32).tobytes() for t in range(steps)]
+    plain = PlainLoop(model, settings, **loop)
+    return [plain.step(rows, t).astype(np.float32).tobytes() for t in range(steps)]
 
 
 def test_policy_node_serves_the_plain_onnxruntime_loop_bit_for_bit(robot, rows):
@@ -172,3 +199,37 @@ def test_a_recorded_rollback_verifies_with_capsule_ros_replay(robot, rows):
     assert verify.returncode == 0, verify.stdout + verify.stderr
     verdict = json.loads(verify.stdout)
     assert verdict["identical"] and verdict["steps_compared"] == verdict["steps_matched"] == 8 + 12 + 12
+
+
+@pytest.fixture
+def sb3_robot(tmp_path, rclpy_context):
+    """A node of its own serving the renamed sb3-contrib model with policy.onnx.state and
+    policy.onnx.episode_start naming its tensors."""
+    model = renamed(SB3_MODEL, tmp_path / "policy.onnx", SB3_NAMES)
+    ns = "/quad_sb3"
+    overrides = {**OVERRIDES, "policy": {"onnx": {"model": str(model), "episode_start": "first_step",
+                                                  "state": [f"{a}:{b}" for a, b in SB3_STATE]}}}
+    proc = start_policy_node(tmp_path, overrides, namespace=ns, params_file=PARAMS, tag="quad_sb3")
+    client = ClientNode(rclpy_context, "quad_sb3_client", node_path=f"{ns}/capsule_policy")
+    yield proc, Robot(client, ns), model
+    client.close()
+    assert proc.stop() == 0, proc.log()
+
+
+def test_an_sb3_contrib_export_with_its_own_names_serves_the_plain_onnxruntime_loop_bit_for_bit(sb3_robot, rows):
+    """The episode-start flag is 1 on an episode's first step and 0 after, in the node as in
+    the plain loop, also after a reset; without the two settings the model is refused
+    (the defaults recognise none of its names)."""
+    proc, bot, model = sb3_robot
+    params = load_params_file(PARAMS)
+    params["policy"]["onnx"]["model"] = str(model)
+    with pytest.raises(OnnxModelError, match="memory_h"):
+        build_policy(ServingConfig.from_params(params))
+    bot.capsules.reset()
+    first = values(bot.run(rows, range(20)))
+    bot.capsules.reset()
+    again = values(bot.run(rows, range(10)))
+    expected = reference(rows, 20, model, state=SB3_STATE, episode_start="first_step")
+    assert first == expected and again == expected[:10]
+    assert len(set(first)) == len(first)
+    assert proc.alive(), proc.log()

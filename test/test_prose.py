@@ -21,6 +21,11 @@ TEST_REF = re.compile(r"\b(?:test/)?(test_[a-z0-9_]+)\.py(?:::(test_[a-z0-9_]+))
 BARE_TEST_REF = re.compile(r"(?<![\w./-])(test_[a-z0-9_]+)\b(?!\.py|\(|\s*=)")
 PATH_REF = re.compile(r"(?<![\w./-])((?:docs|config|launch|bench|examples|tools|scripts|srv|msg|action|runtime|"
                       r"policies|capsules|serving|bag|ros|bt|cli|benchmarks|sim)/[\w./-]*\.[a-z0-9]+)\b")
+# files at the top of the repository, cited by their bare name (a user's own pyproject.toml is not one of them)
+TOP_REF = re.compile(r"(?<![\w./-])([A-Z][A-Z0-9_-]*\.md|CMakeLists\.txt|package\.xml|setup\.py|setup\.sh|Makefile|"
+                     r"ruff\.toml|mypy\.ini|pytest\.ini)\b")
+# a document's neighbours in docs/, cited by their bare name from another document there
+DOC_REF = re.compile(r"(?<![\w./-])([a-z][a-z0-9-]*\.md)\b")
 BENCH_REF = re.compile(r"docs/benchmarks\.md,?\s+\"([^\"]+)\"")
 
 
@@ -106,28 +111,39 @@ def is_module_name(dotted: str) -> bool:
 
 
 def unresolved() -> List[str]:
+    bad: List[str] = []
+    for where, text in sources():
+        bad += unresolved_in(where, prose(where, text))
+    return bad
+
+
+def unresolved_in(where: str, body: str) -> List[str]:
+    """What the prose ``body`` of ``where`` cites that does not exist."""
     bad = []
     sections = benchmark_sections()
-    for where, text in sources():
-        body = prose(where, text)
-        for dotted in MODULE_REF.findall(body):
-            if (where.endswith(".py") or is_module_name(dotted)) and not resolves(dotted.rstrip(".")):
-                bad.append(f"{where}: {dotted}")
-        for module, function in TEST_REF.findall(body):
-            path = TESTS / f"{module}.py"
-            if not path.is_file() or (function and function not in names_in(path)):
-                bad.append(f"{where}: {module}.py" + (f"::{function}" if function else ""))
-        for name in BARE_TEST_REF.findall(body):
-            if name not in known_test_names():
-                bad.append(f"{where}: {name}")
-        for ref in PATH_REF.findall(body):
-            ref = ref.rstrip(".")
-            if not any((base / ref).exists() for base in (REPO, PACKAGE)) and not any(REPO.glob(f"examples/**/{ref}")):
-                bad.append(f"{where}: {ref}")
-        for cited in BENCH_REF.findall(body):
-            cited = " ".join(cited.split())
-            if not any(section.startswith(cited) for section in sections):
-                bad.append(f"{where}: docs/benchmarks.md \"{cited}\"")
+    for dotted in MODULE_REF.findall(body):
+        if (where.endswith(".py") or is_module_name(dotted)) and not resolves(dotted.rstrip(".")):
+            bad.append(f"{where}: {dotted}")
+    for module, function in TEST_REF.findall(body):
+        path = TESTS / f"{module}.py"
+        if not path.is_file() or (function and function not in names_in(path)):
+            bad.append(f"{where}: {module}.py" + (f"::{function}" if function else ""))
+    for name in BARE_TEST_REF.findall(body):
+        if name not in known_test_names():
+            bad.append(f"{where}: {name}")
+    for ref in PATH_REF.findall(body):
+        ref = ref.rstrip(".")
+        if not any((base / ref).exists() for base in (REPO, PACKAGE)) and not any(REPO.glob(f"examples/**/{ref}")):
+            bad.append(f"{where}: {ref}")
+    for ref in TOP_REF.findall(body):
+        if not (REPO / ref).is_file():
+            bad.append(f"{where}: {ref}")
+    if where.startswith("docs/"):
+        bad += [f"{where}: {ref}" for ref in DOC_REF.findall(body) if not (REPO / "docs" / ref).is_file()]
+    for cited in BENCH_REF.findall(body):
+        cited = " ".join(cited.split())
+        if not any(section.startswith(cited) for section in sections):
+            bad.append(f"{where}: docs/benchmarks.md \"{cited}\"")
     return bad
 
 
@@ -141,6 +157,56 @@ def test_cited_modules_tests_files_and_benchmark_sections_exist():
                                         ("capsule_ros.srv", True)])
 def test_the_resolver_itself(dotted, ok):
     assert resolves(dotted) is ok
+
+
+@pytest.mark.parametrize("where, text, bad", [
+    ("capsule_ros/serving/verbs.py", "the external contract: DESIGN.md section 2", ["DESIGN.md"]),
+    ("capsule_ros/x.py", "CMakeLists.txt lists the interfaces; README.md says how", []),
+    ("capsule_ros/x.py", "see docs/nowhere.md and config/policy.yaml", ["docs/nowhere.md"]),
+    ("docs/onnx.md", "[the figures](benchmarks.md#x), [elsewhere](nowhere.md)", ["nowhere.md"]),
+])
+def test_file_citations_outside_the_source_tree_are_caught(where, text, bad):
+    assert unresolved_in(where, text) == [f"{where}: {ref}" for ref in bad]
+
+
+# A figure measured on some machine as documents write one: a time with decimals ("62.7 us"),
+# a percentile with its value ("p99 5.4 ms"), a ratio with decimals ("1.12x", but not a
+# target: "at most 1.1x"), an approximate time, size or throughput ("~1.1 ms", "~6 MiB",
+# "220 MB/s"), a time per step or call ("472 ms per step"). Limits, defaults and sizes of
+# formats are written as whole numbers ("20 ms", "500 ms", "256 MiB") and are not caught.
+DOC_FIGURE = re.compile(r"(?<![\w.])\d+\.\d+\s*(?:us|µs|ms|s)\b|\bp(?:50|95|99)\s+\d+(?:\.\d+)?\s*(?:us|ms|s)\b|"
+                        r"(?<![\w.])\d+\.\d+x\b|~\s?\d+(?:\.\d+)?\s*(?:us|ms|s|KiB|MiB|GiB|KB|MB|GB)\b|"
+                        r"\d+(?:\.\d+)?\s*(?:KB|MB|GB|KiB|MiB|GiB)/s\b|"
+                        r"\d+(?:\.\d+)?\s*(?:us|ms|s)\s+(?:per step|a step|per call|a call|each)\b")
+TARGET_WORDS = ("at most", "within", "<=", "≤", "target")
+
+
+def doc_figures(text: str) -> List[str]:
+    """The measured figures ``DOC_FIGURE`` finds in ``text``, targets left out."""
+    return [m.group(0) for m in DOC_FIGURE.finditer(text)
+            if not any(word in text[max(0, m.start() - 12):m.start()] for word in TARGET_WORDS)]
+
+
+@pytest.mark.parametrize("text, found", [
+    ("the served step took 62.7 us against 56.1 us (1.12x)", ["62.7 us", "56.1 us", "1.12x"]),
+    ("commit p50 1.6 ms / p99 5.4 ms", ["p50 1.6 ms", "p99 5.4 ms"]),
+    ("reading the file (~1.1 ms for 144 KB), peak ~6 MiB, 220 MB/s", ["~1.1 ms", "~6 MiB", "220 MB/s"]),
+    ("an ACT step takes 472 ms per step", ["472 ms per step"]),
+    ("an answer within 20 ms at p99; the default is 500 ms; a 256 MiB payload", []),
+    ("the target is at most 1.1x the plain loop; config 2.0 scale; ros2 0.36.1", []),
+])
+def test_the_document_figure_finder(text, found):
+    assert doc_figures(text) == found
+
+
+def test_measured_figures_live_only_in_docs_benchmarks_md():
+    """The README and the docs cite the sections of docs/benchmarks.md (with its command,
+    date and machine) instead of pasting a measured figure, which goes stale where it is."""
+    found = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        if path.name != "benchmarks.md":
+            found += [f"{path.relative_to(REPO)}: {figure}" for figure in doc_figures(path.read_text())]
+    assert found == []
 
 
 def test_measured_figures_are_cited_not_pasted_into_the_code():

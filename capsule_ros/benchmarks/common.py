@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -71,7 +72,8 @@ def environment(device: torch.device) -> dict:
     info = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "device": str(device), "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join(["capsule-ros", *sys.argv[1:]]) if sys.argv else "",
-            "cpu_threads": torch.get_num_threads(), "cpu_capability": str(torch.backends.cpu.get_cpu_capability())}
+            "cpu_threads": torch.get_num_threads(), "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+            "load_average": list(os.getloadavg())}        # 1, 5 and 15 minutes: how busy the machine was
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     else:

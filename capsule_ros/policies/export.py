@@ -40,7 +40,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -53,6 +53,18 @@ from capsule_ros.runtime.policy import ChunkCadence
 
 class InterfaceError(ConfigError):
     """The module does not keep the export interface; the message says what to change."""
+
+
+class ExportSource(Protocol):
+    """The export interface (the module docstring) as ``interface_of`` reads it from a module
+    once it has checked that the names exist."""
+
+    inputs: Sequence[BufferSpec]
+    state: Sequence[BufferSpec]
+    action_dim: int
+    chunk_horizon: int
+
+    def initial_state(self) -> Mapping[str, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,7 @@ def interface_of(module: nn.Module) -> ProgramInterface:
                if not hasattr(module, name)]
     if missing:
         raise InterfaceError(f"{where} lacks {missing} of the export interface (docs/bring-your-own-policy.md)")
+    source = cast(ExportSource, module)
     specs = {}
     for name in ("inputs", "state"):
         value = getattr(module, name)
@@ -98,7 +111,7 @@ def interface_of(module: nn.Module) -> ProgramInterface:
                 or not all(isinstance(s, BufferSpec) for s in value):
             raise InterfaceError(f"{where}.{name} must be a sequence of capsule_ros BufferSpec")
         specs[name] = tuple(value)
-    initial = module.initial_state()
+    initial = source.initial_state()
     if not isinstance(initial, Mapping) or set(initial) != {s.name for s in specs["state"]}:
         raise InterfaceError(f"{where}.initial_state() must map every state name {[s.name for s in specs['state']]} "
                              f"to a tensor, got {sorted(initial) if isinstance(initial, Mapping) else type(initial)}")
@@ -110,7 +123,7 @@ def interface_of(module: nn.Module) -> ProgramInterface:
         if lacking:
             raise InterfaceError(f"{where} has a cadence but lacks {lacking}: a chunking module defines observe, "
                                  "plan and emit (docs/bring-your-own-policy.md)")
-    interface = ProgramInterface(specs["inputs"], specs["state"], module.action_dim, module.chunk_horizon, {},
+    interface = ProgramInterface(specs["inputs"], specs["state"], source.action_dim, source.chunk_horizon, {},
                                  cadence)
     interface.check(InterfaceError, where)
     values = {}
@@ -145,7 +158,7 @@ def _random_inputs(interface: ProgramInterface, generator: torch.Generator) -> L
 
 def _initial(interface: ProgramInterface, module: nn.Module) -> List[torch.Tensor]:
     """The initial state with a batch of one (rng seeded with 0, as the runtime would)."""
-    initial = module.initial_state()
+    initial = cast(ExportSource, module).initial_state()
     state = [initial[s.name].detach().cpu().clone()[None] for s in interface.state]
     for spec, value in zip(interface.state, state, strict=True):
         if spec.name == "rng":

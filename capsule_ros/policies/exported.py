@@ -116,11 +116,11 @@ class ProgramInterface:
                             f"{dtype_name(rng[0].dtype)}{list(rng[0].shape)}")
         if any(s.name == RNG for s in self.inputs):
             problems.append(f"{RNG!r} must be state, not an input")
-        for name, value in self.initial.items():
+        for name, initial in self.initial.items():
             spec = next((s for s in self.state if s.name == name), None)
-            if spec is None or tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
-                problems.append(f"initial value of {name!r} ({dtype_name(value.dtype)}{list(value.shape)}) does not "
-                                "fit a state buffer")
+            if spec is None or tuple(initial.shape) != spec.shape or initial.dtype != spec.dtype:
+                problems.append(f"initial value of {name!r} ({dtype_name(initial.dtype)}{list(initial.shape)}) does "
+                                "not fit a state buffer")
         if self.cadence is not None:
             unknown = [r for r in self.cadence.reads if r not in names]
             if unknown:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +108,14 @@ def swiglu(x, norm_w, gate_up_w, down_w, eps: float):
     """x + down(silu(gate) * up) of RMSNorm(x); down's GEMM adds the residual (addmm) for 2-D x."""
     gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), norm_w, eps), gate_up_w).chunk(2, dim=-1)
     return residual_linear(x, F.silu(gate) * up, down_w)
+
+
+def with_mlp(x, mlp, eps: float):
+    """``swiglu`` of a layer's MLP weights ``mlp`` (norm, gate_up, down), or ``x`` for a layer without one."""
+    if not mlp:
+        return x
+    norm_w, gate_up_w, down_w = mlp
+    return swiglu(x, norm_w, gate_up_w, down_w, eps)
 
 
 def residual_linear(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -228,7 +236,7 @@ def attention_decode(x, ring, old_bias, phases, norm_w, qkv_w, out_w, mlp, shape
     probs = torch.softmax(torch.cat([old.float(), own], dim=-1), dim=-1)
     attn = torch.bmm(probs[..., :-1].to(q.dtype), ring[1]) + (probs[..., -1:] * kv[1].float()).to(q.dtype)
     x = residual_linear(x, attn.reshape(1, -1), out_w)
-    return (swiglu(x, *mlp, shape.eps) if mlp else x), kv
+    return with_mlp(x, mlp, shape.eps), kv
 
 
 def attention_prefill(x, norm_w, qkv_w, out_w, mlp, shape: AttentionShape, max_context: int):
@@ -247,7 +255,7 @@ def attention_prefill(x, norm_w, qkv_w, out_w, mlp, shape: AttentionShape, max_c
         i, j = positions[:, None], positions[None, :]
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=(j <= i) & (i - j < max_context))
     x = residual_linear(x, attn.transpose(1, 2).flatten(-2), out_w)
-    return (swiglu(x, *mlp, shape.eps) if mlp else x), kv
+    return with_mlp(x, mlp, shape.eps), kv
 
 
 @dataclass(frozen=True)
@@ -277,7 +285,7 @@ def _recurrent_gates(dt, dt_bias, a_log):
 def _recurrent_out(x, y, z, out_norm_w, out_w, mlp, eps):
     y = F.rms_norm(y.to(x.dtype) * F.silu(z), (y.shape[-1],), out_norm_w, eps)
     x = residual_linear(x, y, out_w)
-    return swiglu(x, *mlp, eps) if mlp else x
+    return with_mlp(x, mlp, eps)
 
 
 def recurrent_decode(x, history, ssm, norm_w, in_w, conv_w, conv_b, dt_bias, a_log, skip, out_norm_w, out_w,
@@ -471,8 +479,14 @@ def hybrid_state_spec(cfg: HybridConfig, inputs: Sequence[BufferSpec]) -> List[B
 MIN_IMAGE_SIDE = 10   # two 4x4 convolutions of stride 2: (10 - 4) // 2 + 1 = 4 >= 4
 
 
+Layer = Union[AttentionLayer, RecurrentLayer]
+
+
 class ObservationEncoder(nn.Module):
     """Vector inputs (flattened, normalised) and an optional image -> one token."""
+
+    obs_mean: torch.Tensor           # buffers (register_buffer), declared for the type checker
+    obs_std: torch.Tensor
 
     def __init__(self, d_model: int, inputs: Sequence[BufferSpec]):
         super().__init__()
@@ -480,7 +494,7 @@ class ObservationEncoder(nn.Module):
         images = [s for s in inputs if self._is_image(s)]
         if len(images) > 1:
             raise ValueError("the hybrid policy takes at most one image input")
-        self.image_name = images[0].name if images else None
+        self.image_name = images[0].name if images else ""
         obs_dim = sum(dims(s.shape) for s in inputs if not self._is_image(s))
         self.register_buffer("obs_mean", torch.zeros(obs_dim))
         self.register_buffer("obs_std", torch.ones(obs_dim))
@@ -491,7 +505,7 @@ class ObservationEncoder(nn.Module):
                 raise ConfigError(f"input {images[0].name!r} is {height}x{width} pixels: the hybrid policy's image "
                                   f"encoder needs at least {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE} (two 4x4 stride-2 "
                                   "convolutions); change the port's shape")
-            self.image = nn.Sequential(
+            self.image: Optional[nn.Sequential] = nn.Sequential(
                 nn.Conv2d(channels, 16, 4, stride=2), nn.ReLU(),
                 nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(),
                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, d_model))
@@ -517,6 +531,8 @@ class ObservationEncoder(nn.Module):
 
 class HybridPolicy(StatefulPolicy):
     """The reference policy (see the module docstring)."""
+
+    ring_slots: torch.Tensor         # a buffer (register_buffer), declared for the type checker
 
     def __init__(self, cfg: HybridConfig, inputs: Sequence[BufferSpec]):
         super().__init__()
@@ -572,7 +588,7 @@ class HybridPolicy(StatefulPolicy):
         ctx = StepContext(slot=slot, phases=rotary_phases(position, cfg.head_dim),
                           old_bias=torch.where(in_window, 0.0, float("-inf")))
         x = self.encoder({s.name: state[s.name] for s in self.inputs}, (1,), self.dtype)   # [1, d]
-        for layer in self.layers:
+        for layer in cast(Sequence[Layer], self.layers):
             x = layer.step(x, state, ctx, self.kernels)
         chunk = self._chunk(x)[0]                                                       # [H, A] float32
         acc, weight = state[CHUNK_ACC], state[CHUNK_WEIGHT]
@@ -594,7 +610,7 @@ class HybridPolicy(StatefulPolicy):
         if self.embed is None:
             raise NotImplementedError("this policy has vocab_size = 0: no prefix input")
         x = self.embed(tokens)[None]                                      # [1, P, d]
-        for layer in self.layers:
+        for layer in cast(Sequence[Layer], self.layers):
             x = layer.sequence(x, state, self.kernels)
         state[POSITION].add_(tokens.shape[0])
 
@@ -608,7 +624,7 @@ class HybridPolicy(StatefulPolicy):
         any_input = next(iter(inputs.values()))
         batch_shape = tuple(any_input.shape[:2])
         x = self.encoder(inputs, batch_shape, self.dtype)
-        for layer in self.layers:
+        for layer in cast(Sequence[Layer], self.layers):
             x = layer.sequence(x, None, self.kernels)
         return self._chunk(x)
 

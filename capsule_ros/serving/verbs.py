@@ -8,7 +8,8 @@ reset, interrupt, reenter, fork, list, drop, save, load, record. Its row says
   the node's recorder), of ``capsule_ros.ros.client.CapsuleClient`` that calls it, and of a
   replay target (``capsule_ros.bag.targets.ReplayTarget``) that re-enacts it;
 - ``service``: the service's name under the node (``~/<service>``) and ``srv``: its type
-  ``capsule_ros/srv/<srv>`` (both are the external contract: DESIGN.md section 2);
+  ``capsule_ros/srv/<srv>`` (both are the external contract: README.md's node interface
+  and the verb table in docs/architecture.md);
 - ``event``: the ``capsule_ros/msg/CapsuleEvent`` kind it publishes when it changes
   something, and ``replayed``: whether ``capsule-ros replay`` re-enacts a recorded one;
 - ``idempotent``: whether asking twice leaves the node as asking once and answers the

@@ -14,7 +14,7 @@ statistics or weights are read, and raises ``ConfigError`` naming the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Tuple
+from typing import Callable, Mapping, Tuple
 
 from torch import nn
 
@@ -43,17 +43,15 @@ class _Kind:
     """How one LeRobot policy type is checked, built and loaded."""
 
     def __init__(self, check: Callable[[Checkpoint], None], build: Callable[..., LeRobotPolicy],
-                 buffers: Tuple[str, ...], weights: Callable[[LeRobotPolicy], Dict[str, nn.Module]],
-                 training_only: Callable[[Checkpoint], Tuple[str, ...]]):
+                 buffers: Tuple[str, ...], training_only: Callable[[Checkpoint], Tuple[str, ...]]):
         self.check, self.build, self.buffers = check, build, buffers
-        self.weights, self.training_only = weights, training_only
+        self.training_only = training_only
 
 
 KINDS = {
-    "act": _Kind(act.check_config, act.ACTPolicy, act.BUFFER_NAMES, lambda p: {"model": p.model},
+    "act": _Kind(act.check_config, act.ACTPolicy, act.BUFFER_NAMES,
                  lambda ck: act.TRAINING_ONLY if ck.field("use_vae", True) else ()),
-    "diffusion": _Kind(diffusion.check_config, diffusion.DiffusionPolicy, diffusion.BUFFER_NAMES,
-                       lambda p: {"diffusion": p.diffusion}, lambda ck: ()),
+    "diffusion": _Kind(diffusion.check_config, diffusion.DiffusionPolicy, diffusion.BUFFER_NAMES, lambda ck: ()),
 }
 
 
@@ -81,18 +79,22 @@ def build_policy(checkpoint_dir, feature_map: Mapping[str, BufferSpec], *, expec
     kind.check(checkpoint)
     input_norms, action_norm = read_normalization(checkpoint)
     policy = kind.build(checkpoint, inputs, input_norms, action_norm)
-    load_model_weights(checkpoint, nn.ModuleDict(kind.weights(policy)), training_only=kind.training_only(checkpoint))
+    load_model_weights(checkpoint, nn.ModuleDict(policy.weight_modules()), training_only=kind.training_only(checkpoint))
     return policy.eval()
 
 
 def build_act(checkpoint_dir, feature_map: Mapping[str, BufferSpec]) -> act.ACTPolicy:
     """ACT from a LeRobot checkpoint (see ``build_policy``)."""
-    return build_policy(checkpoint_dir, feature_map, expected_type="act")
+    policy = build_policy(checkpoint_dir, feature_map, expected_type="act")
+    assert isinstance(policy, act.ACTPolicy)
+    return policy
 
 
 def build_diffusion(checkpoint_dir, feature_map: Mapping[str, BufferSpec]) -> diffusion.DiffusionPolicy:
     """Diffusion Policy from a LeRobot checkpoint (see ``build_policy``)."""
-    return build_policy(checkpoint_dir, feature_map, expected_type="diffusion")
+    policy = build_policy(checkpoint_dir, feature_map, expected_type="diffusion")
+    assert isinstance(policy, diffusion.DiffusionPolicy)
+    return policy
 
 
 __all__ = ["build_policy", "build_act", "build_diffusion", "read_checkpoint"]

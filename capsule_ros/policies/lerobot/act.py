@@ -29,7 +29,7 @@ empty-ensemble case needs no branch: with counts 0 the update
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ from capsule_ros.runtime.policy import ACTION, CHUNK, ChunkCadence, State, chunk
 ENSEMBLE, ENSEMBLE_COUNT = "act.ensemble", "act.ensemble_count"
 BUFFER_NAMES = (ENSEMBLE, ENSEMBLE_COUNT)
 TRAINING_ONLY = ("model.vae_encoder",)   # the VAE encoder (and its cls/proj/pos tensors): training only
-ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
 
 
 def check_config(checkpoint: Checkpoint) -> None:
@@ -192,6 +192,10 @@ def sinusoid_2d(dim: int, height: int, width: int) -> torch.Tensor:
 class ACTModel(nn.Module):
     """The inference part of LeRobot's ``ACT`` module, by its parameter names."""
 
+    camera_pos: torch.Tensor         # buffers (register_buffer), declared for the type checker
+    latent: torch.Tensor
+    decoder_in: torch.Tensor
+
     def __init__(self, checkpoint: Checkpoint, cameras: Sequence[BoundInput], has_env: bool):
         super().__init__()
         c = checkpoint.field
@@ -229,18 +233,21 @@ class ACTModel(nn.Module):
             tokens.append(features.flatten(1).transpose(0, 1))                          # [(h w), dim]
         if images:
             pos.append(self.camera_pos)
-        x, pos = torch.cat(tokens), torch.cat(pos)                                       # [S, dim]
+        x, positions = torch.cat(tokens), torch.cat(pos)                                 # [S, dim]
         for layer in self.encoder.layers:
-            x = layer(x, pos)
+            x = layer(x, positions)
         memory = self.encoder.norm(x)
         y = self.decoder_in
         for layer in self.decoder.layers:
-            y = layer(y, memory, self.decoder_pos_embed.weight, pos)
+            y = layer(y, memory, self.decoder_pos_embed.weight, positions)
         return self.action_head(self.decoder.norm(y))                                   # [chunk, A]
 
 
 class ACTPolicy(LeRobotPolicy):
     """LeRobot's ACTPolicy.select_action + processors as a capturable step (module docstring)."""
+
+    ensemble_weights: torch.Tensor   # buffers (register_buffer) with temporal ensembling, declared for the type checker
+    ensemble_cumsum: torch.Tensor
 
     def __init__(self, checkpoint: Checkpoint, inputs: Sequence[BoundInput], input_norms: Dict[str, Normalization],
                  action_norm: Normalization):
@@ -255,6 +262,9 @@ class ACTPolicy(LeRobotPolicy):
             weights = torch.exp(-self.ensemble_coeff * torch.arange(chunk_size))
             self.register_buffer("ensemble_weights", weights, persistent=False)
             self.register_buffer("ensemble_cumsum", torch.cumsum(weights, dim=0), persistent=False)
+
+    def weight_modules(self) -> Dict[str, nn.Module]:
+        return {"model": self.model}
 
     def cadence(self) -> Optional[ChunkCadence]:
         """With an action queue: a chunk of ``chunk_size`` rows, ``n_action_steps`` executed

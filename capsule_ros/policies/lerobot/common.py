@@ -27,6 +27,10 @@ class FeatureNorm(nn.Module):
     for MEAN_STD, ``high - low`` with 0 replaced by eps otherwise, as LeRobot computes them.
     """
 
+    low: torch.Tensor                # buffers (register_buffer), declared for the type checker
+    spread: torch.Tensor
+    denom: torch.Tensor
+
     def __init__(self, norm: Normalization, shape: Sequence[int]):
         super().__init__()
         self.key, self.mode = norm.key, norm.mode
@@ -97,6 +101,11 @@ RESNET_BLOCKS = {"resnet18": (2, 2, 2, 2), "resnet34": (3, 4, 6, 3)}
 
 class FrozenBatchNorm2d(nn.Module):
     """Batch norm with fixed statistics and affine, computed as torchvision's FrozenBatchNorm2d."""
+
+    weight: torch.Tensor             # buffers (register_buffer), declared for the type checker
+    bias: torch.Tensor
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
 
     def __init__(self, channels: int, eps: float = 1e-5):
         super().__init__()

@@ -42,7 +42,7 @@ it reads the windows and ``rng`` only, which an async request copies.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, cast
 
 import numpy as np
 import torch
@@ -51,7 +51,13 @@ from torch import nn
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
-from capsule_ros.policies.lerobot.common import RESNET_CHANNELS, resize_image, resnet_feature_size, resnet_trunk
+from capsule_ros.policies.lerobot.common import (
+    RESNET_CHANNELS,
+    NormFactory,
+    resize_image,
+    resnet_feature_size,
+    resnet_trunk,
+)
 from capsule_ros.policies.lerobot.features import BoundInput
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.policies.lerobot.schedulers import NoiseScheduler, SchedulerConfig
@@ -99,6 +105,8 @@ def check_config(checkpoint: Checkpoint) -> None:
 class SpatialSoftmax(nn.Module):
     """1x1 conv to K keypoint maps, softmax over pixels, expected (x, y) on ``pos_grid``."""
 
+    pos_grid: torch.Tensor           # a buffer (register_buffer), declared for the type checker
+
     def __init__(self, channels: int, height: int, width: int, keypoints: int):
         super().__init__()
         self.nets = nn.Conv2d(channels, keypoints, kernel_size=1)
@@ -131,6 +139,7 @@ class RgbEncoder(nn.Module):
             # torchvision's center_crop offsets (Python's round: halves to even)
             self.crop = (int(round((height - ch) / 2.0)), int(round((width - cw) / 2.0)), ch, cw)
             height, width = ch, cw
+        norm: NormFactory
         if c("use_group_norm", True):
             def norm(channels: int) -> nn.Module:
                 return nn.GroupNorm(channels // 16, channels)
@@ -235,13 +244,13 @@ class ConditionalUnet1d(nn.Module):
         x = x.transpose(1, 2)                                                             # [1, A, horizon]
         cond = torch.cat([self.timestep_embedding(timestep), global_cond], dim=-1)
         skips: List[torch.Tensor] = []
-        for resnet, resnet2, downsample in self.down_modules:
+        for resnet, resnet2, downsample in cast(Sequence[Sequence[nn.Module]], self.down_modules):
             x = resnet2(resnet(x, cond), cond)
             skips.append(x)
             x = downsample(x)
         for mid in self.mid_modules:
             x = mid(x, cond)
-        for resnet, resnet2, upsample in self.up_modules:
+        for resnet, resnet2, upsample in cast(Sequence[Sequence[nn.Module]], self.up_modules):
             x = torch.cat((x, skips.pop()), dim=1)
             x = upsample(resnet2(resnet(x, cond), cond))
         return self.final_conv(x).transpose(1, 2)
@@ -254,6 +263,7 @@ class DiffusionModel(nn.Module):
         super().__init__()
         c = checkpoint.field
         self.separate = bool(c("use_separate_rgb_encoder_per_camera", False))
+        self.rgb_encoder: nn.Module
         if cameras:
             h, w = cameras[0].image_size
             if self.separate:
@@ -269,7 +279,8 @@ class DiffusionModel(nn.Module):
         shared encoder, or one batch of S per camera through its own encoder."""
         steps = frames.shape[0]
         if self.separate:
-            return torch.cat([encoder(frames[:, n]) for n, encoder in enumerate(self.rgb_encoder)], dim=-1)
+            encoders = cast(Sequence[nn.Module], self.rgb_encoder)                # one per camera
+            return torch.cat([encoder(frames[:, n]) for n, encoder in enumerate(encoders)], dim=-1)
         return self.rgb_encoder(frames.flatten(0, 1)).reshape(steps, -1)
 
     def sample(self, global_cond: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -295,6 +306,9 @@ class DiffusionPolicy(LeRobotPolicy):
         self.cond_dim += keypoint_dim * len(self.cameras)
         self.diffusion = DiffusionModel(checkpoint, self.cameras, self.cond_dim)
         self.chunk_length = self.horizon - self.n_obs_steps + 1
+
+    def weight_modules(self) -> Dict[str, nn.Module]:
+        return {"diffusion": self.diffusion}
 
     def _windows(self) -> List[BufferSpec]:
         return [BufferSpec(OBS_PREFIX + b.port.name, (self.n_obs_steps, *b.port.shape), b.port.dtype, BufferKind.CONV)

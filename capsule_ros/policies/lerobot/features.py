@@ -19,7 +19,7 @@ Each error is a ``ConfigError`` naming the feature key and what to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, List, Mapping, Tuple
+from typing import Collection, Dict, List, Mapping, Tuple
 
 import torch
 
@@ -71,7 +71,7 @@ def bind_features(checkpoint: Checkpoint, feature_map: Mapping[str, BufferSpec],
         raise ConfigError(f"feature map entry {unknown[0]!r} is not an input feature of {where}; "
                           f"its input features are {known}")
     bound: List[BoundInput] = []
-    ports = {}
+    ports: Dict[str, str] = {}                       # port name -> the feature it feeds
     for key, feature in checkpoint.inputs.items():
         if feature.type not in (VISUAL, STATE, ENV):
             raise ConfigError(f"{where}: input feature {key!r} has type {feature.type!r}; "

@@ -6,7 +6,8 @@ network, their episode-state buffers and their step.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import abc
+from typing import Dict, List, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -49,7 +50,10 @@ class LeRobotPolicy(StatefulPolicy):
         self._norm_of = {b.key: i for i, b in enumerate(self.inputs)}
         self.action_norm = FeatureNorm(action_norm, (self.action_dim,))
         self.cameras = [b for b in self.inputs if b.is_camera]
-        self.state_input: Optional[BoundInput] = next((b for b in self.inputs if b.key == OBS_STATE), None)
+        state_input = next((b for b in self.inputs if b.key == OBS_STATE), None)
+        if state_input is None:                 # each kind's check_config refuses such a checkpoint first
+            raise ConfigError(f"the checkpoint has no {OBS_STATE!r} input feature, which ACT and Diffusion read")
+        self.state_input: BoundInput = state_input
         self.env_input: Optional[BoundInput] = next((b for b in self.inputs if b.key == OBS_ENV_STATE), None)
 
     # -- inputs ---------------------------------------------------------------------------
@@ -59,13 +63,18 @@ class LeRobotPolicy(StatefulPolicy):
         when the port has another), vectors float32 [..., n]."""
         if bound.is_camera:
             x = camera_to_float(x, bound.image_size)
-        return self.input_norms[self._norm_of[bound.key]].normalize(x)
+        return cast(FeatureNorm, self.input_norms[self._norm_of[bound.key]]).normalize(x)
 
     # -- protocol pieces ------------------------------------------------------------------
     def architecture(self) -> dict:
         return {"policy": f"lerobot.{self.checkpoint_config.get('type')}", "config": self.checkpoint_config,
                 "inputs": [{"feature": b.key, "port": b.port.name, "shape": list(b.port.shape),
                             "dtype": str(b.port.dtype)} for b in self.inputs]}
+
+    @abc.abstractmethod
+    def weight_modules(self) -> Dict[str, nn.Module]:
+        """The modules whose weights the checkpoint's ``model.safetensors`` holds, by the
+        prefix of their names there (``model`` for ACT, ``diffusion`` for Diffusion)."""
 
     def base_specs(self) -> List[BufferSpec]:
         """The input ports and the standard buffers."""

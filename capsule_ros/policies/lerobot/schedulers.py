@@ -94,6 +94,9 @@ class NoiseScheduler(nn.Module):
     DDIM: sqrt(beta_t), sqrt(alpha_t), sqrt(alpha_prev), direction coeff, unused.
     """
 
+    timesteps: torch.Tensor          # buffers (register_buffer), declared for the type checker
+    coeffs: torch.Tensor
+
     def __init__(self, cfg: SchedulerConfig):
         super().__init__()
         self.cfg = cfg
@@ -143,6 +146,7 @@ class NoiseScheduler(nn.Module):
         """x_t -> x_{t-1} at the k-th timestep; ``noise`` like ``sample`` (DDPM, t > 0)."""
         c = self.coeffs[k]
         cfg = self.cfg
+        epsilon: Optional[torch.Tensor]
         if cfg.prediction_type == "epsilon":
             x0, epsilon = (sample - c[0] * model_output) / c[1], model_output
         else:
@@ -153,6 +157,8 @@ class NoiseScheduler(nn.Module):
         if cfg.kind == "DDPM":
             prev = c[2] * x0 + c[3] * sample
             if self.timestep_list[k] > 0:
+                assert noise is not None, "a DDPM step at t > 0 adds noise"
                 prev = prev + c[4] * noise
             return prev
+        assert epsilon is not None                 # DDIM: set above for either prediction type
         return c[2] * x0 + c[3] * epsilon

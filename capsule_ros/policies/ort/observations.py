@@ -29,10 +29,8 @@ With no terms the observation is every port's values, concatenated in ``ports.na
 order. Every term's port must be float32.
 
 ``ObservationPlan`` is the parsed, checked list; at serving time ``assembler`` turns it
-into a few in-place tensor operations over views of the arena: each projected gravity
-term into a scratch buffer (six operations), then one ``torch.cat`` of every term's source
-into the observation buffer, then the offset, clip and scale over the whole vector (each
-skipped when it does nothing).
+into a few in-place operations over views of the arena (numpy on a CPU, torch on CUDA:
+``capsule_ros.policies.ort.arrays``).
 """
 from __future__ import annotations
 
@@ -43,6 +41,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from capsule_ros.errors import ConfigError
+from capsule_ros.policies.ort.arrays import ArrayOps
 
 VALUE, JOINT_POS_REL, GRAVITY, LAST_ACTION = "value", "joint_pos_rel", "projected_gravity", "last_action"
 FUNCTIONS = {"value": VALUE, "base_lin_vel": VALUE, "base_ang_vel": VALUE, "generated_commands": VALUE,
@@ -206,7 +205,10 @@ class ObservationPlan:
 
     def vectors(self) -> Tuple[List[float], List[float], List[float], List[float]]:
         """(offset, low, high, scale), one entry per observation value."""
-        offset, low, high, scale = [], [], [], []
+        offset: List[float] = []
+        low: List[float] = []
+        high: List[float] = []
+        scale: List[float] = []
         for t in self.terms:
             offset += t.offset
             low += [t.clip[0]] * t.size
@@ -222,59 +224,72 @@ class ObservationPlan:
 
 # products (w*y, x*z, w*x, y*z, x*x, y*y) of a quaternion (x, y, z, w): first factors, then second
 GRAVITY_FACTORS = (3, 0, 3, 1, 0, 1, 1, 2, 0, 2, 0, 1)
-GRAVITY_FIRST = (2.0, -2.0, 2.0)      # 2 wy, -2 wx, 2 xx
-GRAVITY_SECOND = (-2.0, -2.0, 2.0)    # -2 xz, -2 yz, 2 yy
+# each product's factor in projected gravity: (2wy - 2xz, -2wx - 2yz, 2xx + 2yy), then z - 1;
+# multiplying by 2 is exact, so this is 2(wy - xz), -2(wx + yz), 2(x^2 + y^2) - 1 to the bit
+GRAVITY_COEFFICIENTS = (2.0, -2.0, -2.0, -2.0, 2.0, 2.0)
 
 
 def assembler(plan: ObservationPlan, state: Mapping[str, torch.Tensor], out: torch.Tensor, last_action: torch.Tensor,
-              constants: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+              constants: Mapping[str, torch.Tensor], ops: ArrayOps) -> Callable[[], None]:
     """A function writing the observation of ``plan`` into ``out`` (float32, ``plan.size``
-    values) from the views in ``state`` and ``last_action`` (the raw action buffer).
-    ``constants``: 'offset', 'low', 'high', 'scale' vectors and the gravity tables, on the
-    arena's device. Everything it needs is made here, once; a call allocates nothing."""
-    device = out.device
-    flat_out = out.reshape(-1)
-    sources: List[torch.Tensor] = []
-    gravity: List[Tuple[torch.Tensor, ...]] = []
-    factors = constants["gravity_factors"]
-    first, second = constants["gravity_first"], constants["gravity_second"]
+    values) from the views in ``state`` and ``last_action`` (the raw action buffer), with
+    ``ops`` (numpy over a CPU arena, torch over a CUDA one: ``arrays.ops_for``).
+    ``constants``: 'offset', 'low', 'high', 'scale' vectors, the gravity tables and 'one',
+    on the arena's device. Everything it needs is made here, once; a call allocates
+    nothing: each projected gravity term is four operations into a scratch vector (its
+    z's ``- 1`` is done by the offset when the term has none of its own), then one
+    concatenation of every term's source into ``out``, then the offset, clip and scale over
+    the whole vector (each skipped when it does nothing)."""
+    flat_out = ops.array(out.reshape(-1))
+    sources: List[Any] = []
+    gravity: List[Tuple[Any, ...]] = []
+    factors, coefficients, one = (ops.array(constants[k]) for k in ("gravity_factors", "gravity_coefficients", "one"))
+    offset, low, high, scale = (constants[k] for k in ("offset", "low", "high", "scale"))
+    offset = offset.clone()
+
+    def scratch(size: int) -> Any:
+        return ops.array(torch.empty(size, dtype=torch.float32, device=out.device))
+    position = 0
     for term in plan.terms:
-        if term.function == LAST_ACTION:
-            sources.append(last_action.reshape(-1))
-            continue
-        values = state[term.port].reshape(-1)
+        values = ops.array((last_action if term.function == LAST_ACTION else state[term.port]).reshape(-1))
         if term.function == GRAVITY:
-            pairs = torch.empty(12, dtype=torch.float32, device=device)
-            products = torch.empty(3, 2, dtype=torch.float32, device=device)   # (wy, xz), (wx, yz), (xx, yy)
-            halves = torch.empty(2, 3, dtype=torch.float32, device=device)
-            result = torch.empty(3, dtype=torch.float32, device=device)
+            pairs, products, result = scratch(12), scratch(6), scratch(3)
+            z = result[2:]
+            if offset[position + 2] == 0:          # z's "- 1" becomes its offset: (a - 1) - 0 is a - 1, bit for bit
+                offset[position + 2] = 1.0
+                z = None
             # every view made once: (quaternion, pairs, first factors, second factors, products,
-            # products' columns, halves' rows, result, its z)
-            gravity.append((values[term.start:term.start + 4], pairs, pairs[:6], pairs[6:], products.view(6),
-                            products[:, 0], products[:, 1], halves[0], halves[1], result, result[2:]))
+            # their even and odd entries, result, its z when it is not folded into the offset)
+            gravity.append((values[term.start:term.start + 4], pairs, pairs[:6], pairs[6:], products,
+                            products[0::2], products[1::2], result, z))
             sources.append(result)
         else:
             sources.append(values[term.start:term.start + term.size])
-    offset, low, high, scale = (constants[k] for k in ("offset", "low", "high", "scale"))
+        position += term.size
     subtract = bool(torch.any(offset != 0))
-    clamp = bool(torch.any(torch.isfinite(low)) or torch.any(torch.isfinite(high)))
+    raise_to_low = bool(torch.any(torch.isfinite(low)))
+    lower_to_high = bool(torch.any(torch.isfinite(high)))
     multiply = bool(torch.any(scale != 1))
+    offset, low, high, scale = (ops.array(c) for c in (offset, low, high, scale))
+    take, mul, add, sub, cat, maximum, minimum = ops.take, ops.mul, ops.add, ops.sub, ops.cat, ops.maximum, ops.minimum
 
     def assemble() -> None:
-        for quaternion, pairs, a, b, products, column0, column1, half0, half1, result, z in gravity:
-            torch.index_select(quaternion, 0, factors, out=pairs)
-            torch.mul(a, b, out=products)
-            torch.mul(column0, first, out=half0)                            # 2wy, -2wx, 2xx
-            torch.mul(column1, second, out=half1)                           # -2xz, -2yz, 2yy
-            torch.add(half0, half1, out=result)
-            z.sub_(1.0)                                                     # 2(x^2 + y^2) - 1
-        torch.cat(sources, out=flat_out)
+        for quaternion, pairs, first, second, products, even, odd, result, z in gravity:
+            take(quaternion, factors, out=pairs)
+            mul(first, second, out=products)                      # wy, xz, wx, yz, xx, yy
+            mul(products, coefficients, out=products)             # 2wy, -2xz, -2wx, -2yz, 2xx, 2yy
+            add(even, odd, out=result)
+            if z is not None:
+                sub(z, one, out=z)                                # 2(x^2 + y^2) - 1
+        cat(sources, out=flat_out)
         if subtract:
-            flat_out.sub_(offset)
-        if clamp:
-            flat_out.clamp_(low, high)
+            sub(flat_out, offset, out=flat_out)
+        if raise_to_low:
+            maximum(flat_out, low, out=flat_out)                  # clip: max, then min (as numpy's clip)
+        if lower_to_high:
+            minimum(flat_out, high, out=flat_out)
         if multiply:
-            flat_out.mul_(scale)
+            mul(flat_out, scale, out=flat_out)
     return assemble
 
 
@@ -284,6 +299,5 @@ def constant_tensors(plan: ObservationPlan) -> Dict[str, torch.Tensor]:
     return {"offset": torch.tensor(offset, dtype=torch.float32), "low": torch.tensor(low, dtype=torch.float32),
             "high": torch.tensor(high, dtype=torch.float32), "scale": torch.tensor(scale, dtype=torch.float32),
             "gravity_factors": torch.tensor(GRAVITY_FACTORS, dtype=torch.int64),
-            "gravity_first": torch.tensor(GRAVITY_FIRST, dtype=torch.float32),
-            "gravity_second": torch.tensor(GRAVITY_SECOND, dtype=torch.float32)}
-
+            "gravity_coefficients": torch.tensor(GRAVITY_COEFFICIENTS, dtype=torch.float32),
+            "one": torch.ones(1, dtype=torch.float32)}

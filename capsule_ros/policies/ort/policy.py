@@ -20,7 +20,9 @@ input and output is an arena buffer (bound once per arena, by address); the stat
 outputs that are not written in place move into their inputs with one copy (of one
 contiguous byte range when they lie that way, which the layout arranges); the raw action
 becomes ``action`` and ``chunk``; the episode-start flag is cleared; ``step`` and
-``position`` advance.
+``position`` advance. Everything but the run is a few element-wise operations on small
+vectors, done with numpy over a CPU arena and with torch over a CUDA one
+(``capsule_ros.policies.ort.arrays``: the same bits either way).
 
 In place. A state output is bound straight to its input's buffer when ONNX Runtime's own
 optimised graph shows that every node reading the input runs before the node writing the
@@ -49,6 +51,7 @@ import numpy as np
 import torch
 
 from capsule_ros.errors import ConfigError
+from capsule_ros.policies.ort.arrays import ArrayOps, ops_for
 from capsule_ros.policies.ort.interface import ModelRoles, StatePair, buffer_name
 from capsule_ros.policies.ort.model import OnnxModel, OnnxModelError, in_place_safe
 from capsule_ros.policies.ort.observations import ObservationPlan, assembler, constant_tensors
@@ -180,14 +183,7 @@ class OnnxPolicy(StatefulPolicy):
         binding = self._bindings.get(state[ACTION].data_ptr())
         if binding is None:
             binding = self._bind(state)
-        binding.assemble()
-        binding.run()
-        for target, source in binding.copies:
-            target.copy_(source)
-        binding.act()
-        if binding.episode_start is not None:
-            binding.episode_start.zero_()
-        torch._foreach_add_(binding.counters, 1)                       # step and position, one call
+        binding.step()
 
     def to(self, *args, **kwargs):
         """Like any module; a device the execution provider cannot serve is refused here,
@@ -307,17 +303,32 @@ class _Binding:
         bind(self.io.bind_output, roles.action, view[roles.action.name])
         for tensor in roles.extra_outputs:
             bind(self.io.bind_output, tensor, view[tensor.name])
+        ops = self.ops = ops_for(torch.device(device[0]))
         raw = view[roles.action.name].reshape(-1)
         constants = {name: getattr(policy, f"obs_{name}") for name in
-                     ("offset", "low", "high", "scale", "gravity_factors", "gravity_first", "gravity_second")}
-        self.assemble = assembler(policy.observations, state, view[roles.observation.name], raw, constants)
-        self.copies = _copies([p for p in roles.pairs if not p.in_place], view)
-        self.act = _action_map(policy, raw, state[ACTION], state[CHUNK].reshape(-1))
-        self.episode_start = view[roles.episode_start.name] if roles.episode_start is not None else None
-        self.counters = [state[STEP], state[POSITION]]
+                     ("offset", "low", "high", "scale", "gravity_factors", "gravity_coefficients", "one")}
+        self.assemble = assembler(policy.observations, state, view[roles.observation.name], raw, constants, ops)
+        self.copies = [(ops.array(target), ops.array(source))
+                       for target, source in _copies([p for p in roles.pairs if not p.in_place], view)]
+        self.act = _action_map(policy, raw, state[ACTION], state[CHUNK].reshape(-1), ops)
+        self.episode_start = (ops.array(view[roles.episode_start.name]) if roles.episode_start is not None
+                              else None)
+        self.counters = [ops.array(state[STEP]), ops.array(state[POSITION])]
 
     def run(self) -> None:
         self.session.run_with_iobinding(self.io, self.run_options)
+
+    def step(self) -> None:
+        """The step of the module docstring, in its order."""
+        ops = self.ops
+        self.assemble()
+        self.run()
+        for target, source in self.copies:
+            ops.copy(target, source)
+        self.act()
+        if self.episode_start is not None:
+            ops.fill(self.episode_start, 0)
+        ops.increment(self.counters)                                   # step and position
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
@@ -349,25 +360,29 @@ def _nbytes(view: torch.Tensor) -> int:
     return view.numel() * view.element_size()
 
 
-def _action_map(policy: OnnxPolicy, raw: torch.Tensor, action: torch.Tensor, chunk: torch.Tensor) -> Callable[[], None]:
-    """The joint targets of the raw action, into ``action`` and ``chunk`` (ActionMap)."""
+def _action_map(policy: OnnxPolicy, raw_view: torch.Tensor, action_view: torch.Tensor, chunk_view: torch.Tensor,
+                ops: ArrayOps) -> Callable[[], None]:
+    """The joint targets of the raw action, into ``action`` and ``chunk`` (ActionMap), with ``ops``."""
     actions = policy.actions
-    scale, offset = policy.action_scale, policy.action_offset
-    low, high = policy.action_low, policy.action_high
+    raw, action, chunk = (ops.array(v) for v in (raw_view, action_view, chunk_view))
+    scale, offset, low, high = (ops.array(getattr(policy, f"action_{name}"))
+                                for name in ("scale", "offset", "low", "high"))
     scaled = any(s != 1.0 for s in actions.scale)
     offset_used = any(o != 0.0 for o in actions.offset)
-    clipped = math.isfinite(actions.clip[0]) or math.isfinite(actions.clip[1])
+    raise_to_low, lower_to_high = math.isfinite(actions.clip[0]), math.isfinite(actions.clip[1])
 
     def act() -> None:
         if scaled:
-            torch.mul(raw, scale, out=action)
+            ops.mul(raw, scale, out=action)
         else:
-            action.copy_(raw)
+            ops.copy(action, raw)
         if offset_used:
-            action.add_(offset)
-        if clipped:
-            action.clamp_(low, high)
-        chunk.copy_(action)
+            ops.add(action, offset, out=action)
+        if raise_to_low:
+            ops.maximum(action, low, out=action)
+        if lower_to_high:
+            ops.minimum(action, high, out=action)
+        ops.copy(chunk, action)
     return act
 
 
