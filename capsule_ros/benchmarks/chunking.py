@@ -78,7 +78,7 @@ class Case:
                         "input_features": {STATE: {"type": "STATE", "shape": [14]},
                                            CAMERA: {"type": "VISUAL", "shape": [3, *camera]}}}
             return write_act_checkpoint(directory, quick=quick, features=features)
-        overrides = {"down_dims": list(self.down_dims)} if self.down_dims and not quick else {}
+        overrides: Dict[str, Any] = {"down_dims": list(self.down_dims)} if self.down_dims and not quick else {}
         return write_diffusion_checkpoint(directory, camera, quick=quick, n_action_steps=self.n_action_steps,
                                           **overrides)
 
