@@ -200,26 +200,27 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
     return out
 
 
-def gpu_wake_floor(runtime, period: float, runs: int = 100) -> Dict[str, float]:
+def gpu_wake_floor(runtime, period: float, runs: int = 100) -> Dict[str, Any]:
     """What any step that touches the GPU pays at this rate, whatever the host does: the
     consume program's graph replayed and waited for, each time after the GPU sat idle for
-    one control period (its clocks drop while idle). Run after the measured steps (it
-    moves the cursor; the session is released next)."""
-    ms = []
-    for _ in range(runs):
-        time.sleep(period)
-        start = time.perf_counter()
-        runtime.plan.step(Program.CONSUME.value)          # its graph copies the outputs to the host too
-        runtime.synchronize()
-        ms.append((time.perf_counter() - start) * 1e3)
-    back_to_back = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        runtime.plan.step(Program.CONSUME.value)          # its graph copies the outputs to the host too
-        runtime.synchronize()
-        back_to_back.append((time.perf_counter() - start) * 1e3)
-    return {"after_idle_p50_ms": float(np.percentile(ms, 50)), "after_idle_p99_ms": float(np.percentile(ms, 99)),
-            "back_to_back_p50_ms": float(np.percentile(back_to_back, 50))}
+    one control period (its clocks drop while idle), against back to back; ``by_idle_ms``:
+    the p50 after other idle times. Run after the measured steps (it moves the cursor; the
+    session is released next)."""
+    def replays(idle_s: float) -> np.ndarray:
+        ms = []
+        for _ in range(runs):
+            if idle_s:
+                time.sleep(idle_s)
+            start = time.perf_counter()
+            runtime.plan.step(Program.CONSUME.value)          # its graph copies the outputs to the host too
+            runtime.synchronize()
+            ms.append((time.perf_counter() - start) * 1e3)
+        return np.asarray(ms)
+    after_idle, back_to_back = replays(period), replays(0.0)
+    return {"after_idle_p50_ms": float(np.percentile(after_idle, 50)),
+            "after_idle_p99_ms": float(np.percentile(after_idle, 99)),
+            "back_to_back_p50_ms": float(np.percentile(back_to_back, 50)),
+            "by_idle_ms": {str(idle): float(np.percentile(replays(idle / 1e3), 50)) for idle in (0.5, 2, 5, 10)}}
 
 
 def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_python: Optional[Path]) -> dict:
