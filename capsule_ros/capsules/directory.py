@@ -41,11 +41,14 @@ from capsule_ros.capsules.fileformat import (
     os_errors,
     read_capsule,
     read_header,
+    read_recipe,
     write_capsule,
 )
 from capsule_ros.capsules.ids import check_capsule_id
+from capsule_ros.capsules.recipe import Recipe, RecipeInfo
 from capsule_ros.capsules.store import Capsule
 from capsule_ros.errors import Busy, CorruptCapsule, InvalidArgument, NotFound, PermissionDenied
+from capsule_ros.runtime.fingerprint import FingerprintParts
 
 LOG = logging.getLogger(__name__)
 
@@ -141,13 +144,17 @@ class CapsuleDirectory:
 
     # -- verbs --------------------------------------------------------------------------------
     def save(self, capsule: Capsule, data: Any, schema: Sequence[dict],
-             keep: Callable[[], bool] = lambda: True) -> Path:
+             keep: Callable[[], bool] = lambda: True, *, recipe: Union[None, Recipe, RecipeInfo] = None,
+             parts: Optional[FingerprintParts] = None) -> Path:
         """Write a capsule atomically (see the module docstring); returns its path.
 
         ``data``: host uint8 tensor or bytes of ``capsule.nbytes``; ``schema``: the arena's
         ``ArenaLayout.schema()``. Saving an existing id replaces its file atomically.
         ``keep`` is asked under the directory's lock right before the file is published:
         False discards the written data (NotFound: the capsule was dropped meanwhile).
+        ``recipe``: how the state was made (a ``Recipe``), or only why it is not kept (a cut
+        ``RecipeInfo``), or None (the header has no recipe); ``parts``: the fingerprint's
+        components (``FingerprintParts``).
         Raises InvalidArgument, Busy (a ``.part`` of that id exists), NotFound, CapsuleIOError.
         """
         self._require_writable("save")
@@ -161,9 +168,12 @@ class CapsuleDirectory:
         if nbytes > self.max_file_bytes:
             raise InvalidArgument(f"capsule {capsule.id!r} is {nbytes} bytes: larger than "
                                   f"max_file_bytes = {self.max_file_bytes}, it could not be loaded back")
+        info = recipe.info if isinstance(recipe, Recipe) else recipe
         header = CapsuleHeader(capsule.id, capsule.label, capsule.parent_id, episode, step, stamp, nbytes,
                                capsule.fingerprint, tuple(BufferRecord.of(e) for e in schema), self.chunk_bytes,
-                               numerics=capsule.numerics, chunk=capsule.chunk)
+                               numerics=capsule.numerics, chunk=capsule.chunk, fingerprint_parts=parts,
+                               recipe=info)
+        recipe_data = recipe.to_bytes() if isinstance(recipe, Recipe) else b""
         part = path.with_name(capsule.id + PART_SUFFIX)
         with os_errors(part):
             try:
@@ -175,7 +185,8 @@ class CapsuleDirectory:
                 with os.fdopen(fd, "wb") as f:
                     os.fchmod(f.fileno(), FILE_MODE)
                     checked = (header.nbytes, header.schema)
-                    write_capsule(f, header, data, self._kek, schema_checked=checked in self._checked_schemas)
+                    write_capsule(f, header, data, self._kek, schema_checked=checked in self._checked_schemas,
+                                  recipe=recipe_data)
                     self._checked_schemas.add(checked)
                     f.flush()
                     os.fsync(f.fileno())
@@ -206,6 +217,18 @@ class CapsuleDirectory:
         """The validated header of a capsule file (its chunks are not read)."""
         return read_header(self.path_of(capsule_id), max_bytes=self.max_file_bytes, follow=False)
 
+    def recipe(self, capsule_id: str, max_recipe_bytes: int) -> Tuple[CapsuleHeader, Optional[Recipe]]:
+        """A capsule file's header and its verified recipe (None: it has no regenerable one),
+        read even when its state chunks are damaged or cut off (``read_recipe``).
+        Raises NotFound, CorruptCapsule, PermissionDenied, CapsuleIOError."""
+        path = self.path_of(capsule_id)
+        header, data = read_recipe(path, kek=self._kek, max_bytes=self.max_file_bytes,
+                                   max_recipe_bytes=max_recipe_bytes, follow=False)
+        self._capsule_of(header, path, capsule_id)
+        if data is None or header.recipe is None:
+            return header, None
+        return header, Recipe.from_bytes(header.recipe, data, f"capsule file {str(path)!r}: recipe")
+
     def describe(self, capsule_id: str) -> Capsule:
         """A capsule's metadata from its file's header (payload None, path set; chunks not read)."""
         path = self.path_of(capsule_id)
@@ -217,7 +240,7 @@ class CapsuleDirectory:
             raise CorruptCapsule(f"capsule file {str(path)!r} holds capsule {header.capsule_id!r}, not {capsule_id!r}")
         return Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
                        header.nbytes, header.fingerprint, header.stamp_ns, pinned=False, payload=None,
-                       path=str(path), numerics=header.numerics, chunk=header.chunk)
+                       path=str(path), numerics=header.numerics, chunk=header.chunk, recipe=header.recipe)
 
     def remove(self, capsule_id: str) -> None:
         """Delete a capsule file (NotFound if there is none)."""
