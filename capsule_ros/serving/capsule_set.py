@@ -17,6 +17,7 @@ from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.store import Capsule, CapsuleStore
 from capsule_ros.errors import CapsuleIOError, CapsuleRosError, NotFound
 from capsule_ros.serving.files import CapsuleReader, CapsuleSaver, SaveJob, Source
+from capsule_ros.serving.recipes import RecipeChain, resolve_chain
 from capsule_ros.serving.recompute import Recompute
 
 
@@ -30,7 +31,8 @@ class CapsuleSet:
         self.directory = directory
         self.recompute = recompute
         self.reader = CapsuleReader(store, directory, schema)
-        self.saver = CapsuleSaver(directory, store, schema, between_steps) if directory is not None else None
+        self.saver = (CapsuleSaver(directory, store, schema, between_steps, recompute.recipe_for,
+                                   recompute.runtime.fingerprint_parts) if directory is not None else None)
 
     def require_saver(self) -> CapsuleSaver:
         """The saver; CapsuleIOError when no capsule directory is configured."""
@@ -50,6 +52,14 @@ class CapsuleSet:
                         capsules[capsule_id] = self.directory.describe(capsule_id)
         out = sorted(capsules.values(), key=lambda c: c.stamp_ns, reverse=True)
         return [c for c in out if c.episode_id == episode] if episode is not None else out
+
+    def recipe_chain(self, capsule_id: str) -> Optional[RecipeChain]:
+        """The capsule file's recipe, followed back to a state this runtime can have
+        (``resolve_chain``); None without a capsule directory."""
+        if self.directory is None:
+            return None
+        return resolve_chain(self.directory, capsule_id, self.store.fingerprint, self.reader.schema,
+                             self.directory.max_file_bytes, self.reader.in_memory)
 
     def has_file(self, capsule_id: str) -> bool:
         return self.directory is not None and self.directory.exists(capsule_id)

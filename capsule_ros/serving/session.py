@@ -115,7 +115,7 @@ class PolicySession:
         self.notices = Notices(LOG)
         self.boundary = Boundary(control.service_timeout_ms / 1e3)
         self.inputs = SensorInputs(runtime.staging, dict(ports or {}))
-        self.recompute = Recompute(runtime, store, control.input_log_steps, control.input_log_max_mb)
+        self.recompute = Recompute(runtime, store, control.input_log_steps, control.input_log_max_mb, self.prefix)
         self.stepper = GuardedStep(runtime, self.inputs, self.counters, self.recompute.log_step)
         self.capsules = CapsuleSet(store, directory, runtime.layout.schema(), self.recompute,
                                    between_steps=self.stepper.idle)
@@ -329,9 +329,10 @@ class PolicySession:
     def reenter(self, capsule_id: str = "", *, only: Sequence[BufferKind] = ()) -> ReenterResult:
         """Restore a capsule and resume ("" = the interrupt capsule, or the untouched live
         state after an interrupt without one). A capsule that cannot be restored is rebuilt
-        by the recompute fallback when the input log covers it (on a replica, outside the
-        boundary: the control loop keeps stepping meanwhile). Raises the capsule's own error
-        (with the reason there is no fallback), WrongState, ResourceExhausted, Busy.
+        by the recompute fallback when the input log covers it, or else from its file's
+        recipe under this fingerprint (on a replica, outside the boundary: the control loop
+        keeps stepping meanwhile). Raises the capsule's own error (with the reasons there is
+        no fallback), WrongState, ResourceExhausted, Busy.
 
         ``only`` (an ablation, ``capsule-ros replay --ablation``): restore just these buffer
         kinds of the capsule and keep the rest of the live state."""
@@ -348,9 +349,11 @@ class PolicySession:
                 return self._resume(capsule, "", seconds, 0.0)
         except UNRESTORABLE as exc:
             cause = exc
-        # the recompute fallback: plan under the boundary, replay outside it, adopt under it again
+        # the recompute fallback: the file's recipe read outside the boundary when the input log
+        # cannot rebuild it, plan under the boundary, replay outside it, adopt under it again
+        chain = None if self.recompute.knows(capsule_id) else self.capsules.recipe_chain(capsule_id)
         with self.boundary.held():
-            plan = self.recompute.plan(capsule_id, cause)      # re-raises ``cause`` when the log cannot
+            plan = self.recompute.plan(capsule_id, cause, chain)   # re-raises ``cause`` when neither can
         try:
             seconds = self.recompute.rebuild(plan)
         except BaseException:
