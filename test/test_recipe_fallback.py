@@ -24,10 +24,10 @@ from harness import (
     Driver,
     action_bytes,
     damage_state,
+    observations as joint_rows,
     start_policy_node,
     state_bytes,
 )
-from harness import observations as joint_rows
 from lerobot_fixtures import PORTS, Fixture
 from runtime_fixtures import default_config, feed, observations
 
