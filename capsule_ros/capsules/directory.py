@@ -211,7 +211,7 @@ class CapsuleDirectory:
         path = self.path_of(capsule_id)
         header, data = read_capsule(path, kek=self._kek, max_bytes=self.max_file_bytes, follow=False,
                                     expected_fingerprint=expected_fingerprint, expected_schema=expected_schema)
-        return self._capsule_of(header, path, capsule_id), data
+        return self.capsule_of(header, path, capsule_id), data
 
     def header(self, capsule_id: str) -> CapsuleHeader:
         """The validated header of a capsule file (its chunks are not read)."""
@@ -224,7 +224,7 @@ class CapsuleDirectory:
         path = self.path_of(capsule_id)
         header, data = read_recipe(path, kek=self._kek, max_bytes=self.max_file_bytes,
                                    max_recipe_bytes=max_recipe_bytes, follow=False)
-        self._capsule_of(header, path, capsule_id)
+        self.capsule_of(header, path, capsule_id)
         if data is None or header.recipe is None:
             return header, None
         return header, Recipe.from_bytes(header.recipe, data, f"capsule file {str(path)!r}: recipe")
@@ -232,10 +232,11 @@ class CapsuleDirectory:
     def describe(self, capsule_id: str) -> Capsule:
         """A capsule's metadata from its file's header (payload None, path set; chunks not read)."""
         path = self.path_of(capsule_id)
-        return self._capsule_of(read_header(path, max_bytes=self.max_file_bytes, follow=False), path, capsule_id)
+        return self.capsule_of(read_header(path, max_bytes=self.max_file_bytes, follow=False), path, capsule_id)
 
     @staticmethod
-    def _capsule_of(header: CapsuleHeader, path: Path, capsule_id: str) -> Capsule:
+    def capsule_of(header: CapsuleHeader, path: Path, capsule_id: str) -> Capsule:
+        """A capsule's metadata from its file's header (CorruptCapsule when the file holds another id)."""
         if header.capsule_id != capsule_id:
             raise CorruptCapsule(f"capsule file {str(path)!r} holds capsule {header.capsule_id!r}, not {capsule_id!r}")
         return Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,

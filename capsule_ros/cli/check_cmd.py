@@ -16,7 +16,8 @@ from typing import List, Optional
 
 from capsule_ros.cli.model_update import deployment_args, load_deployment_config, open_source, run_guarded
 from capsule_ros.runtime.fingerprint import CAUSES
-from capsule_ros.serving.regenerate import Deployment, check
+from capsule_ros.serving.factory import load_deployment
+from capsule_ros.serving.regenerate import check
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     def work() -> int:
         config = load_deployment_config(args)
         directory = open_source(Path(args.directory), config, args.key_file)
-        deployment = Deployment.load(config)
+        deployment = load_deployment(config)
         try:
             report = check(directory, deployment, args.steps_per_second)
         finally:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from capsule_ros.cli.model_update import deployment_args, load_deployment_config, run_guarded
+from capsule_ros.serving.factory import load_deployment
 from capsule_ros.serving.regenerate import BadArguments, regenerate_directory
 
 
@@ -60,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
         if args.progress or sys.stderr.isatty():
             def progress(text: str) -> None:
                 print(f"capsule-ros regenerate: {text}", file=sys.stderr, flush=True)
-        report = regenerate_directory(Path(args.source), Path(args.out), config, max_drift=args.max_drift,
-                                      key_file=args.key_file, progress=progress)
+        report = regenerate_directory(Path(args.source), Path(args.out), lambda: load_deployment(config),
+                                      max_drift=args.max_drift, key_file=args.key_file, progress=progress)
         print(json.dumps(report, indent=2, sort_keys=True) if args.json else _text(report))
         return int(report["exit"])
     return run_guarded("regenerate", work)

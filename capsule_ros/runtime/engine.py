@@ -128,17 +128,11 @@ def configure_torch(config: RuntimeConfig, device: torch.device) -> str:
     return numerics.recorded_level(config.numerics)
 
 
-def runtime_fingerprint(policy: StatefulPolicy, config: RuntimeConfig,
-                        inputs: Optional[Mapping[str, object]] = None) -> str:
-    """The fingerprint a PolicyRuntime of ``policy`` will have, computed without building
-    it (no arena, no device memory): the node's ``configure`` knows it before ``activate``."""
-    return runtime_identity(policy, config, inputs)[0]
-
-
 def runtime_identity(policy: StatefulPolicy, config: RuntimeConfig,
                      inputs: Optional[Mapping[str, object]] = None) -> Tuple[str, FingerprintParts]:
     """The fingerprint and its parts (``FingerprintParts``) a PolicyRuntime of ``policy``
-    will have, from one pass over the weights."""
+    will have, computed without building it (no arena, no device memory: the node's
+    ``configure`` knows them before ``activate``), from one pass over the weights."""
     architecture, layout = policy.architecture(), ArenaLayout(policy.state_spec())
     weights, kind = weights_digest(policy), device_kind(config.resolve_device())
     return (compute_fingerprint(architecture, layout, weights, kind, dict(inputs or {})),

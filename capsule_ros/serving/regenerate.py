@@ -30,12 +30,14 @@ bound); 1 drift over the bound; 2 some capsule cannot be regenerated (lost; this
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import logging
 import math
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,8 +57,9 @@ from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, runtime_i
 from capsule_ros.runtime.fingerprint import FingerprintParts
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.config import ServingConfig
-from capsule_ros.serving.invalidation import Verdict, judge
+from capsule_ros.serving.invalidation import Survey, Verdict, judge
 from capsule_ros.serving.recipes import input_mismatch, layout_inputs, replay, rows_for, start_from
+from capsule_ros.serving.records import StalePicture
 
 LOG = logging.getLogger(__name__)
 EXIT_OK, EXIT_DRIFT, EXIT_LOST, EXIT_BAD = 0, 1, 2, 3
@@ -91,11 +94,8 @@ class Deployment:
         self._given = runtime
 
     @classmethod
-    def load(cls, config: ServingConfig) -> Deployment:
-        """The policy built with its weights on the CPU, and its identity."""
-        from capsule_ros.serving.factory import build_policy, port_bindings
-        policy = build_policy(config)
-        bindings = port_bindings(config)
+    def of_policy(cls, config: ServingConfig, policy: StatefulPolicy, bindings: Mapping[str, object]) -> Deployment:
+        """A deployment of a policy built with its weights (``capsule_ros.serving.factory.load_deployment``)."""
         fingerprint, parts = runtime_identity(policy, config.runtime, bindings)
         return cls(config, policy, fingerprint, parts, bindings)
 
@@ -511,21 +511,22 @@ def check_directories(src: Path, dst: Path) -> None:
         raise BadArguments(f"DST {str(dst)!r} is SRC or inside it: SRC is never written")
 
 
-def regenerate_directory(src: Path, dst: Path, config: ServingConfig, *, max_drift: Optional[float] = None,
+def regenerate_directory(src: Path, dst: Path, load: Callable[[], Deployment], *, max_drift: Optional[float] = None,
                          key_file: Optional[str] = None, progress: Optional[Progress] = None) -> dict:
     """``capsule-ros regenerate``: every capsule of ``src`` kept, regenerated or skipped
     into ``dst``, which is written completely or not at all (built in ``staging_dir``,
-    fsynced, renamed at the end); ``src`` is opened read-only. Returns the report (with
-    ``exit``). Raises BadArguments and the typed errors of unreadable inputs."""
+    fsynced, renamed at the end); ``src`` is opened read-only. ``load``: the deployment,
+    built once the directories are known to be usable. Returns the report (with ``exit``).
+    Raises BadArguments and the typed errors of unreadable inputs."""
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     check_directories(src, dst)
-    capsules = config.capsules
+    deployment = load()
+    capsules = deployment.config.capsules
     key = capsules.key_file if key_file is None else key_file
     max_file_bytes = int(capsules.max_file_mb * 2**20)
-    source = CapsuleDirectory(src, key_file=key, max_file_bytes=max_file_bytes, read_only=True)
-    deployment = Deployment.load(config)
     staging = staging_dir(dst.absolute())
     try:
+        source = CapsuleDirectory(src, key_file=key, max_file_bytes=max_file_bytes, read_only=True)
         out = CapsuleDirectory(staging, key_file=key, chunk_bytes=int(capsules.chunk_mb * 2**20),
                                max_file_bytes=max_file_bytes)
         regeneration = Regeneration(source, out, deployment, max_drift, progress)
@@ -543,3 +544,78 @@ def regenerate_directory(src: Path, dst: Path, config: ServingConfig, *, max_dri
     report = regeneration.report()
     report["out"] = str(dst)
     return report
+
+
+# -- the node: stale capsules and their background regeneration -----------------------------------------
+class BackgroundRegeneration:
+    """``capsules.regenerate_stale``: the stale capsules of the node's directory regenerated
+    for the live deployment, one after another, on a thread of its own at the lowest OS
+    priority, on a runtime of its own (a replica of the live one: same weights, own arena,
+    and on CUDA its own stream). It never takes the session's boundary: the control loop
+    does not wait for it (it shares the interpreter lock between torch operations; docs/
+    benchmarks.md, "Background regeneration and the control loop", has the cost). Each
+    regenerated file replaces the stale one atomically, so a capsule is re-enterable the
+    moment its new bytes are complete, and not before."""
+
+    def __init__(self, config: ServingConfig, runtime: PolicyRuntime, directory: CapsuleDirectory,
+                 capsule_ids: Sequence[str]):
+        self.runtime = runtime
+        self.capsule_ids = tuple(capsule_ids)
+        self.regeneration = Regeneration(directory, directory, Deployment.of_runtime(config, runtime),
+                                         progress=lambda text: LOG.debug("regenerate_stale: %s", text))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="capsule-regenerate", daemon=True)
+        self.finished = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):      # Linux: a thread's own nice value (only ever lowered)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            for outcome in self.regeneration.run(self.capsule_ids, stop=self._stop.is_set):
+                if outcome.status == "skipped":
+                    LOG.warning("regenerate_stale: capsule %s was not regenerated: %s", outcome.capsule_id,
+                                outcome.reason)
+            LOG.info("regenerate_stale: %s", self.describe())
+        except Exception:       # a background failure is logged; the node serves on
+            LOG.exception("regenerate_stale stopped")
+        finally:
+            self.finished.set()
+
+    def progress(self) -> Tuple[int, int, int]:
+        """(regenerated, failed, left)."""
+        outcomes = list(self.regeneration.outcomes)
+        done = sum(o.status == "regenerated" for o in outcomes)
+        failed = sum(o.status == "skipped" for o in outcomes)
+        return done, failed, max(0, len(self.capsule_ids) - len(outcomes))
+
+    def describe(self) -> str:
+        done, failed, left = self.progress()
+        return f"{done} regenerated, {failed} could not be, {left} left"
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop after the capsule in progress and release the runtime."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.runtime.close()
+
+
+@dataclass
+class StaleCapsules:
+    """What the session shows of a model update: the configure-time survey of its
+    directory and, when opted in, the background regeneration."""
+
+    survey: Survey
+    background: Optional[BackgroundRegeneration] = None
+
+    def picture(self) -> StalePicture:
+        done, failed, left = self.background.progress() if self.background is not None else (0, 0, 0)
+        return StalePicture(self.survey.stale, dict(self.survey.by_cause), self.survey.regenerable, done, failed, left)
+
+    def close(self) -> None:
+        if self.background is not None:
+            self.background.close()

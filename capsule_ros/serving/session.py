@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -74,6 +74,9 @@ from capsule_ros.serving.records import (
 )
 from capsule_ros.serving.stepping import GuardedStep
 
+if TYPE_CHECKING:
+    from capsule_ros.serving.regenerate import StaleCapsules
+
 LOG = logging.getLogger(__name__)
 MAX_LABEL = 256
 # Errors of a capsule that cannot be restored from its bytes: re-entering it tries the fallback.
@@ -95,7 +98,8 @@ class PolicySession:
     def __init__(self, runtime: PolicyRuntime, store: CapsuleStore, control: ControlConfig, *,
                  directory: Optional[CapsuleDirectory] = None, ports: Optional[Mapping[str, PortConfig]] = None,
                  prefix: Sequence[int] = (), on_event: Optional[Callable[[EventRecord], None]] = None,
-                 clock_ns: Callable[[], int] = time.time_ns, enforce_deadline: bool = True):
+                 clock_ns: Callable[[], int] = time.time_ns, enforce_deadline: bool = True,
+                 stale: Optional[StaleCapsules] = None):
         self.runtime = runtime
         self.store = store
         self.control = control
@@ -122,6 +126,7 @@ class PolicySession:
         self._next_episode = 1
         self._last_applied = np.zeros(runtime.policy.action_dim, dtype=np.float32)
         self._status: Optional[SessionStatus] = None
+        self.stale = stale                         # files of another fingerprint, their regeneration
         store.on_evict = self._on_evict
 
     # -- inputs ------------------------------------------------------------------------------------
@@ -181,8 +186,10 @@ class PolicySession:
             self.stepper.rehearse(self.step)
 
     def close(self) -> None:
-        """Stop the watchdog thread."""
+        """Stop the watchdog thread and a background regeneration (after its capsule in progress)."""
         self.stepper.close()
+        if self.stale is not None:
+            self.stale.close()
 
     def release(self, timeout_s: float = 30.0) -> None:
         """Close, then free the runtime, its replica and the capsule store at a boundary (the
