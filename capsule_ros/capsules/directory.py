@@ -78,10 +78,12 @@ class CapsuleDirectory:
     """Capsule files under one root directory (see the module docstring)."""
 
     def __init__(self, root: Union[Path, str], *, key_file: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 max_file_bytes: int, read_only: bool = False):
+                 max_file_bytes: int, read_only: bool = False, recover: bool = True):
         """``read_only``: access an existing directory without changing it (a replay, a
         tool): nothing is created, chmod-ed or recovered, and save / remove are refused
-        (PermissionDenied); a missing root simply holds no capsules."""
+        (PermissionDenied); a missing root simply holds no capsules. ``recover`` False:
+        leave ``.part`` files where they are (a helper process writing into a directory
+        that its node, the one writer that recovers it, has open)."""
         if type(chunk_bytes) is not int or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidArgument(f"chunk_bytes = {chunk_bytes!r}: must be an int in "
                                   f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
@@ -99,7 +101,7 @@ class CapsuleDirectory:
             return
         with os_errors(root, "capsule directory"):
             self.root = _private_dir(Path(root).expanduser())
-            self.recovered = self._quarantine_leftovers()
+            self.recovered = self._quarantine_leftovers() if recover else []
 
     @classmethod
     def from_config(cls, config: CapsuleStoreConfig) -> CapsuleDirectory:

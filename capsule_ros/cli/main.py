@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (one JSON object with --json)")
     bench.add_argument("which", choices=("snapshot", "reenter", "step", "services", "loop", "commits", "lifecycle",
-                                         "cancel", "chunking"))
+                                         "cancel", "chunking", "regenerate"))
     bench.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on a 2-core CPU")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

@@ -163,8 +163,8 @@ def start_session(prepared: PreparedServing, *, on_event: Optional[Callable[[Eve
     store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
     found, background = prepared.survey, None
     if config.capsules.regenerate_stale and found.stale and prepared.directory is not None:
-        background = BackgroundRegeneration(config, runtime.replica(role="regenerate"), prepared.directory,
-                                            found.stale_ids)
+        background = BackgroundRegeneration(config, prepared.directory, found.stale_ids, runtime.fingerprint,
+                                            load_deployment)
     session = PolicySession(runtime, store, resolved_control(config.control, runtime), directory=prepared.directory,
                             ports=config.ports, prefix=config.policy.prefix, on_event=on_event,
                             stale=StaleCapsules(found, background))

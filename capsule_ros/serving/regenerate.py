@@ -35,13 +35,14 @@ import dataclasses
 import heapq
 import logging
 import math
+import multiprocessing
 import os
 import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -392,17 +393,19 @@ class Regeneration:
     progress: Optional[Progress] = None
     outcomes: List[Outcome] = field(default_factory=list)
 
-    def run(self, only: Optional[Sequence[str]] = None, stop: Callable[[], bool] = lambda: False) -> List[Outcome]:
+    def run(self, only: Optional[Sequence[str]] = None, stop: Callable[[], bool] = lambda: False,
+            on_outcome: Callable[[Outcome], None] = lambda outcome: None) -> List[Outcome]:
         """Assess, then keep (copy), regenerate or skip each capsule in dependency order;
-        ``stop`` is asked between capsules (the node's shutdown)."""
+        ``stop`` is asked between capsules (the node's shutdown), ``on_outcome`` told each."""
         items = assess(self.source, self.deployment, only)
         for index, item in enumerate(items, 1):
             if stop():
                 break
             self._say(f"[{index}/{len(items)}] {item.capsule_id}: {item.action}"
                       + (f" ({item.steps} steps)" if item.action == REGENERATE else ""))
-            self.outcomes.append(self._one(item))
-            outcome = self.outcomes[-1]
+            outcome = self._one(item)
+            self.outcomes.append(outcome)
+            on_outcome(outcome)
             self._say(f"[{index}/{len(items)}] {item.capsule_id}: {outcome.status}"
                       + (f", drift {outcome.drift:.3g}" if outcome.drift is not None else "")
                       + (f": {outcome.reason}" if outcome.reason else ""))
@@ -547,61 +550,112 @@ def regenerate_directory(src: Path, dst: Path, load: Callable[[], Deployment], *
 
 
 # -- the node: stale capsules and their background regeneration -----------------------------------------
+def _regenerate_in_child(load: Callable[[ServingConfig], Deployment], config: ServingConfig, root: str,
+                         capsule_ids: Sequence[str], fingerprint: str, stop: Any, conn: Any) -> None:
+    """The child process of ``BackgroundRegeneration``: lowest priority, the deployment
+    built again from ``config`` (it must have the node's ``fingerprint``), each outcome
+    sent to the parent as it comes."""
+    with contextlib.suppress(OSError):
+        os.nice(19)
+    try:
+        deployment = load(config)
+        if deployment.fingerprint != fingerprint:
+            conn.send({"error": f"the deployment built from the node's parameters is {deployment.fingerprint[:12]}, "
+                                f"the node runs {fingerprint[:12]} (its weights file changed?)"})
+            return
+        capsules = config.capsules
+        directory = CapsuleDirectory(root, key_file=capsules.key_file, chunk_bytes=int(capsules.chunk_mb * 2**20),
+                                     max_file_bytes=int(capsules.max_file_mb * 2**20), recover=False)
+        Regeneration(directory, directory, deployment).run(capsule_ids, stop=stop.is_set,
+                                                           on_outcome=lambda o: conn.send(o.to_json()))
+    except Exception as exc:  # noqa: BLE001 - reported to the node, which logs it and serves on
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()
+
+
 class BackgroundRegeneration:
     """``capsules.regenerate_stale``: the stale capsules of the node's directory regenerated
-    for the live deployment, one after another, on a thread of its own at the lowest OS
-    priority, on a runtime of its own (a replica of the live one: same weights, own arena,
-    and on CUDA its own stream). It never takes the session's boundary: the control loop
-    does not wait for it (it shares the interpreter lock between torch operations; docs/
-    benchmarks.md, "Background regeneration and the control loop", has the cost). Each
-    regenerated file replaces the stale one atomically, so a capsule is re-enterable the
-    moment its new bytes are complete, and not before."""
+    for the live deployment, one after another, in a child process (spawned: a fresh
+    interpreter that builds the deployment from the same parameters, so no interpreter lock
+    is shared with the control loop; on a GPU, a CUDA context of its own) at the lowest OS
+    priority. It never touches the session: the control loop does not wait for it (docs/
+    benchmarks.md, "Background regeneration and the control loop"). Each regenerated file
+    replaces the stale one atomically, so a capsule is re-enterable the moment its new bytes
+    are complete, and not before. ``load``: the deployment of a config
+    (``capsule_ros.serving.factory.load_deployment``), run in the child."""
 
-    def __init__(self, config: ServingConfig, runtime: PolicyRuntime, directory: CapsuleDirectory,
-                 capsule_ids: Sequence[str]):
-        self.runtime = runtime
+    def __init__(self, config: ServingConfig, directory: CapsuleDirectory, capsule_ids: Sequence[str],
+                 fingerprint: str, load: Callable[[ServingConfig], Deployment]):
+        context = multiprocessing.get_context("spawn")
         self.capsule_ids = tuple(capsule_ids)
-        self.regeneration = Regeneration(directory, directory, Deployment.of_runtime(config, runtime),
-                                         progress=lambda text: LOG.debug("regenerate_stale: %s", text))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="capsule-regenerate", daemon=True)
-        self.finished = threading.Event()
+        self._stop = context.Event()
+        self._conn, child = context.Pipe(duplex=False)
+        self._process = context.Process(target=_regenerate_in_child, name="capsule-regenerate", daemon=True,
+                                        args=(load, config, str(directory.root), self.capsule_ids, fingerprint,
+                                              self._stop, child))
+        self._child_conn = child
+        self._lock = threading.Lock()
+        self.outcomes: List[dict] = []
+        self.error = ""
+        self._ended = False
 
     def start(self) -> None:
-        self._thread.start()
+        self._process.start()
+        self._child_conn.close()                 # the child's end lives in the child now
 
-    def _run(self) -> None:
-        with contextlib.suppress(OSError):      # Linux: a thread's own nice value (only ever lowered)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        try:
-            for outcome in self.regeneration.run(self.capsule_ids, stop=self._stop.is_set):
-                if outcome.status == "skipped":
-                    LOG.warning("regenerate_stale: capsule %s was not regenerated: %s", outcome.capsule_id,
-                                outcome.reason)
-            LOG.info("regenerate_stale: %s", self.describe())
-        except Exception:       # a background failure is logged; the node serves on
-            LOG.exception("regenerate_stale stopped")
-        finally:
-            self.finished.set()
+    def _drain(self) -> None:
+        """Take what the child sent (any thread: status, tests)."""
+        with self._lock:
+            while not self._ended:
+                try:
+                    if not self._conn.poll():
+                        return
+                    message = self._conn.recv()
+                except (EOFError, OSError):
+                    self._ended = True
+                    return
+                if "error" in message:
+                    self.error = message["error"]
+                    LOG.error("regenerate_stale stopped: %s", self.error)
+                    continue
+                self.outcomes.append(message)
+                if message["status"] == "skipped":
+                    LOG.warning("regenerate_stale: capsule %s was not regenerated: %s", message["id"],
+                                message["reason"])
+                else:
+                    LOG.info("regenerate_stale: capsule %s regenerated (%d steps, drift %s)", message["id"],
+                             message["steps"], message["drift"])
+
+    @property
+    def finished(self) -> bool:
+        """The child is done and everything it sent was taken."""
+        self._drain()
+        return self._ended and not self._process.is_alive()
 
     def progress(self) -> Tuple[int, int, int]:
         """(regenerated, failed, left)."""
-        outcomes = list(self.regeneration.outcomes)
-        done = sum(o.status == "regenerated" for o in outcomes)
-        failed = sum(o.status == "skipped" for o in outcomes)
-        return done, failed, max(0, len(self.capsule_ids) - len(outcomes))
+        self._drain()
+        done = sum(o["status"] == "regenerated" for o in self.outcomes)
+        failed = sum(o["status"] == "skipped" for o in self.outcomes)
+        left = 0 if self._ended else max(0, len(self.capsule_ids) - len(self.outcomes))
+        return done, failed + (left if self._ended and self.error else 0), left
 
     def describe(self) -> str:
         done, failed, left = self.progress()
-        return f"{done} regenerated, {failed} could not be, {left} left"
+        return f"{done} regenerated, {failed} could not be, {left} left" + (f" ({self.error})" if self.error else "")
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop after the capsule in progress and release the runtime."""
+        """Stop after the capsule in progress (a child that does not: terminated; its
+        unfinished ``.part`` file is moved aside at the node's next start)."""
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        if not self._thread.is_alive():
-            self.runtime.close()
+        if self._process.is_alive():
+            self._process.join(timeout_s)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(timeout_s)
+        self._drain()
+        self._conn.close()
 
 
 @dataclass
