@@ -47,7 +47,7 @@ def _with(config: ServingConfig, device: torch.device, directory: Path, steps: i
     return dataclasses.replace(
         config, runtime=dataclasses.replace(config.runtime, device=str(device)),
         control=dataclasses.replace(config.control, deadline_ms=0.0, service_timeout_ms=60000.0,
-                                    input_log_steps=max(config.control.input_log_steps, steps)),
+                                    input_log_steps=steps),
         capsules=dataclasses.replace(config.capsules, directory=str(directory), recipe_max_mb=4096.0))
 
 

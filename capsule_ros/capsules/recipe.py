@@ -27,7 +27,7 @@ No torch here: ``capsule-ros check`` and ``inspect`` read recipes from headers a
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -248,6 +248,7 @@ class Recipe:
     reads: np.ndarray
     rows: np.ndarray
     actions: np.ndarray
+    data: Optional[Any] = field(default=None, repr=False, compare=False)   # the binary part it views, if any
 
     def __post_init__(self) -> None:
         info = self.info
@@ -262,9 +263,12 @@ class Recipe:
             raise InvalidArgument(f"recipe: {int(np.count_nonzero(self.reads))} steps read inputs, "
                                   f"its info says {info.rows}")
 
-    def to_bytes(self) -> bytes:
-        """The binary part: the read mask as bits (little-endian bit order), then the
-        actions (float32, little-endian), then the rows."""
+    def to_bytes(self) -> Any:
+        """The binary part (bytes-like): the read mask as bits (little-endian bit order),
+        then the actions (float32, little-endian), then the rows. A recipe made from its
+        binary part (``from_bytes``) gives that back, without a copy."""
+        if self.data is not None:
+            return self.data
         return b"".join((np.packbits(self.reads.astype(bool), bitorder="little").tobytes(),
                          self.actions.astype("<f4", copy=False).tobytes(),
                          np.ascontiguousarray(self.rows, dtype=np.uint8).tobytes()))
@@ -289,4 +293,4 @@ class Recipe:
         actions = np.frombuffer(view[mask_bytes:mask_bytes + action_bytes], dtype="<f4").reshape(
             info.steps, info.action_dim).astype(np.float32, copy=False)
         rows = np.frombuffer(view[mask_bytes + action_bytes:], dtype=np.uint8).reshape(info.rows, info.row_bytes)
-        return cls(info, reads, rows, actions)
+        return cls(info, reads, rows, actions, data)

@@ -32,7 +32,7 @@ class CapsuleSet:
         self.directory = directory
         self.recompute = recompute
         self.reader = CapsuleReader(store, directory, schema)
-        self.saver = (CapsuleSaver(directory, store, schema, between_steps, recompute.recipe_for,
+        self.saver = (CapsuleSaver(directory, store, schema, between_steps, recompute,
                                    recompute.runtime.fingerprint_parts) if directory is not None else None)
 
     def require_saver(self) -> CapsuleSaver:

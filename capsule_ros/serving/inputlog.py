@@ -81,6 +81,12 @@ class InputLog:
                 return f"a rollback to step {cut} replaced the inputs that led to step {step}"
         return None
 
+    def rewritten_below(self, step: int, generation: int) -> bool:
+        """Whether rows before state ``step`` may have been written again since ``generation``
+        (a new timeline, or a rollback below ``step``): a reader that copied them outside
+        the session's boundary asks this after its copy."""
+        return self._start_generation > generation or any(gen > generation and cut < step for gen, cut in self._cuts)
+
     def rows(self, upto_step: int) -> np.ndarray:
         """Logged inputs from the root up to (not including) state ``upto_step`` (a view;
         rows of steps that read none are stale)."""

@@ -30,10 +30,15 @@ becomes an in-memory capsule of the same id). ``unreserve`` returns the reserved
 the rebuild failed. The session runs the phases (``PolicySession.reenter``); this module
 never takes the boundary.
 
-Recipes for saved capsules (``recipe_for``, under the boundary when a save begins): the
-logged rows and actions from the log root to the capsule's step, bounded by
-``capsules.recipe_max_mb`` (size computed before anything is copied); a recipe over the
-bound, or of a capsule the log no longer covers, is cut, and the file says why.
+Recipes for saved capsules: the logged rows and actions from the log root to the
+capsule's step, bounded by ``capsules.recipe_max_mb``. ``recipe_for`` runs under the
+boundary when a save begins and only counts (the size is known before anything is
+copied); a recipe over the bound, or of a capsule the log no longer covers, is cut, and
+the file says why. ``take_recipe`` copies the rows outside the boundary, while the control
+loop steps on (it only ever appends after them), then checks that the log was not
+rewritten below the capsule meanwhile (a rollback or a new timeline: then the recipe is
+cut too): the copy of a long episode's rows costs the loop no wait at the boundary
+(docs/benchmarks.md, "Persisting commits while stepping").
 """
 from __future__ import annotations
 
@@ -54,11 +59,25 @@ from capsule_ros.serving.inputlog import InputLog
 from capsule_ros.serving.recipes import RecipeChain, recipe_inputs, replay, start_from
 
 LOG = logging.getLogger(__name__)
-# What a save writes as a capsule's recipe: one with its rows (Recipe), only why there is
-# none (a cut RecipeInfo), None (recipes are off), or KEEP_FILE_RECIPE (this process has no
-# log of the capsule: keep the recipe its file has, if any).
+ROWS_PER_COPY = 1024          # rows copied per call outside the boundary: the loop's thread gets the
+                              # interpreter lock back between them
+
+
+@dataclass(frozen=True)
+class PendingRecipe:
+    """A recipe counted under the boundary whose rows are still in the input log
+    (``Recompute.take_recipe`` copies them)."""
+
+    info: RecipeInfo
+    episode_id: int
+    generation: int
+
+
+# What a save writes as a capsule's recipe: one to copy from the log (PendingRecipe), only
+# why there is none (a cut RecipeInfo), None (recipes are off), or KEEP_FILE_RECIPE (this
+# process has no log of the capsule: keep the recipe its file has, if any).
 KEEP_FILE_RECIPE = "keep the file's recipe"
-RecipeCapture = Union[None, Recipe, RecipeInfo, str]
+RecipeCapture = Union[None, PendingRecipe, RecipeInfo, str]
 
 
 @dataclass(frozen=True)
@@ -168,8 +187,9 @@ class Recompute:
 
     # -- recipes (under the lock) -----------------------------------------------------------------
     def recipe_for(self, capsule: Capsule) -> RecipeCapture:
-        """What a save of ``capsule`` writes as its recipe (``RecipeCapture``): its rows are
-        copied now, under the boundary, at most ``capsules.recipe_max_mb`` of them."""
+        """Under the lock: what a save of ``capsule`` writes as its recipe
+        (``RecipeCapture``): counted now, at most ``capsules.recipe_max_mb``, its rows copied
+        later (``take_recipe``)."""
         config = self.store.config
         if not config.recipe:
             return None
@@ -187,7 +207,43 @@ class Recompute:
                                   f"input rows of {info.row_bytes:,} bytes), over capsules.recipe_max_mb = "
                                   f"{config.recipe_max_mb:g} ({bound:,} bytes)", info.root, info.base_step,
                                   info.steps, info.rows, info.row_bytes, info.action_dim, info.inputs)
-        return self._log_recipe(info)
+        return PendingRecipe(info, entry.episode_id, entry.generation)
+
+    def take_recipe(self, pending: PendingRecipe, into: bytearray) -> Union[Recipe, RecipeInfo]:
+        """Outside the lock (a save's file work): copy the recipe's mask, actions and rows
+        from the input log straight into its binary part, a slice at a time, then check the
+        log was not rewritten below the capsule meanwhile; a cut recipe if it was. ``into``:
+        the caller's buffer, at least ``pending.info.data_bytes`` long (the recipe views it:
+        it is valid until the caller reuses the buffer)."""
+        info, log = pending.info, self.log
+        steps, step = info.steps, info.step
+        buffer = memoryview(into)[:info.data_bytes]
+        mask_bytes, action_bytes = -(-steps // 8), steps * info.action_dim * 4
+        try:
+            if log.rewritten_below(step, pending.generation):
+                raise ValueError("rewritten")
+            reads = log.reads(step)
+            packed = np.packbits(reads, bitorder="little")
+            if packed.size != mask_bytes:
+                raise ValueError("rewritten")
+            buffer[:mask_bytes] = packed.tobytes()
+            actions = np.frombuffer(buffer, dtype="<f4", count=steps * info.action_dim, offset=mask_bytes)
+            actions[:] = log.actions(step).reshape(-1)
+            rows = np.frombuffer(buffer, dtype=np.uint8, offset=mask_bytes + action_bytes).reshape(info.rows,
+                                                                                                    info.row_bytes)
+            logged, done = log.rows(step), 0
+            for start in range(0, steps, ROWS_PER_COPY):
+                part = reads[start:start + ROWS_PER_COPY]
+                count = int(np.count_nonzero(part))
+                np.compress(part, logged[start:start + ROWS_PER_COPY], axis=0, out=rows[done:done + count])
+                done += count
+            if done != info.rows or log.rewritten_below(step, pending.generation):
+                raise ValueError("rewritten")
+        except (ValueError, IndexError):      # the log moved under the copy: its shapes no longer fit
+            return RecipeInfo.cut("the episode's input log was rewritten below the capsule (a rollback or a new "
+                                  "episode) while it was being saved", info.root, info.base_step, info.steps, info.rows,
+                                  info.row_bytes, info.action_dim, info.inputs)
+        return Recipe.from_bytes(info, buffer)
 
     def _log_reason(self, entry: LedgerEntry) -> Optional[str]:
         """Why the input log cannot give the recipe of a capsule of ``entry`` (None: it can)."""
@@ -202,7 +258,8 @@ class Recompute:
                           self.runtime.policy.action_dim, self.inputs)
 
     def _log_recipe(self, info: RecipeInfo) -> Recipe:
-        """The log's recipe up to ``info.step``: copies of its read mask, rows and actions."""
+        """Under the lock: the log's recipe up to ``info.step``, copies of its read mask,
+        rows and actions (a rebuild's plan)."""
         reads = self.log.reads(info.step).copy()
         return Recipe(info, reads, self.log.rows(info.step)[reads], self.log.actions(info.step).copy())
 

@@ -579,8 +579,8 @@ class BackgroundRegeneration:
     for the live deployment, one after another, in a child process (spawned: a fresh
     interpreter that builds the deployment from the same parameters, so no interpreter lock
     is shared with the control loop; on a GPU, a CUDA context of its own) at the lowest OS
-    priority. It never touches the session: the control loop does not wait for it (docs/
-    benchmarks.md, "Background regeneration and the control loop"). Each regenerated file
+    priority. It never touches the session: the control loop does not wait for it
+    (docs/benchmarks.md, "Background regeneration and the control loop"). Each regenerated file
     replaces the stale one atomically, so a capsule is re-enterable the moment its new bytes
     are complete, and not before. ``load``: the deployment of a config
     (``capsule_ros.serving.factory.load_deployment``), run in the child."""
