@@ -38,7 +38,7 @@ the file says why. ``take_recipe`` copies the rows outside the boundary, while t
 loop steps on (it only ever appends after them), then checks that the log was not
 rewritten below the capsule meanwhile (a rollback or a new timeline: then the recipe is
 cut too): the copy of a long episode's rows costs the loop no wait at the boundary
-(docs/benchmarks.md, "Persisting commits while stepping").
+(docs/benchmarks.md, "Persisting commits with recipes").
 """
 from __future__ import annotations
 
