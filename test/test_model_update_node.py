@@ -106,6 +106,7 @@ def test_the_node_counts_lists_and_regenerates_stale_capsules(tmp_path, rclpy_co
         status = wait_for(lambda: (s := driver.latest_status()).regeneration_left == 0 and s, timeout=120,
                           what="the background regeneration")
         assert (status.regenerated, status.regeneration_failed) == (2, 1), status
+        assert status.recipes_regenerable == 3 and status.recipe_bytes > 0, status     # the version 1 file has none
         listing = {c.id: c for c in client.capsules.list().capsules if c.persisted}
         assert set(listing) == {*stale, unfit, V1_FIXTURE.stem}
         assert all(listing[i].valid and listing[i].regenerable and listing[i].recipe_bytes > 0 for i in stale)
@@ -115,6 +116,8 @@ def test_the_node_counts_lists_and_regenerates_stale_capsules(tmp_path, rclpy_co
         assert fixture.valid and not fixture.regenerable and fixture.recipe_note == "no recipe", fixture
         response = client.capsules.reenter(stale[1])
         assert response.success and not response.fallback and response.capsule.step == 25, response.message
+        client.capsules.commit(label="made here", persist=True)     # a save of the node's own counts at once
+        wait_for(lambda: driver.latest_status().recipes_regenerable == 4, timeout=30, what="the new file's recipe")
         refused = client.capsules.reenter(unfit, check=False)
         assert refused.error_code == ErrorCode.FINGERPRINT_MISMATCH and "capsule-ros regenerate" in refused.message
         wait_for(lambda: any(stale_in_diagnostics(array, "/mu/capsule_policy") == "3"

@@ -43,6 +43,7 @@ def runtime_status(session: PolicySession, stamp: Any) -> RuntimeStatus:
     for cause in STALE_CAUSES:
         setattr(msg, f"stale_{cause}", stale.by_cause.get(cause, 0))
     msg.regenerated, msg.regeneration_failed, msg.regeneration_left = stale.regenerated, stale.failed, stale.left
+    msg.recipes_regenerable, msg.recipe_bytes = stale.files_regenerable, stale.recipe_bytes
     executor = session.runtime.executor
     if executor is not None:
         msg.chunking, msg.inference_delay_steps = executor.schedule.mode.value, executor.schedule.delay
@@ -96,6 +97,7 @@ class DiagnosticsBuilder:
             "step_errors": status.step_errors, "nonfinite_steps": status.nonfinite_steps,
             "last_fault": status.last_fault,
         }
+        values.update(recipes_regenerable=status.recipes_regenerable, recipe_bytes=status.recipe_bytes)
         if status.stale_capsules:
             values["stale_capsules"] = status.stale_capsules
             values.update({f"stale_{cause}": getattr(status, f"stale_{cause}") for cause in STALE_CAUSES

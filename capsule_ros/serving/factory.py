@@ -22,7 +22,7 @@ from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.config import ControlConfig, ServingConfig
 from capsule_ros.serving.invalidation import Survey, survey
 from capsule_ros.serving.records import EventRecord
-from capsule_ros.serving.regenerate import BackgroundRegeneration, Deployment, StaleCapsules
+from capsule_ros.serving.regenerate import BackgroundRegeneration, CapsuleFiles, Deployment
 from capsule_ros.serving.session import PolicySession
 
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "policies"
@@ -167,7 +167,7 @@ def start_session(prepared: PreparedServing, *, on_event: Optional[Callable[[Eve
                                             load_deployment)
     session = PolicySession(runtime, store, resolved_control(config.control, runtime), directory=prepared.directory,
                             ports=config.ports, prefix=config.policy.prefix, on_event=on_event,
-                            stale=StaleCapsules(found, background))
+                            files=CapsuleFiles(found, background))
     if config.control.autostart:
         session.reset()
     session.warm_up()

@@ -59,7 +59,7 @@ def judge(header: CapsuleHeader, fingerprint: str, parts: FingerprintParts, sche
 class Survey:
     """A capsule directory under a deployment: how many files, how many of another
     fingerprint (stale) by cause, of those how many carry a recipe that can rebuild them,
-    and the files whose header could not be read."""
+    the files whose header could not be read, and every file's recipe (bytes, regenerable)."""
 
     total: int = 0
     stale: int = 0
@@ -67,6 +67,7 @@ class Survey:
     regenerable: int = 0
     unreadable: int = 0
     stale_ids: Tuple[str, ...] = ()
+    recipes: Dict[str, Tuple[int, bool]] = field(default_factory=dict)   # every file: (recipe bytes, regenerable)
 
     def describe(self) -> str:
         if not self.stale:
@@ -83,6 +84,7 @@ def survey(directory: Optional[CapsuleDirectory], fingerprint: str, parts: Finge
         return Survey()
     counts: collections.Counter = collections.Counter()
     stale: List[str] = []
+    recipes: Dict[str, Tuple[int, bool]] = {}
     total = regenerable = unreadable = 0
     for capsule_id in directory.ids():
         total += 1
@@ -91,10 +93,12 @@ def survey(directory: Optional[CapsuleDirectory], fingerprint: str, parts: Finge
         except CapsuleRosError:
             unreadable += 1
             continue
+        has_recipe = bool(header.recipe is not None and header.recipe.regenerable)
+        recipes[capsule_id] = (header.recipe_bytes, has_recipe)
         verdict = judge(header, fingerprint, parts, schema)
         if verdict.valid:
             continue
         stale.append(capsule_id)
         counts.update(verdict.causes)
-        regenerable += bool(header.recipe is not None and header.recipe.regenerable)
-    return Survey(total, len(stale), dict(counts), regenerable, unreadable, tuple(stale))
+        regenerable += has_recipe
+    return Survey(total, len(stale), dict(counts), regenerable, unreadable, tuple(stale), recipes)

@@ -163,8 +163,9 @@ class PortPicture:
 class StalePicture:
     """Capsule files of another fingerprint in the session's directory (counted at
     configure, by cause: a capsule counts under every component that differs; "unsplit":
-    a format version 1 file, whose cause is not recorded), and the progress of their
-    background regeneration (``capsules.regenerate_stale``)."""
+    a format version 1 file, whose cause is not recorded), the progress of their
+    background regeneration (``capsules.regenerate_stale``), and the directory's recipes
+    (counted at configure, kept current by the session's own saves and drops)."""
 
     stale: int = 0
     by_cause: Dict[str, int] = field(default_factory=dict)
@@ -172,6 +173,8 @@ class StalePicture:
     regenerated: int = 0
     failed: int = 0
     left: int = 0
+    files_regenerable: int = 0         # capsule files (any fingerprint) whose recipe can rebuild them
+    recipe_bytes: int = 0              # their recipes' bytes on disk
 
 
 @dataclass(frozen=True)
@@ -210,4 +213,4 @@ class SessionStatus:
                    restores=c.restores, misses=c.misses, invalidations=c.invalidations, evictions=c.evictions,
                    demotions=c.demotions, stamp_ns=now,
                    ports=tuple(PortPicture.of(adapter, now) for adapter in session.ports.values()),
-                   stale=session.stale.picture() if session.stale is not None else StalePicture())
+                   stale=session.files.picture() if session.files is not None else StalePicture())

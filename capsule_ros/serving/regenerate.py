@@ -374,11 +374,13 @@ class Outcome:
     drift: Optional[float] = None
     first_over: Optional[int] = None
     seconds: float = 0.0
+    recipe_bytes: int = 0                # of the file written
 
     def to_json(self) -> dict:
         drift = self.drift if self.drift is None or math.isfinite(self.drift) else "inf"
         return {"id": self.capsule_id, "status": self.status, "reason": self.reason, "steps": self.steps,
-                "drift": drift, "first_step_over": self.first_over, "seconds": round(self.seconds, 6)}
+                "drift": drift, "first_step_over": self.first_over, "seconds": round(self.seconds, 6),
+                "recipe_bytes": self.recipe_bytes}
 
 
 @dataclass
@@ -457,7 +459,7 @@ class Regeneration:
             return Outcome(item.capsule_id, "skipped", f"{type(exc).__name__}: {exc}", item.steps,
                            seconds=time.perf_counter() - started)
         return Outcome(item.capsule_id, "regenerated", "", item.steps, made.drift, made.first_over,
-                       time.perf_counter() - started)
+                       time.perf_counter() - started, made.recipe.info.nbytes)
 
 
 def _copy_file(source: Path, target: Path) -> None:
@@ -659,16 +661,36 @@ class BackgroundRegeneration:
 
 
 @dataclass
-class StaleCapsules:
-    """What the session shows of a model update: the configure-time survey of its
-    directory and, when opted in, the background regeneration."""
+class CapsuleFiles:
+    """What the session shows of its capsule directory (``~/status``): the configure-time
+    survey (stale capsules by cause), the recipes of its files, kept current by the
+    session's own saves and drops and by the background regeneration, and that
+    regeneration's progress (``capsules.regenerate_stale``). Called under the boundary."""
 
     survey: Survey
     background: Optional[BackgroundRegeneration] = None
+    recipes: Dict[str, Tuple[int, bool]] = field(default_factory=dict)     # id -> (recipe bytes, regenerable)
+
+    def __post_init__(self) -> None:
+        self.recipes = dict(self.survey.recipes)
+
+    def saved(self, capsule_id: str, recipe: Optional[RecipeInfo]) -> None:
+        """The session wrote this capsule's file (with ``recipe``, None: none)."""
+        self.recipes[capsule_id] = (recipe.nbytes, recipe.regenerable) if recipe is not None else (0, False)
+
+    def removed(self, capsule_id: str) -> None:
+        """The session removed this capsule's file."""
+        self.recipes.pop(capsule_id, None)
 
     def picture(self) -> StalePicture:
         done, failed, left = self.background.progress() if self.background is not None else (0, 0, 0)
-        return StalePicture(self.survey.stale, dict(self.survey.by_cause), self.survey.regenerable, done, failed, left)
+        if self.background is not None:
+            for outcome in self.background.outcomes:
+                if outcome["status"] == "regenerated":
+                    self.recipes[outcome["id"]] = (outcome["recipe_bytes"], True)
+        regenerable = sum(1 for _, ok in self.recipes.values() if ok)
+        return StalePicture(self.survey.stale, dict(self.survey.by_cause), self.survey.regenerable, done, failed, left,
+                            regenerable, sum(nbytes for nbytes, _ in self.recipes.values()))
 
     def close(self) -> None:
         if self.background is not None:

@@ -75,7 +75,7 @@ from capsule_ros.serving.records import (
 from capsule_ros.serving.stepping import GuardedStep
 
 if TYPE_CHECKING:
-    from capsule_ros.serving.regenerate import StaleCapsules
+    from capsule_ros.serving.regenerate import CapsuleFiles
 
 LOG = logging.getLogger(__name__)
 MAX_LABEL = 256
@@ -99,7 +99,7 @@ class PolicySession:
                  directory: Optional[CapsuleDirectory] = None, ports: Optional[Mapping[str, PortConfig]] = None,
                  prefix: Sequence[int] = (), on_event: Optional[Callable[[EventRecord], None]] = None,
                  clock_ns: Callable[[], int] = time.time_ns, enforce_deadline: bool = True,
-                 stale: Optional[StaleCapsules] = None):
+                 files: Optional[CapsuleFiles] = None):
         self.runtime = runtime
         self.store = store
         self.control = control
@@ -126,7 +126,7 @@ class PolicySession:
         self._next_episode = 1
         self._last_applied = np.zeros(runtime.policy.action_dim, dtype=np.float32)
         self._status: Optional[SessionStatus] = None
-        self.stale = stale                         # files of another fingerprint, their regeneration
+        self.files = files                         # the directory's picture: stale files, recipes
         store.on_evict = self._on_evict
 
     # -- inputs ------------------------------------------------------------------------------------
@@ -188,8 +188,8 @@ class PolicySession:
     def close(self) -> None:
         """Stop the watchdog thread and a background regeneration (after its capsule in progress)."""
         self.stepper.close()
-        if self.stale is not None:
-            self.stale.close()
+        if self.files is not None:
+            self.files.close()
 
     def release(self, timeout_s: float = 30.0) -> None:
         """Close, then free the runtime, its replica and the capsule store at a boundary (the
@@ -408,6 +408,8 @@ class PolicySession:
             if self.state == EpisodeState.INTERRUPTED and capsule_id == self.interrupt_capsule_id:
                 raise WrongState(f"capsule {capsule_id!r} is the interrupt capsule: re-enter or reset first")
             capsule = self.capsules.drop(capsule_id, from_disk, has_file)
+            if from_disk and self.files is not None:
+                self.files.removed(capsule_id)
             self._emit(EventKind.DROP, capsule, capsule_id=capsule_id,
                        detail="memory and disk" if from_disk else "memory")
         if from_disk:
@@ -464,6 +466,8 @@ class PolicySession:
         with self.boundary.blocking():
             saver.end(job)
             job.capsule.path = str(path)
+            if self.files is not None:
+                self.files.saved(job.capsule.id, job.written)
             self._emit(EventKind.SAVE, job.capsule, detail=job.capsule.path)
         return job.capsule
 
