@@ -647,9 +647,10 @@ class BackgroundRegeneration:
         done, failed, left = self.progress()
         return f"{done} regenerated, {failed} could not be, {left} left" + (f" ({self.error})" if self.error else "")
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop after the capsule in progress (a child that does not: terminated; its
-        unfinished ``.part`` file is moved aside at the node's next start)."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop after the capsule in progress, or terminate the child after ``timeout_s``
+        (the node's deactivate and shutdown must not wait for a long recipe; an unfinished
+        ``.part`` file is moved aside at the node's next start)."""
         self._stop.set()
         if self._process.is_alive():
             self._process.join(timeout_s)
