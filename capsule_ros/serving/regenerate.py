@@ -649,7 +649,7 @@ class BackgroundRegeneration:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop after the capsule in progress, or terminate the child after ``timeout_s``
-        (the node's deactivate and shutdown must not wait for a long recipe; an unfinished
+        (the node's cleanup and shutdown must not wait for a long recipe; an unfinished
         ``.part`` file is moved aside at the node's next start)."""
         self._stop.set()
         if self._process.is_alive():
