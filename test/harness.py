@@ -55,6 +55,23 @@ def observations(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).uniform(-1.0, 1.0, size=(n, 4))
 
 
+def damage_state(path: Path) -> bytes:
+    """Flip one bit of the state in a plain capsule file (in its last chunk: the state
+    section comes last, after the recipe's, and a chunk's SHA-256 tag is its last 32 bytes);
+    the file's bytes before."""
+    blob = path.read_bytes()
+    damaged = bytearray(blob)
+    damaged[-64] ^= 0x10
+    path.write_bytes(bytes(damaged))
+    return blob
+
+
+def state_bytes(path: Path, max_bytes: int = 1 << 30) -> bytes:
+    """The verified state bytes of a capsule file."""
+    from capsule_ros.capsules.fileformat import read_capsule
+    return bytes(read_capsule(path, max_bytes=max_bytes)[1].numpy())
+
+
 def action_bytes(actions: Sequence[Any]) -> List[tuple]:
     """The bits of a list of Action messages: values and chunk (what bit-identity compares)."""
     return [(np.asarray(a.values, np.float32).tobytes(), np.asarray(a.chunk, np.float32).tobytes()) for a in actions]

@@ -13,6 +13,10 @@ temporary directory, through random sequences of rules:
   and restart (crash, crash mid-save leaving a ``.part``, stray ``.part``, or a new
   process with other weights over the same directory).
 
+Capsule files carry no recipe here (``capsules.recipe`` off): the fallback is the input
+log's, as the model below knows it; rebuilds from a file's recipe have their own tests
+(test_recipe_fallback.py).
+
 The model: for each capsule id the arena bytes (``runtime.arena.storage``) the store's
 copy must hold, the file image each save wrote (a file is intact iff it still equals
 it), its fingerprint, the session's recompute ledger, and which capsules lie on the
@@ -205,7 +209,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         store = CapsuleStore(nbytes, runtime.fingerprint, runtime.device,
                              CapsuleStoreConfig(device_budget_mb=budget_mb(DEVICE_SLABS, nbytes),
                                                 host_budget_mb=budget_mb(HOST_SLABS, nbytes),
-                                                directory=str(self.root)))
+                                                directory=str(self.root), recipe=False))
         directory = CapsuleDirectory(self.root, chunk_bytes=CHUNK_BYTES, max_file_bytes=1 << 20)
         planted = sorted(self.parts)
         recovered = sorted(p.name for p in directory.recovered)

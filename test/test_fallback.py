@@ -6,8 +6,10 @@ random weights: the shipped weights do not change the cost).
   re-entering an intact copy (and to the original timeline's).
 - When the input log does not reach the capsule (the episode outgrew
   ``control.input_log_steps``, the log is off, a rollback replaced the inputs, or the
-  capsule comes from another process), re-entering answers the capsule's own error code
-  with the reason, and the live state is untouched.
+  capsule comes from another process) and its file has no recipe that can (recipes off, or
+  cut for the same reason), re-entering answers the capsule's own error code with the
+  reasons, and the live state is untouched. (Rebuilds from a file's recipe, in another
+  process too: test_recipe_fallback.py.)
 - The cost: recompute vs restore (memory / disk) at k = 50, 200, 800 steps, printed with
   ``-s``; docs/capsule-format.md section 8 quotes these figures.
 
@@ -15,6 +17,7 @@ Run: ``python -m pytest test/test_fallback.py -q -s`` (~20 s on 2 CPU cores).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -56,11 +59,17 @@ def live(session: PolicySession):
 
 
 def corrupt(session: PolicySession, capsule_id: str) -> None:
-    """Flip one bit in the middle of the capsule's file (a payload chunk)."""
+    """Flip one bit of the state in the capsule's file (its last chunk: the state section
+    comes last, after the recipe's, and a plain chunk's tag is its last 32 bytes)."""
     path = session.directory.path_of(capsule_id)
     blob = bytearray(path.read_bytes())
-    blob[len(blob) // 2] ^= 0x10
+    blob[-64] ^= 0x10
     path.write_bytes(bytes(blob))
+
+
+def without_recipes(config):
+    """``config`` with capsules.recipe off: the fallback has the input log only."""
+    return dataclasses.replace(config, capsules=dataclasses.replace(config.capsules, recipe=False))
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -145,7 +154,7 @@ def test_reenter_refused_when_the_input_log_is_off(tmp_path):
 
 
 def test_reenter_refused_when_a_rollback_replaced_the_inputs(tmp_path):
-    session = build_session(default_config(tmp_path))
+    session = build_session(without_recipes(default_config(tmp_path)))
     obs, other = observations(40, seed=5), observations(25, seed=6)   # the branch passes step 30
     feed(session, obs[:10])
     early = session.commit("early")
@@ -159,7 +168,7 @@ def test_reenter_refused_when_a_rollback_replaced_the_inputs(tmp_path):
 
 
 def test_reenter_refused_for_a_capsule_of_another_process(tmp_path):
-    config = default_config(tmp_path)
+    config = without_recipes(default_config(tmp_path))
     first = build_session(config)
     obs = observations(20, seed=7)
     feed(first, obs[:8])
@@ -169,7 +178,8 @@ def test_reenter_refused_for_a_capsule_of_another_process(tmp_path):
     second = build_session(config)                                 # same weights, same directory
     feed(second, obs[8:])
     corrupt(second, bad.id)
-    _refused_untouched(second, bad.id, "this process did not make the capsule")
+    message = _refused_untouched(second, bad.id, "this process did not make the capsule")
+    assert "has no recipe" in message, message
     result = second.reenter(capsule.id)                            # an intact one restores fine
     assert not result.fallback and second.step == 8
     with pytest.raises(NotFound) as info:                          # and nothing at all: NotFound

@@ -1,5 +1,6 @@
 """Execution-state capsules (no ROS): the store (snapshot, restore, fork, move over device
-and pinned-host slab pools), the on-disk format and the atomic capsule directory."""
+and pinned-host slab pools), the on-disk format with its recipe section, and the atomic
+capsule directory."""
 from capsule_ros._lazy import lazy_exports
 
 _EXPORTS = {
@@ -15,6 +16,10 @@ _EXPORTS = {
     "write_capsule": "capsule_ros.capsules.fileformat",
     "verify_capsule": "capsule_ros.capsules.fileformat",
     "read_header": "capsule_ros.capsules.fileformat",
+    "read_recipe": "capsule_ros.capsules.fileformat",
+    "Recipe": "capsule_ros.capsules.recipe",
+    "RecipeInfo": "capsule_ros.capsules.recipe",
+    "RecipeRoot": "capsule_ros.capsules.recipe",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -25,3 +25,12 @@ class CapsuleStoreConfig(ConfigSection):
                               high=64.0, read_only=True)
     max_file_mb: float = setting(65536.0, "largest capsule file the loader accepts", low=1.0, high=1 << 24,
                                  read_only=True)
+    recipe: bool = setting(True, "saved capsules carry their recipe (root, input rows, actions: "
+                           "docs/model-updates.md), so they can be rebuilt by the recompute fallback in any run of "
+                           "the node and regenerated for a new model", read_only=True)
+    recipe_max_mb: float = setting(64.0, "largest recipe a save copies (under the step boundary) and writes; a "
+                                   "larger one is cut: the capsule is marked not regenerable, with the reason",
+                                   low=0.0, high=1 << 20, read_only=True)
+    regenerate_stale: bool = setting(False, "at activate, regenerate in the background the capsule files of another "
+                                     "fingerprint that carry a recipe, for this model (low priority, off the control "
+                                     "loop; each file is replaced atomically when complete)", read_only=True)

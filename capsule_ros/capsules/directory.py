@@ -41,11 +41,14 @@ from capsule_ros.capsules.fileformat import (
     os_errors,
     read_capsule,
     read_header,
+    read_recipe,
     write_capsule,
 )
 from capsule_ros.capsules.ids import check_capsule_id
+from capsule_ros.capsules.recipe import Recipe, RecipeInfo
 from capsule_ros.capsules.store import Capsule
 from capsule_ros.errors import Busy, CorruptCapsule, InvalidArgument, NotFound, PermissionDenied
+from capsule_ros.runtime.fingerprint import FingerprintParts
 
 LOG = logging.getLogger(__name__)
 
@@ -75,10 +78,12 @@ class CapsuleDirectory:
     """Capsule files under one root directory (see the module docstring)."""
 
     def __init__(self, root: Union[Path, str], *, key_file: str = "", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 max_file_bytes: int, read_only: bool = False):
+                 max_file_bytes: int, read_only: bool = False, recover: bool = True):
         """``read_only``: access an existing directory without changing it (a replay, a
         tool): nothing is created, chmod-ed or recovered, and save / remove are refused
-        (PermissionDenied); a missing root simply holds no capsules."""
+        (PermissionDenied); a missing root simply holds no capsules. ``recover`` False:
+        leave ``.part`` files where they are (a helper process writing into a directory
+        that its node, the one writer that recovers it, has open)."""
         if type(chunk_bytes) is not int or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidArgument(f"chunk_bytes = {chunk_bytes!r}: must be an int in "
                                   f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
@@ -96,7 +101,7 @@ class CapsuleDirectory:
             return
         with os_errors(root, "capsule directory"):
             self.root = _private_dir(Path(root).expanduser())
-            self.recovered = self._quarantine_leftovers()
+            self.recovered = self._quarantine_leftovers() if recover else []
 
     @classmethod
     def from_config(cls, config: CapsuleStoreConfig) -> CapsuleDirectory:
@@ -141,13 +146,17 @@ class CapsuleDirectory:
 
     # -- verbs --------------------------------------------------------------------------------
     def save(self, capsule: Capsule, data: Any, schema: Sequence[dict],
-             keep: Callable[[], bool] = lambda: True) -> Path:
+             keep: Callable[[], bool] = lambda: True, *, recipe: Union[None, Recipe, RecipeInfo] = None,
+             parts: Optional[FingerprintParts] = None) -> Path:
         """Write a capsule atomically (see the module docstring); returns its path.
 
         ``data``: host uint8 tensor or bytes of ``capsule.nbytes``; ``schema``: the arena's
         ``ArenaLayout.schema()``. Saving an existing id replaces its file atomically.
         ``keep`` is asked under the directory's lock right before the file is published:
         False discards the written data (NotFound: the capsule was dropped meanwhile).
+        ``recipe``: how the state was made (a ``Recipe``), or only why it is not kept (a cut
+        ``RecipeInfo``), or None (the header has no recipe); ``parts``: the fingerprint's
+        components (``FingerprintParts``).
         Raises InvalidArgument, Busy (a ``.part`` of that id exists), NotFound, CapsuleIOError.
         """
         self._require_writable("save")
@@ -161,9 +170,12 @@ class CapsuleDirectory:
         if nbytes > self.max_file_bytes:
             raise InvalidArgument(f"capsule {capsule.id!r} is {nbytes} bytes: larger than "
                                   f"max_file_bytes = {self.max_file_bytes}, it could not be loaded back")
+        info = recipe.info if isinstance(recipe, Recipe) else recipe
         header = CapsuleHeader(capsule.id, capsule.label, capsule.parent_id, episode, step, stamp, nbytes,
                                capsule.fingerprint, tuple(BufferRecord.of(e) for e in schema), self.chunk_bytes,
-                               numerics=capsule.numerics, chunk=capsule.chunk)
+                               numerics=capsule.numerics, chunk=capsule.chunk, fingerprint_parts=parts,
+                               recipe=info)
+        recipe_data = recipe.to_bytes() if isinstance(recipe, Recipe) else b""
         part = path.with_name(capsule.id + PART_SUFFIX)
         with os_errors(part):
             try:
@@ -175,7 +187,8 @@ class CapsuleDirectory:
                 with os.fdopen(fd, "wb") as f:
                     os.fchmod(f.fileno(), FILE_MODE)
                     checked = (header.nbytes, header.schema)
-                    write_capsule(f, header, data, self._kek, schema_checked=checked in self._checked_schemas)
+                    write_capsule(f, header, data, self._kek, schema_checked=checked in self._checked_schemas,
+                                  recipe=recipe_data)
                     self._checked_schemas.add(checked)
                     f.flush()
                     os.fsync(f.fileno())
@@ -200,24 +213,37 @@ class CapsuleDirectory:
         path = self.path_of(capsule_id)
         header, data = read_capsule(path, kek=self._kek, max_bytes=self.max_file_bytes, follow=False,
                                     expected_fingerprint=expected_fingerprint, expected_schema=expected_schema)
-        return self._capsule_of(header, path, capsule_id), data
+        return self.capsule_of(header, path, capsule_id), data
 
     def header(self, capsule_id: str) -> CapsuleHeader:
         """The validated header of a capsule file (its chunks are not read)."""
         return read_header(self.path_of(capsule_id), max_bytes=self.max_file_bytes, follow=False)
 
+    def recipe(self, capsule_id: str, max_recipe_bytes: int) -> Tuple[CapsuleHeader, Optional[Recipe]]:
+        """A capsule file's header and its verified recipe (None: it has no regenerable one),
+        read even when its state chunks are damaged or cut off (``read_recipe``).
+        Raises NotFound, CorruptCapsule, PermissionDenied, CapsuleIOError."""
+        path = self.path_of(capsule_id)
+        header, data = read_recipe(path, kek=self._kek, max_bytes=self.max_file_bytes,
+                                   max_recipe_bytes=max_recipe_bytes, follow=False)
+        self.capsule_of(header, path, capsule_id)
+        if data is None or header.recipe is None:
+            return header, None
+        return header, Recipe.from_bytes(header.recipe, data, f"capsule file {str(path)!r}: recipe")
+
     def describe(self, capsule_id: str) -> Capsule:
         """A capsule's metadata from its file's header (payload None, path set; chunks not read)."""
         path = self.path_of(capsule_id)
-        return self._capsule_of(read_header(path, max_bytes=self.max_file_bytes, follow=False), path, capsule_id)
+        return self.capsule_of(read_header(path, max_bytes=self.max_file_bytes, follow=False), path, capsule_id)
 
     @staticmethod
-    def _capsule_of(header: CapsuleHeader, path: Path, capsule_id: str) -> Capsule:
+    def capsule_of(header: CapsuleHeader, path: Path, capsule_id: str) -> Capsule:
+        """A capsule's metadata from its file's header (CorruptCapsule when the file holds another id)."""
         if header.capsule_id != capsule_id:
             raise CorruptCapsule(f"capsule file {str(path)!r} holds capsule {header.capsule_id!r}, not {capsule_id!r}")
         return Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
                        header.nbytes, header.fingerprint, header.stamp_ns, pinned=False, payload=None,
-                       path=str(path), numerics=header.numerics, chunk=header.chunk)
+                       path=str(path), numerics=header.numerics, chunk=header.chunk, recipe=header.recipe)
 
     def remove(self, capsule_id: str) -> None:
         """Delete a capsule file (NotFound if there is none)."""

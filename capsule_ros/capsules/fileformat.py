@@ -3,21 +3,29 @@
 Layout (all integers little-endian; docs/capsule-format.md has the byte-by-byte table)::
 
     magic     8 bytes  b"CAPSULE\\0"
-    version   u16      FORMAT_VERSION
+    version   u16      FORMAT_VERSION (2; files of version 1 still load)
     flags     u16      bit 0 = encrypted; other bits must be 0
     json_len  u32      2 .. MAX_HEADER_JSON
     header    json_len bytes of canonical JSON (sorted keys, no spaces, ASCII)
     digest    32 bytes SHA-256(magic .. header): header integrity
-    chunk 0 .. chunk N-1, each followed by its tag:
-      plain:     chunk bytes, then SHA-256(digest || u64 index || u8 last || chunk)
-      encrypted: AES-GCM(data key, nonce = u64 index || 4 zero bytes,
-                         AAD = digest || u64 index || u8 last) ciphertext, then its 16-byte tag
+    the recipe section (version 2, when the header has a regenerable recipe), then the
+    state section; each is chunks 0 .. n-1, each chunk followed by its tag:
+      plain:     chunk bytes, then SHA-256(A || chunk)
+      encrypted: AES-GCM(data key, nonce = u64 index || u32 section, AAD = A) ciphertext,
+                 then its 16-byte tag
+    with A = digest || u8 section || u64 index || u8 last (version 1: digest || u64 index
+    || u8 last, one section), section 0 = the state, 1 = the recipe.
 
-Every byte of the file is covered by the header digest or a chunk tag, the index and
-last-chunk flag in each tag catch dropped, duplicated and reordered chunks, and the file
-size is exactly determined by the header (trailing bytes and truncation are refused
-before the payload is read). The header is parsed and fully validated (types, counts,
-buffer bounds, sizes) before anything of the payload's size is allocated.
+Every byte of the file is covered by the header digest or a chunk tag, the section, index
+and last-chunk flag in each tag catch dropped, duplicated, reordered chunks and chunks moved
+between sections, and the file size is exactly determined by the header (trailing bytes and
+truncation are refused before the payload is read). The header is parsed and fully
+validated (types, counts, buffer bounds, sizes) before anything of the payload's size is
+allocated.
+
+The recipe section (``capsule_ros.capsules.recipe``) comes first so that a file whose
+state chunks are damaged or cut off still yields its verified recipe (``read_recipe``):
+what the recompute fallback rebuilds the state from. Restoring a capsule skips it.
 
 Encryption: each capsule gets a random 32-byte data key, wrapped with AES-GCM by the
 key-encryption key (KEK) under a random nonce with AAD binding the capsule id and
@@ -40,12 +48,23 @@ import re
 import stat
 import struct
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 if TYPE_CHECKING:
     import torch
 
+from capsule_ros.capsules.headerfields import (
+    U64 as _U64,
+    ErrorType,
+    check_keys,
+    get_hex,
+    get_int,
+    get_str,
+    get_typed,
+    quote,
+)
 from capsule_ros.capsules.ids import check_capsule_id
+from capsule_ros.capsules.recipe import RecipeInfo
 from capsule_ros.errors import (
     CapsuleIOError,
     CapsuleRosError,
@@ -56,10 +75,14 @@ from capsule_ros.errors import (
     PermissionDenied,
 )
 from capsule_ros.runtime.chunkmark import ChunkMark
+from capsule_ros.runtime.fingerprint import FingerprintParts
 from capsule_ros.runtime.schema import ALIGNMENT, DTYPE_SIZES, BufferKind
 
 MAGIC = b"CAPSULE\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+STATE_SECTION = 0
+RECIPE_SECTION = 1
 FLAG_ENCRYPTED = 0x0001
 PREFIX = struct.Struct("<8sHHI")          # magic, version, flags, json_len: 16 bytes
 DIGEST_BYTES = 32                         # SHA-256
@@ -78,16 +101,15 @@ MIN_CHUNK_BYTES = 256
 MAX_CHUNK_BYTES = 64 << 20                # far below AESGCM's 2^31-1 bytes per call (GCM itself: 2^36-32)
 DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_PAYLOAD_BYTES = 1 << 48               # what the writer accepts; readers pass their own max_bytes
-_U64 = 1 << 64
 
 _WRAP_AAD_PREFIX = b"capsule-ros/v1/data-key\x00"
 _BUFFER_KEYS = ("name", "shape", "dtype", "kind", "offset", "nbytes")
 _OPTIONAL_KEYS = ("numerics", "chunk")    # written when set; files from before them read as ""  / None
+_V2_KEYS = ("fingerprint_parts", "recipe")     # version 2 only, each written when set
 MAX_NUMERICS_CHARS = 32
 _KINDS = frozenset(k.value for k in BufferKind)
 
 PathLike = Union[str, os.PathLike]
-ErrorType = Type[CapsuleRosError]
 
 
 # -- header ----------------------------------------------------------------------------------------
@@ -116,7 +138,7 @@ class BufferRecord:
             values = {k: entry[k] for k in _BUFFER_KEYS}
             values["shape"] = tuple(values["shape"])
         except (KeyError, TypeError) as exc:
-            raise InvalidArgument(f"schema entry {_quote(entry)}: needs keys {list(_BUFFER_KEYS)} "
+            raise InvalidArgument(f"schema entry {quote(entry)}: needs keys {list(_BUFFER_KEYS)} "
                                   f"({exc!r})") from None
         return cls(**values)
 
@@ -146,10 +168,13 @@ class CapsuleHeader:
     key_nonce: bytes = field(default=b"", repr=False)
     numerics: str = ""          # CPU numerics level it was made at (runtime/numerics.py); '' = not recorded
     chunk: Optional[ChunkMark] = None     # a chunking policy's schedule mark (key "chunk", absent otherwise)
+    fingerprint_parts: Optional[FingerprintParts] = None   # version 2: the fingerprint's components
+    recipe: Optional[RecipeInfo] = None   # version 2: how the state was made (absent: no recipe kept)
+    version: int = FORMAT_VERSION         # of the file it was read from (not a header key: the prefix's)
 
     def __post_init__(self) -> None:
         if not isinstance(self.schema, (list, tuple)):
-            raise InvalidArgument(f"schema {_quote(self.schema)}: must be a list of buffers")
+            raise InvalidArgument(f"schema {quote(self.schema)}: must be a list of buffers")
         object.__setattr__(self, "schema", tuple(BufferRecord.of(e) for e in self.schema))
 
     @property
@@ -168,6 +193,26 @@ class CapsuleHeader:
     def tag_bytes(self) -> int:
         return GCM_TAG_BYTES if self.encrypted else DIGEST_BYTES
 
+    @property
+    def recipe_bytes(self) -> int:
+        """Bytes of the recipe's binary part (0: none stored)."""
+        return self.recipe.nbytes if self.recipe is not None else 0
+
+    @property
+    def recipe_chunk_count(self) -> int:
+        return -(-self.recipe_bytes // self.chunk_bytes) if self.chunk_bytes > 0 else 0
+
+    def section(self, section: int) -> Tuple[int, int]:
+        """(bytes, chunks) of a section."""
+        if section == RECIPE_SECTION:
+            return self.recipe_bytes, self.recipe_chunk_count
+        return self.nbytes, self.chunk_count
+
+    def section_file_bytes(self, section: int) -> int:
+        """Bytes a section takes in the file (its chunks and their tags)."""
+        nbytes, chunks = self.section(section)
+        return nbytes + chunks * self.tag_bytes
+
     def schema_dicts(self) -> List[dict]:
         """The schema as ``ArenaLayout.schema()`` writes it."""
         return [b.to_json() for b in self.schema]
@@ -185,6 +230,10 @@ class CapsuleHeader:
             out["numerics"] = self.numerics
         if self.chunk is not None:
             out["chunk"] = self.chunk.to_json()
+        if self.fingerprint_parts is not None:
+            out["fingerprint_parts"] = self.fingerprint_parts.to_json()
+        if self.recipe is not None:
+            out["recipe"] = self.recipe.to_json()
         return out
 
     def file_bytes(self) -> int:
@@ -199,71 +248,30 @@ def canonical_json(obj: Mapping[str, Any]) -> bytes:
 
 
 def file_size_for(header: CapsuleHeader, json_len: int) -> int:
-    return PREFIX.size + json_len + DIGEST_BYTES + header.nbytes + header.chunk_count * header.tag_bytes
-
-
-def _quote(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _get(obj: Mapping[str, Any], key: str, kind: type, error: ErrorType, where: str) -> Any:
-    value = obj[key]
-    # bool is an int subclass: refuse it where an int is meant (and vice versa)
-    if type(value) is not kind:
-        raise error(f"{where}{key} = {_quote(value)}: must be {kind.__name__}")
-    return value
-
-
-def _get_int(obj: Mapping[str, Any], key: str, low: int, high: int, error: ErrorType, where: str = "") -> int:
-    value = _get(obj, key, int, error, where)
-    if not low <= value <= high:
-        raise error(f"{where}{key} = {_quote(value)}: must be in [{low}, {high}]")
-    return value
-
-
-def _get_str(obj: Mapping[str, Any], key: str, max_chars: int, error: ErrorType, where: str = "") -> str:
-    value = _get(obj, key, str, error, where)
-    if len(value) > max_chars:
-        raise error(f"{where}{key} = {_quote(value)}: longer than {max_chars} characters")
-    return value
-
-
-def _get_hex(obj: Mapping[str, Any], key: str, nbytes: int, error: ErrorType) -> bytes:
-    value = _get_str(obj, key, 2 * nbytes, error)
-    if len(value) != 2 * nbytes or any(c not in "0123456789abcdef" for c in value):
-        raise error(f"{key} = {_quote(value)}: must be {2 * nbytes} lowercase hex digits")
-    return bytes.fromhex(value)
-
-
-def _check_keys(obj: Any, keys: Sequence[str], error: ErrorType, where: str) -> None:
-    if not isinstance(obj, dict):
-        raise error(f"{where}{_quote(obj)}: must be a JSON object")
-    if set(obj) != set(keys):
-        missing, extra = sorted(set(keys) - set(obj)), sorted(set(obj) - set(keys))
-        raise error(f"{where}keys: missing {missing}, unexpected {[_quote(k, 40) for k in extra]}")
+    return (PREFIX.size + json_len + DIGEST_BYTES + header.section_file_bytes(RECIPE_SECTION)
+            + header.section_file_bytes(STATE_SECTION))
 
 
 def _parse_buffer(obj: Any, index: int, error: ErrorType) -> BufferRecord:
     where = f"schema[{index}]."
-    _check_keys(obj, _BUFFER_KEYS, error, where)
-    name = _get_str(obj, "name", MAX_NAME_CHARS, error, where)
+    check_keys(obj, _BUFFER_KEYS, error, where)
+    name = get_str(obj, "name", MAX_NAME_CHARS, error, where)
     if not name or not name.isprintable() or any(c in name for c in "/\\\0 "):
-        raise error(f"{where}name = {_quote(name)}: must be a plain, printable, non-empty name")
-    shape = _get(obj, "shape", list, error, where)
+        raise error(f"{where}name = {quote(name)}: must be a plain, printable, non-empty name")
+    shape = get_typed(obj, "shape", list, error, where)
     if len(shape) > MAX_DIMS or any(type(d) is not int or not 1 <= d < _U64 for d in shape):
-        raise error(f"{where}shape = {_quote(shape)}: at most {MAX_DIMS} positive integer dims")
-    dtype = _get_str(obj, "dtype", 32, error, where)
+        raise error(f"{where}shape = {quote(shape)}: at most {MAX_DIMS} positive integer dims")
+    dtype = get_str(obj, "dtype", 32, error, where)
     itemsize = DTYPE_SIZES.get(dtype)
     if itemsize is None:
-        raise error(f"{where}dtype = {_quote(dtype)}: must be one of {sorted(DTYPE_SIZES)}")
-    kind = _get_str(obj, "kind", 32, error, where)
+        raise error(f"{where}dtype = {quote(dtype)}: must be one of {sorted(DTYPE_SIZES)}")
+    kind = get_str(obj, "kind", 32, error, where)
     if kind not in _KINDS:
-        raise error(f"{where}kind = {_quote(kind)}: must be one of {sorted(_KINDS)}")
-    offset = _get_int(obj, "offset", 0, MAX_PAYLOAD_BYTES, error, where)
+        raise error(f"{where}kind = {quote(kind)}: must be one of {sorted(_KINDS)}")
+    offset = get_int(obj, "offset", 0, MAX_PAYLOAD_BYTES, error, where)
     if offset % ALIGNMENT:
         raise error(f"{where}offset = {offset}: must be a multiple of {ALIGNMENT}")
-    nbytes = _get_int(obj, "nbytes", 1, MAX_PAYLOAD_BYTES, error, where)
+    nbytes = get_int(obj, "nbytes", 1, MAX_PAYLOAD_BYTES, error, where)
     elements = 1
     for d in shape:
         elements *= d
@@ -272,61 +280,67 @@ def _parse_buffer(obj: Any, index: int, error: ErrorType) -> BufferRecord:
     return BufferRecord(name, tuple(shape), dtype, kind, offset, nbytes)
 
 
-def parse_header(obj: Any, *, encrypted: bool, max_bytes: int,
-                 error: ErrorType = CorruptCapsule) -> CapsuleHeader:
+def parse_header(obj: Any, *, encrypted: bool, max_bytes: int, error: ErrorType = CorruptCapsule,
+                 version: int = FORMAT_VERSION) -> CapsuleHeader:
     """Validate a header object completely and build the header.
 
     ``error`` is CorruptCapsule for a file being read and InvalidArgument for a header a
-    caller asks us to write: one validator for both directions.
+    caller asks us to write: one validator for both directions. ``version``: the file's
+    format version (a version 1 header has no fingerprint parts and no recipe).
     """
-    keys = [f.name for f in fields(CapsuleHeader) if f.name not in ("wrapped_key", "key_nonce", *_OPTIONAL_KEYS)]
+    optional = _OPTIONAL_KEYS + (_V2_KEYS if version >= 2 else ())
+    keys = [f.name for f in fields(CapsuleHeader)
+            if f.name not in ("wrapped_key", "key_nonce", "version", *_OPTIONAL_KEYS, *_V2_KEYS)]
     keys += ["chunk_count"] + (["wrapped_key", "key_nonce"] if encrypted else [])
-    keys += [k for k in _OPTIONAL_KEYS if isinstance(obj, dict) and k in obj]
-    _check_keys(obj, keys, error, "header ")
-    capsule_id = _get(obj, "capsule_id", str, error, "")
-    parent_id = _get(obj, "parent_id", str, error, "")
+    keys += [k for k in optional if isinstance(obj, dict) and k in obj]
+    check_keys(obj, keys, error, "header ")
+    capsule_id = get_typed(obj, "capsule_id", str, error, "")
+    parent_id = get_typed(obj, "parent_id", str, error, "")
     try:
         check_capsule_id(capsule_id)
         if parent_id:
             check_capsule_id(parent_id)
     except InvalidArgument as exc:
         raise error(str(exc)) from None
-    label = _get_str(obj, "label", MAX_LABEL_CHARS, error)
-    episode_id = _get_int(obj, "episode_id", 0, _U64 - 1, error)
-    step = _get_int(obj, "step", 0, _U64 - 1, error)
-    stamp_ns = _get_int(obj, "stamp_ns", 0, _U64 - 1, error)
-    nbytes = _get_int(obj, "nbytes", 1, max_bytes, error)
-    fingerprint = _get_str(obj, "fingerprint", 64, error)
+    label = get_str(obj, "label", MAX_LABEL_CHARS, error)
+    episode_id = get_int(obj, "episode_id", 0, _U64 - 1, error)
+    step = get_int(obj, "step", 0, _U64 - 1, error)
+    stamp_ns = get_int(obj, "stamp_ns", 0, _U64 - 1, error)
+    nbytes = get_int(obj, "nbytes", 1, max_bytes, error)
+    fingerprint = get_str(obj, "fingerprint", 64, error)
     if len(fingerprint) != 64 or any(c not in "0123456789abcdef" for c in fingerprint):
-        raise error(f"fingerprint = {_quote(fingerprint)}: must be 64 lowercase hex digits")
-    chunk_bytes = _get_int(obj, "chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES, error)
-    chunk_count = _get_int(obj, "chunk_count", 1, _U64 - 1, error)
+        raise error(f"fingerprint = {quote(fingerprint)}: must be 64 lowercase hex digits")
+    chunk_bytes = get_int(obj, "chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES, error)
+    chunk_count = get_int(obj, "chunk_count", 1, _U64 - 1, error)
     if chunk_count != -(-nbytes // chunk_bytes):
         raise error(f"chunk_count = {chunk_count}: {nbytes} bytes in chunks of {chunk_bytes} "
                     f"make {-(-nbytes // chunk_bytes)}")
-    entries = _get(obj, "schema", list, error, "")
+    entries = get_typed(obj, "schema", list, error, "")
     if len(entries) > MAX_BUFFERS:
         raise error(f"schema has {len(entries)} buffers: at most {MAX_BUFFERS}")
     schema, names, end = [], set(), 0
     for index, entry in enumerate(entries):
         record = _parse_buffer(entry, index, error)
         if record.name in names:
-            raise error(f"schema[{index}].name = {_quote(record.name)}: duplicate buffer name")
+            raise error(f"schema[{index}].name = {quote(record.name)}: duplicate buffer name")
         if record.offset < end or record.offset + record.nbytes > nbytes:
             raise error(f"schema[{index}] {record.name!r} at [{record.offset}, {record.offset + record.nbytes}): "
                         f"overlaps the previous buffer (ends at {end}) or exceeds the {nbytes}-byte arena")
         names.add(record.name)
         end = record.offset + record.nbytes
         schema.append(record)
-    salt = _get_hex(obj, "salt", SALT_BYTES, error)
-    wrapped_key = _get_hex(obj, "wrapped_key", WRAPPED_KEY_BYTES, error) if encrypted else b""
-    key_nonce = _get_hex(obj, "key_nonce", NONCE_BYTES, error) if encrypted else b""
-    numerics = _get_str(obj, "numerics", MAX_NUMERICS_CHARS, error) if "numerics" in obj else ""
+    salt = get_hex(obj, "salt", SALT_BYTES, error)
+    wrapped_key = get_hex(obj, "wrapped_key", WRAPPED_KEY_BYTES, error) if encrypted else b""
+    key_nonce = get_hex(obj, "key_nonce", NONCE_BYTES, error) if encrypted else b""
+    numerics = get_str(obj, "numerics", MAX_NUMERICS_CHARS, error) if "numerics" in obj else ""
     if "numerics" in obj and not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", numerics):
-        raise error(f"numerics = {_quote(numerics)}: must be a level name such as 'avx2' or 'native-avx512'")
+        raise error(f"numerics = {quote(numerics)}: must be a level name such as 'avx2' or 'native-avx512'")
     chunk = ChunkMark.from_json(obj["chunk"], "", error) if "chunk" in obj else None
+    parts = FingerprintParts.from_json(obj["fingerprint_parts"], error) if "fingerprint_parts" in obj else None
+    recipe = RecipeInfo.from_json(obj["recipe"], error, step=step) if "recipe" in obj else None
     return CapsuleHeader(capsule_id, label, parent_id, episode_id, step, stamp_ns, nbytes, fingerprint,
-                         tuple(schema), chunk_bytes, salt, wrapped_key, key_nonce, numerics, chunk)
+                         tuple(schema), chunk_bytes, salt, wrapped_key, key_nonce, numerics, chunk, parts, recipe,
+                         version)
 
 
 # -- keys and tags ---------------------------------------------------------------------------------
@@ -352,12 +366,17 @@ def _wrap_aad(header: CapsuleHeader) -> bytes:
     return _WRAP_AAD_PREFIX + header.capsule_id.encode() + b"\x00" + header.fingerprint.encode()
 
 
-def _chunk_aad(digest: bytes, index: int, last: bool) -> bytes:
-    return digest + struct.pack("<QB", index, 1 if last else 0)
+def _chunk_aad(digest: bytes, section: int, index: int, last: bool, version: int) -> bytes:
+    """A chunk's additional data: the header digest, its section (version 2), index and
+    last flag, so a chunk verifies only in its place in its own file."""
+    if version == 1:
+        return digest + struct.pack("<QB", index, 1 if last else 0)
+    return digest + struct.pack("<BQB", section, index, 1 if last else 0)
 
 
-def _chunk_nonce(index: int) -> bytes:
-    return struct.pack("<Q", index) + b"\x00" * (NONCE_BYTES - 8)
+def _chunk_nonce(section: int, index: int) -> bytes:
+    """u64 index || u32 section (section 0: the nonce of a version 1 file's chunk)."""
+    return struct.pack("<QI", index, section)
 
 
 def _plain_tag(aad: bytes, chunk: memoryview) -> bytes:
@@ -390,16 +409,19 @@ def _write_all(fileobj: BinaryIO, data: Union[bytes, memoryview]) -> None:
 
 
 def write_capsule(fileobj: BinaryIO, header: CapsuleHeader, payload: Any, kek: Optional[bytes], *,
-                  schema_checked: bool = False) -> None:
-    """Write one capsule to a binary file object; encrypted iff ``kek`` is given.
+                  schema_checked: bool = False, recipe: Any = b"") -> None:
+    """Write one capsule (format ``FORMAT_VERSION``) to a binary file object; encrypted iff
+    ``kek`` is given.
 
     The header is validated as strictly as a reader would (InvalidArgument otherwise), and
-    ``payload`` (bytes-like or host uint8 tensor) must hold exactly ``header.nbytes`` bytes.
+    ``payload`` (bytes-like or host uint8 tensor) must hold exactly ``header.nbytes`` bytes,
+    ``recipe`` exactly ``header.recipe.nbytes`` (the binary part of a regenerable recipe,
+    ``Recipe.to_bytes``; nothing otherwise).
     ``schema_checked``: the caller already validated this exact schema for this size (the
     capsule directory does it once per layout: it is most of the validation's cost).
     The caller owns durability (fsync, rename): see ``CapsuleDirectory.save``.
     """
-    plain = replace(header, salt=os.urandom(SALT_BYTES), wrapped_key=b"", key_nonce=b"")
+    plain = replace(header, salt=os.urandom(SALT_BYTES), wrapped_key=b"", key_nonce=b"", version=FORMAT_VERSION)
     fields_only = plain.to_json()
     if schema_checked:
         fields_only["schema"] = []
@@ -410,6 +432,10 @@ def write_capsule(fileobj: BinaryIO, header: CapsuleHeader, payload: Any, kek: O
     if len(data) != header.nbytes:
         raise InvalidArgument(f"payload of capsule {header.capsule_id!r} is {len(data)} bytes; "
                               f"its header says {header.nbytes}")
+    recipe_data = _byte_view(recipe)
+    if len(recipe_data) != header.recipe_bytes:
+        raise InvalidArgument(f"recipe of capsule {header.capsule_id!r} is {len(recipe_data)} bytes; "
+                              f"its header says {header.recipe_bytes}")
     aead = None
     if kek is not None:
         data_key, key_nonce = os.urandom(KEY_BYTES), os.urandom(NONCE_BYTES)
@@ -424,15 +450,16 @@ def write_capsule(fileobj: BinaryIO, header: CapsuleHeader, payload: Any, kek: O
     prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_ENCRYPTED if aead else 0, len(body)) + body
     digest = hashlib.sha256(prefix).digest()
     _write_all(fileobj, prefix + digest)
-    count = header.chunk_count
-    for index in range(count):
-        chunk = data[index * header.chunk_bytes:(index + 1) * header.chunk_bytes]
-        aad = _chunk_aad(digest, index, index == count - 1)
-        if aead is not None:
-            _write_all(fileobj, aead.encrypt(_chunk_nonce(index), chunk, aad))
-        else:
-            _write_all(fileobj, chunk)
-            _write_all(fileobj, _plain_tag(aad, chunk))
+    for section, section_data in ((RECIPE_SECTION, recipe_data), (STATE_SECTION, data)):
+        count = header.section(section)[1]
+        for index in range(count):
+            chunk = section_data[index * header.chunk_bytes:(index + 1) * header.chunk_bytes]
+            aad = _chunk_aad(digest, section, index, index == count - 1, FORMAT_VERSION)
+            if aead is not None:
+                _write_all(fileobj, aead.encrypt(_chunk_nonce(section, index), chunk, aad))
+            else:
+                _write_all(fileobj, chunk)
+                _write_all(fileobj, _plain_tag(aad, chunk))
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -488,8 +515,10 @@ def _read(f: io.FileIO, n: int, path: PathLike, what: str) -> bytes:
     return bytes(buf)
 
 
-def _read_header(f: io.FileIO, size: int, path: PathLike, max_bytes: int) -> Tuple[CapsuleHeader, bytes]:
-    """Read, check and validate the header; returns it and its digest."""
+def _read_header(f: io.FileIO, size: int, path: PathLike, max_bytes: int,
+                 short_state: bool = False) -> Tuple[CapsuleHeader, bytes]:
+    """Read, check and validate the header; returns it and its digest. ``short_state``:
+    accept a file cut off inside its state section (``read_recipe`` reads only the recipe)."""
     where = f"capsule file {str(path)!r}"
     if size < PREFIX.size + 2 + DIGEST_BYTES:
         raise CorruptCapsule(f"{where} is {size} bytes: too short for a capsule (truncated?)")
@@ -497,8 +526,8 @@ def _read_header(f: io.FileIO, size: int, path: PathLike, max_bytes: int) -> Tup
     magic, version, flags, json_len = PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise CorruptCapsule(f"{where}: magic {magic!r} is not {MAGIC!r}: not a capsule file")
-    if version != FORMAT_VERSION:
-        raise CorruptCapsule(f"{where}: format version {version} (this reader knows {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise CorruptCapsule(f"{where}: format version {version} (this reader knows {list(READABLE_VERSIONS)})")
     if flags & ~FLAG_ENCRYPTED:
         raise CorruptCapsule(f"{where}: unknown flags {flags:#06x}")
     if not 2 <= json_len <= MAX_HEADER_JSON:
@@ -513,25 +542,27 @@ def _read_header(f: io.FileIO, size: int, path: PathLike, max_bytes: int) -> Tup
     try:
         obj = json.loads(body.decode("ascii"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptCapsule(f"{where}: header is not valid JSON ({_quote(str(exc))})") from None
+        raise CorruptCapsule(f"{where}: header is not valid JSON ({quote(str(exc))})") from None
     try:
-        header = parse_header(obj, encrypted=bool(flags & FLAG_ENCRYPTED), max_bytes=max_bytes)
+        header = parse_header(obj, encrypted=bool(flags & FLAG_ENCRYPTED), max_bytes=max_bytes, version=version)
     except CorruptCapsule as exc:
         raise CorruptCapsule(f"{where}: {exc}") from None
     if canonical_json(header.to_json()) != body:
         raise CorruptCapsule(f"{where}: header JSON is not in canonical form")
     expected = file_size_for(header, json_len)
-    if size != expected:
+    recipe_end = PREFIX.size + json_len + DIGEST_BYTES + header.section_file_bytes(RECIPE_SECTION)
+    if size != expected and not (short_state and recipe_end <= size < expected):
         raise CorruptCapsule(f"{where} is {size} bytes; its header implies {expected} "
                              f"({'truncated' if size < expected else 'trailing bytes'})")
     return header, digest
 
 
 @contextlib.contextmanager
-def _opened(path: PathLike, max_bytes: int, follow: bool = True) -> Iterator[Tuple[io.FileIO, CapsuleHeader, bytes]]:
+def _opened(path: PathLike, max_bytes: int, follow: bool = True,
+            short_state: bool = False) -> Iterator[Tuple[io.FileIO, CapsuleHeader, bytes]]:
     f, st = _open_regular(path, "capsule file", CorruptCapsule, follow)
     with f, os_errors(path):
-        header, digest = _read_header(f, st.st_size, path, max_bytes)
+        header, digest = _read_header(f, st.st_size, path, max_bytes, short_state)
         yield f, header, digest
 
 
@@ -553,30 +584,35 @@ def _data_cipher(header: CapsuleHeader, kek: Optional[bytes], path: PathLike) ->
     return AESGCM(data_key)
 
 
-def _verified_chunks(f: io.FileIO, header: CapsuleHeader, digest: bytes, kek: Optional[bytes],
-                     path: PathLike) -> Iterator[Tuple[int, memoryview]]:
-    """Yield (payload offset, verified plaintext) per chunk, streaming with one record buffer."""
-    cipher = _data_cipher(header, kek, path)
+def _verified_chunks(f: io.FileIO, header: CapsuleHeader, digest: bytes, cipher: Optional[Any], path: PathLike,
+                     section: int = STATE_SECTION) -> Iterator[Tuple[int, memoryview]]:
+    """Yield (offset in the section, verified plaintext) per chunk of one section (the file
+    positioned at its start), streaming with one record buffer; ``cipher``: ``_data_cipher``'s."""
     invalid_tag = _aead()[1] if cipher is not None else Exception
-    tag_bytes, count = header.tag_bytes, header.chunk_count
-    record = memoryview(bytearray(min(header.chunk_bytes, header.nbytes) + tag_bytes))
+    tag_bytes = header.tag_bytes
+    nbytes, count = header.section(section)
+    name = "recipe chunk" if section == RECIPE_SECTION else "chunk"
+    record = memoryview(bytearray(min(header.chunk_bytes, nbytes) + tag_bytes))
     for index in range(count):
         start = index * header.chunk_bytes
-        n = min(header.chunk_bytes, header.nbytes - start)
+        n = min(header.chunk_bytes, nbytes - start)
         view = record[:n + tag_bytes]
-        _read_into(f, view, path, f"chunk {index}")
-        aad = _chunk_aad(digest, index, index == count - 1)
+        _read_into(f, view, path, f"{name} {index}")
+        aad = _chunk_aad(digest, section, index, index == count - 1, header.version)
         if cipher is not None:
             try:
-                plain = memoryview(cipher.decrypt(_chunk_nonce(index), view, aad))
+                plain = memoryview(cipher.decrypt(_chunk_nonce(section, index), view, aad))
             except invalid_tag:
-                raise CorruptCapsule(f"capsule file {str(path)!r}: chunk {index} of {count}: "
+                raise CorruptCapsule(f"capsule file {str(path)!r}: {name} {index} of {count}: "
                                      "wrong key or corrupted (AES-GCM tag mismatch)") from None
         else:
             plain = view[:n]
             if not hmac.compare_digest(_plain_tag(aad, plain), view[n:]):
-                raise CorruptCapsule(f"capsule file {str(path)!r}: chunk {index} of {count}: checksum mismatch")
+                raise CorruptCapsule(f"capsule file {str(path)!r}: {name} {index} of {count}: checksum mismatch")
         yield start, plain
+
+
+def _end_of_file(f: io.FileIO, path: PathLike) -> None:
     if f.read(1):
         raise CorruptCapsule(f"capsule file {str(path)!r}: trailing bytes after the last chunk")
 
@@ -622,19 +658,47 @@ def read_capsule(path: PathLike, *, kek: Optional[bytes] = None, max_bytes: int,
     """
     with _opened(path, max_bytes, follow) as (f, header, digest):
         _check_expected(header, expected_fingerprint, expected_schema)
+        cipher = _data_cipher(header, kek, path)
         out = bytearray(header.nbytes)
-        for start, plain in _verified_chunks(f, header, digest, kek, path):
+        f.seek(header.section_file_bytes(RECIPE_SECTION), io.SEEK_CUR)     # the state needs no recipe
+        for start, plain in _verified_chunks(f, header, digest, cipher, path):
             out[start:start + len(plain)] = plain
+        _end_of_file(f, path)
     import torch  # here, not at module level: `capsule-ros inspect` needs no tensors
     return header, torch.frombuffer(out, dtype=torch.uint8)
 
 
 def verify_capsule(path: PathLike, *, kek: Optional[bytes] = None, max_bytes: int) -> CapsuleHeader:
-    """Verify every byte of a capsule file, streaming (memory: one chunk); returns its header."""
+    """Verify every byte of a capsule file (its recipe too), streaming (memory: one chunk);
+    returns its header."""
     with _opened(path, max_bytes) as (f, header, digest):
-        for _ in _verified_chunks(f, header, digest, kek, path):
-            pass
+        cipher = _data_cipher(header, kek, path)
+        for section in (RECIPE_SECTION, STATE_SECTION):
+            for _ in _verified_chunks(f, header, digest, cipher, path, section):
+                pass
+        _end_of_file(f, path)
     return header
+
+
+def read_recipe(path: PathLike, *, kek: Optional[bytes] = None, max_bytes: int, max_recipe_bytes: int,
+                follow: bool = True) -> Tuple[CapsuleHeader, Optional[bytearray]]:
+    """A capsule's header and the verified binary part of its recipe (None when the file has
+    no regenerable recipe: version 1, recipes off, or cut). The state section is not read,
+    so a file whose state chunks are damaged, or cut off after its recipe, still yields its
+    recipe; a damaged header or recipe is refused as any damage is (CorruptCapsule).
+    ``max_recipe_bytes`` bounds what is allocated. Raises NotFound, CorruptCapsule,
+    PermissionDenied (encrypted, no key), CapsuleIOError."""
+    with _opened(path, max_bytes, follow, short_state=True) as (f, header, digest):
+        if header.recipe_bytes == 0:
+            return header, None
+        if header.recipe_bytes > max_recipe_bytes:
+            raise CorruptCapsule(f"capsule file {str(path)!r}: its recipe is {header.recipe_bytes} bytes, over "
+                                 f"the {max_recipe_bytes} bytes this reader accepts")
+        cipher = _data_cipher(header, kek, path)
+        out = bytearray(header.recipe_bytes)
+        for start, plain in _verified_chunks(f, header, digest, cipher, path, RECIPE_SECTION):
+            out[start:start + len(plain)] = plain
+    return header, out
 
 
 def load_kek(path: PathLike) -> bytes:
@@ -654,4 +718,4 @@ def load_kek(path: PathLike) -> bytes:
 
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "BufferRecord", "CapsuleHeader", "canonical_json", "parse_header",
-           "write_capsule", "read_capsule", "read_header", "verify_capsule", "load_kek"]
+           "write_capsule", "read_capsule", "read_header", "read_recipe", "verify_capsule", "load_kek"]

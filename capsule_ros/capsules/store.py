@@ -49,6 +49,7 @@ import torch
 
 from capsule_ros.capsules.config import CapsuleStoreConfig
 from capsule_ros.capsules.ids import check_capsule_id, new_capsule_id
+from capsule_ros.capsules.recipe import RecipeInfo
 from capsule_ros.errors import Busy, FingerprintMismatch, InvalidArgument, NotFound, ResourceExhausted
 from capsule_ros.metrics import LatencyWindow
 from capsule_ros.runtime.arena import ArenaLayout, BufferKind, StateArena
@@ -123,6 +124,8 @@ class Capsule:
     path: Optional[str] = None            # persisted copy in the capsule directory
     numerics: str = ""                    # CPU numerics level of the runtime that made it ('' = unknown)
     chunk: Optional[ChunkMark] = None     # a chunking policy's chunk state (host mirror of the bytes)
+    recipe: Optional[RecipeInfo] = None   # its file's recipe, when known (read from or written to it)
+    stale: str = ""                       # a listed file of another graph: why ('' = restorable here)
 
     @property
     def tier(self) -> Tier:

@@ -35,7 +35,9 @@ def _text(path: str, header: CapsuleHeader, reason: Optional[str]) -> str:
     rows = [("file", path), ("capsule", header.capsule_id), ("label", repr(header.label)),
             ("parent", header.parent_id or "-"), ("episode", header.episode_id), ("step", header.step),
             ("stamp_ns", header.stamp_ns), ("bytes", header.nbytes), ("fingerprint", header.fingerprint),
-            ("numerics", header.numerics or "not recorded"),
+            ("numerics", header.numerics or "not recorded"), ("format", f"version {header.version}"),
+            ("recipe", _recipe_text(header)),
+            ("regenerable", "yes" if header.recipe is not None and header.recipe.regenerable else "no"),
             ("encrypted", "yes (AES-256-GCM)" if header.encrypted else "no (SHA-256 checksums)"),
             ("chunks", f"{header.chunk_count} x {header.chunk_bytes} bytes (last {last})"),
             ("buffers", len(header.schema))]
@@ -49,12 +51,21 @@ def _text(path: str, header: CapsuleHeader, reason: Optional[str]) -> str:
     return "\n".join(lines)
 
 
+def _recipe_text(header: CapsuleHeader) -> str:
+    if header.recipe is None:
+        return "none" + (" (format version 1)" if header.version == 1 else " (saved with capsules.recipe off)")
+    return f"{header.recipe_bytes} bytes: {header.recipe.describe()}"
+
+
 def _json(path: str, header: Optional[CapsuleHeader], reason: Optional[str], error: Optional[str]) -> str:
     info = None
     if header is not None:
         info = {k: v for k, v in header.to_json().items() if k not in ("wrapped_key", "key_nonce")}
         info["encrypted"] = header.encrypted
         info["numerics"] = header.numerics
+        info["format_version"] = header.version
+        info["recipe_bytes"] = header.recipe_bytes
+        info["regenerable"] = bool(header.recipe is not None and header.recipe.regenerable)
     return json.dumps({"file": path, "valid": reason is None, "reason": reason, "error": error, "header": info},
                       indent=2, sort_keys=True)
 

@@ -1,4 +1,4 @@
-"""`capsule-ros`: the command line (demo, replay, record, inspect, export, bench).
+"""`capsule-ros`: the command line (demo, replay, record, inspect, export, check, regenerate, bench).
 
 Subcommands import what they need lazily, so `capsule-ros bench snapshot` runs on a
 machine without ROS and `--help` is instant.
@@ -38,6 +38,9 @@ DELEGATED = {
     "record": ("capsule_ros.cli.record_cmd", "record the node's topics into a rosbag2"),
     "inspect": ("capsule_ros.cli.inspect_cmd", "print and verify a capsule file"),
     "export": ("capsule_ros.cli.export_cmd", "trace a policy module into a .pt2 program (policy.kind: exported)"),
+    "check": ("capsule_ros.cli.check_cmd", "which capsules a new deployment would invalidate, and why (CI gate)"),
+    "regenerate": ("capsule_ros.cli.regenerate_cmd", "rebuild a capsule directory for a new deployment from "
+                                                     "its recipes, with a drift report"),
 }
 
 
@@ -47,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (one JSON object with --json)")
     bench.add_argument("which", choices=("snapshot", "reenter", "step", "services", "loop", "commits", "lifecycle",
-                                         "cancel", "chunking"))
+                                         "cancel", "chunking", "regenerate"))
     bench.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on a 2-core CPU")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

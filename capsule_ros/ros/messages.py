@@ -19,10 +19,15 @@ def ros_time(stamp_ns: int) -> Time:
 
 
 def capsule_info(capsule: Capsule) -> CapsuleInfo:
+    recipe = capsule.recipe
+    note = recipe.describe() if recipe is not None else "no recipe" if capsule.persisted else ""
     return CapsuleInfo(id=capsule.id, label=capsule.label, parent_id=capsule.parent_id,
                        episode_id=int(capsule.episode_id), step=int(capsule.step), bytes=int(capsule.nbytes),
                        fingerprint=capsule.fingerprint, tier=int(capsule.tier), pinned=bool(capsule.pinned),
-                       persisted=capsule.persisted, stamp=ros_time(capsule.stamp_ns))
+                       persisted=capsule.persisted, stamp=ros_time(capsule.stamp_ns),
+                       valid=not capsule.stale, invalid_cause=capsule.stale,
+                       recipe_bytes=recipe.nbytes if recipe is not None else 0,
+                       regenerable=bool(recipe is not None and recipe.regenerable), recipe_note=note)
 
 
 def _float32_array(values: Any) -> array.array:

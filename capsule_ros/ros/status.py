@@ -7,8 +7,12 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
 from capsule_ros.capsules.store import Tier
 from capsule_ros.msg import PortStatus, RuntimeStatus
+from capsule_ros.serving.invalidation import UNSPLIT
 from capsule_ros.serving.records import EpisodeState, PortPicture
 from capsule_ros.serving.session import PolicySession
+
+# The stale_<cause> fields of RuntimeStatus, one per cause an invalidation can have.
+STALE_CAUSES = ("weights", "architecture", "layout", "ports", "kernel", "build", UNSPLIT)
 
 
 def runtime_status(session: PolicySession, stamp: Any) -> RuntimeStatus:
@@ -34,6 +38,12 @@ def runtime_status(session: PolicySession, stamp: Any) -> RuntimeStatus:
         deadline_misses=s.counters.deadline_misses, step_errors=s.counters.step_errors,
         nonfinite_steps=s.counters.nonfinite_steps, last_fault=s.counters.last_fault,
         late_refills=s.counters.late_refills, ports=[port_status(p) for p in s.ports])
+    stale = s.stale
+    msg.stale_capsules, msg.stale_regenerable = stale.stale, stale.regenerable
+    for cause in STALE_CAUSES:
+        setattr(msg, f"stale_{cause}", stale.by_cause.get(cause, 0))
+    msg.regenerated, msg.regeneration_failed, msg.regeneration_left = stale.regenerated, stale.failed, stale.left
+    msg.recipes_regenerable, msg.recipe_bytes = stale.files_regenerable, stale.recipe_bytes
     executor = session.runtime.executor
     if executor is not None:
         msg.chunking, msg.inference_delay_steps = executor.schedule.mode.value, executor.schedule.delay
@@ -87,6 +97,14 @@ class DiagnosticsBuilder:
             "step_errors": status.step_errors, "nonfinite_steps": status.nonfinite_steps,
             "last_fault": status.last_fault,
         }
+        values.update(recipes_regenerable=status.recipes_regenerable, recipe_bytes=status.recipe_bytes)
+        if status.stale_capsules:
+            values["stale_capsules"] = status.stale_capsules
+            values.update({f"stale_{cause}": getattr(status, f"stale_{cause}") for cause in STALE_CAUSES
+                           if getattr(status, f"stale_{cause}")})
+            values.update(stale_regenerable=status.stale_regenerable, regenerated=status.regenerated,
+                          regeneration_failed=status.regeneration_failed,
+                          regeneration_left=status.regeneration_left)
         if status.chunking:
             values.update(chunking=status.chunking, inference_delay_steps=status.inference_delay_steps,
                           execution_horizon=status.execution_horizon, chunk_refills=status.chunk_refills,

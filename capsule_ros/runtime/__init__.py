@@ -16,6 +16,7 @@ _EXPORTS = {
     "GraphPlan": "capsule_ros.runtime.plan",
     "PolicyStepError": "capsule_ros.runtime.plan",
     "compute_fingerprint": "capsule_ros.runtime.fingerprint",
+    "FingerprintParts": "capsule_ros.runtime.fingerprint",
     "load_weights": "capsule_ros.runtime.weights",
     "save_weights": "capsule_ros.runtime.weights",
     "counter_normal": "capsule_ros.runtime.rng",

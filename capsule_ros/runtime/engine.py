@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -47,7 +47,13 @@ from capsule_ros.runtime.chunking import (
     measured_delay,
 )
 from capsule_ros.runtime.contract import check_state_contract
-from capsule_ros.runtime.fingerprint import compute_fingerprint, device_kind, weights_digest
+from capsule_ros.runtime.fingerprint import (
+    FingerprintParts,
+    compute_fingerprint,
+    device_kind,
+    fingerprint_parts,
+    weights_digest,
+)
 from capsule_ros.runtime.plan import STEP_PROGRAM, GraphPlan
 from capsule_ros.runtime.policy import ACTION, CHUNK, CHUNK_CURSOR, EPISODE, POSITION, STEP, StatefulPolicy
 from capsule_ros.runtime.streams import on_stream
@@ -122,12 +128,15 @@ def configure_torch(config: RuntimeConfig, device: torch.device) -> str:
     return numerics.recorded_level(config.numerics)
 
 
-def runtime_fingerprint(policy: StatefulPolicy, config: RuntimeConfig,
-                        inputs: Optional[Mapping[str, object]] = None) -> str:
-    """The fingerprint a PolicyRuntime of ``policy`` will have, computed without building
-    it (no arena, no device memory): the node's ``configure`` knows it before ``activate``."""
-    return compute_fingerprint(policy.architecture(), ArenaLayout(policy.state_spec()), weights_digest(policy),
-                               device_kind(config.resolve_device()), dict(inputs or {}))
+def runtime_identity(policy: StatefulPolicy, config: RuntimeConfig,
+                     inputs: Optional[Mapping[str, object]] = None) -> Tuple[str, FingerprintParts]:
+    """The fingerprint and its parts (``FingerprintParts``) a PolicyRuntime of ``policy``
+    will have, computed without building it (no arena, no device memory: the node's
+    ``configure`` knows them before ``activate``), from one pass over the weights."""
+    architecture, layout = policy.architecture(), ArenaLayout(policy.state_spec())
+    weights, kind = weights_digest(policy), device_kind(config.resolve_device())
+    return (compute_fingerprint(architecture, layout, weights, kind, dict(inputs or {})),
+            fingerprint_parts(architecture, layout, weights, kind, dict(inputs or {})))
 
 
 def release_device_memory(device: torch.device) -> None:
@@ -197,7 +206,7 @@ class PolicyRuntime:
     def __init__(self, policy: StatefulPolicy, config: RuntimeConfig = RuntimeConfig(), *,
                  inputs: Optional[Mapping[str, object]] = None, streams: Optional[StreamKeeper] = None,
                  stream_role: str = "step", policy_checked: bool = False, chunking: ChunkingOptions = ChunkingOptions(),
-                 _fingerprint: Optional[str] = None):
+                 _fingerprint: Optional[str] = None, _parts: Optional[FingerprintParts] = None):
         """``inputs``: input buffer name -> what fills it (part of the fingerprint; the
         node passes each port's binding). ``streams``: where the CUDA stream comes from
         (``StreamKeeper``; ``stream_role`` names which of its streams). Raises
@@ -231,7 +240,10 @@ class PolicyRuntime:
                               debug_checks=config.debug_checks, eager_fallback=config.graph_fallback == "eager",
                               programs=self._programs())
         self.inputs = dict(inputs or {})
-        self.fingerprint = _fingerprint or runtime_fingerprint(policy, config, self.inputs)
+        if _fingerprint is None:
+            _fingerprint, _parts = runtime_identity(policy, config, self.inputs)
+        self.fingerprint = _fingerprint
+        self._parts = _parts
         pin = self.device.type == "cuda"
         in_start, in_end = self.layout.byte_range(BufferKind.INPUT)
         self.input_staging = torch.zeros(in_end - in_start, dtype=torch.uint8, pin_memory=pin)
@@ -327,6 +339,14 @@ class PolicyRuntime:
         return seconds
 
     @property
+    def fingerprint_parts(self) -> FingerprintParts:
+        """The fingerprint's components (capsule headers carry them: ``capsule-ros check``);
+        computed on first use when the constructor was given only the fingerprint."""
+        if self._parts is None:
+            self._parts = runtime_identity(self.policy, self.config, self.inputs)[1]
+        return self._parts
+
+    @property
     def schedule(self) -> Optional[ChunkSchedule]:
         """The chunk schedule (None for a policy without a cadence)."""
         return self.executor.schedule if self.executor is not None else None
@@ -368,6 +388,11 @@ class PolicyRuntime:
         with on_stream(self.stream):
             self._input_region.copy_(source, non_blocking=True)
         return True
+
+    def reads_inputs(self) -> bool:
+        """Whether the next step reads its inputs (a chunking policy's consume step reads
+        none, and ``load_inputs`` then uploads none): a replay needs a row exactly then."""
+        return self.executor is None or self.executor.reads_inputs()
 
     def load_state(self, data: torch.Tensor) -> None:
         """Overwrite the whole arena with ``data`` (uint8, the arena's size), ordered on the
@@ -483,8 +508,9 @@ class PolicyRuntime:
         release_device_memory(self.device)
 
     # -- replica -------------------------------------------------------------------------------
-    def replica(self) -> PolicyRuntime:
-        """A second live runtime over the same weights with its own arena and graphs.
+    def replica(self, role: str = "replica") -> PolicyRuntime:
+        """A second live runtime over the same weights with its own arena and graphs (and,
+        on CUDA, the stream of ``role``).
 
         Both share the fingerprint, so capsules move freely between them; they never share
         state, so the two branches cannot affect each other.
@@ -494,6 +520,6 @@ class PolicyRuntime:
         if schedule is not None:       # the same schedule, planned inline: a replica replays, it does not race
             chunking = ChunkingOptions(schedule.mode.value, schedule.delay or None, schedule.horizon, worker="inline")
         return PolicyRuntime(self.policy, self.config, inputs=self.inputs, streams=self._streams,
-                             stream_role="replica", policy_checked=True, chunking=chunking,
-                             _fingerprint=self.fingerprint)
+                             stream_role=role, policy_checked=True, chunking=chunking,
+                             _fingerprint=self.fingerprint, _parts=self._parts)
 

@@ -17,6 +17,8 @@ from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.store import Capsule, CapsuleStore
 from capsule_ros.errors import CapsuleIOError, CapsuleRosError, NotFound
 from capsule_ros.serving.files import CapsuleReader, CapsuleSaver, SaveJob, Source
+from capsule_ros.serving.invalidation import judge
+from capsule_ros.serving.recipes import RecipeChain, resolve_chain
 from capsule_ros.serving.recompute import Recompute
 
 
@@ -30,7 +32,8 @@ class CapsuleSet:
         self.directory = directory
         self.recompute = recompute
         self.reader = CapsuleReader(store, directory, schema)
-        self.saver = CapsuleSaver(directory, store, schema, between_steps) if directory is not None else None
+        self.saver = (CapsuleSaver(directory, store, schema, between_steps, recompute,
+                                   recompute.runtime.fingerprint_parts) if directory is not None else None)
 
     def require_saver(self) -> CapsuleSaver:
         """The saver; CapsuleIOError when no capsule directory is configured."""
@@ -41,15 +44,29 @@ class CapsuleSet:
     # -- outside the boundary ----------------------------------------------------------------------
     def with_files(self, in_memory: Sequence[Capsule], episode: Optional[int] = None) -> List[Capsule]:
         """``in_memory`` (the store's listing, taken under the boundary) plus the capsule
-        directory's disk-only capsules, newest first (of ``episode``)."""
+        directory's disk-only capsules, newest first (of ``episode``); a file of another
+        fingerprint is listed too, with why it is not restorable (``Capsule.stale``)."""
         capsules = {c.id: c for c in in_memory}
         if self.directory is not None:
+            parts = self.recompute.runtime.fingerprint_parts
             for capsule_id in self.directory.ids():
                 if capsule_id not in capsules:
                     with contextlib.suppress(CapsuleRosError):
-                        capsules[capsule_id] = self.directory.describe(capsule_id)
+                        header = self.directory.header(capsule_id)
+                        capsule = self.directory.capsule_of(header, self.directory.path_of(capsule_id), capsule_id)
+                        verdict = judge(header, self.store.fingerprint, parts, self.reader.schema)
+                        capsule.stale = "" if verdict.valid else verdict.describe()
+                        capsules[capsule_id] = capsule
         out = sorted(capsules.values(), key=lambda c: c.stamp_ns, reverse=True)
         return [c for c in out if c.episode_id == episode] if episode is not None else out
+
+    def recipe_chain(self, capsule_id: str) -> Optional[RecipeChain]:
+        """The capsule file's recipe, followed back to a state this runtime can have
+        (``resolve_chain``); None without a capsule directory."""
+        if self.directory is None:
+            return None
+        return resolve_chain(self.directory, capsule_id, self.store.fingerprint, self.reader.schema,
+                             self.directory.max_file_bytes, self.reader.in_memory)
 
     def has_file(self, capsule_id: str) -> bool:
         return self.directory is not None and self.directory.exists(capsule_id)

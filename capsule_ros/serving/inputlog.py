@@ -1,7 +1,10 @@
-"""The episode input log: what the recompute fallback replays.
+"""The episode input log: what the recompute fallback replays, and what a saved
+capsule's recipe is cut from.
 
 Each step's staged inputs (the whole input region, a few bytes to a few KB) are copied
-into a preallocated ring of ``capacity`` rows, so logging never allocates. Entry ``i``
+into a preallocated ring of ``capacity`` rows, so logging never allocates; beside each row,
+whether the step read its inputs at all (a chunking policy's consume steps read none: no
+row is copied for them) and the action it produced (for a recipe's actions). Entry ``i``
 holds the inputs of the step taken from state step ``base_step + i`` of the current
 episode's timeline. A rollback truncates the log at the restored step; the log remembers
 every truncation so it can tell whether a capsule's prefix is still the logged one.
@@ -16,9 +19,11 @@ import numpy as np
 class InputLog:
     """Inputs of the current episode's timeline, from its root state onwards."""
 
-    def __init__(self, capacity: int, row_bytes: int):
+    def __init__(self, capacity: int, row_bytes: int, action_dim: int = 0):
         self.capacity = capacity
         self._rows = np.zeros((capacity, row_bytes), dtype=np.uint8)
+        self._reads = np.zeros(capacity, dtype=bool)
+        self._actions = np.zeros((capacity, action_dim), dtype=np.float32)
         self.episode_id = -1
         self.base_step = 0
         self.length = 0
@@ -33,15 +38,18 @@ class InputLog:
         self._start_generation = self.generation
         self._cuts.clear()
 
-    def append(self, step: int, row: Optional[np.ndarray]) -> None:
-        """Log the inputs of the step taken from state ``step`` (must be the next one).
-        ``row`` None: the step read no inputs (a chunking policy's consume step), so there
-        is nothing to copy; a replay of the same schedule skips them too."""
+    def append(self, step: int, row: Optional[np.ndarray], action: Optional[np.ndarray] = None) -> None:
+        """Log the inputs of the step taken from state ``step`` (must be the next one) and
+        the action it produced (None: it produced none, NaN is kept). ``row`` None: the step
+        read no inputs (a chunking policy's consume step), so there is nothing to copy; a
+        replay of the same schedule skips them too."""
         if self.length >= self.capacity or step != self.base_step + self.length:
             self.length = self.capacity + 1 if self.length >= self.capacity else self.length
             return   # the log no longer covers the timeline beyond this point
         if row is not None:
             self._rows[self.length] = row
+        self._reads[self.length] = row is not None
+        self._actions[self.length] = np.nan if action is None else action
         self.length += 1
 
     def truncate(self, step: int) -> None:
@@ -73,6 +81,21 @@ class InputLog:
                 return f"a rollback to step {cut} replaced the inputs that led to step {step}"
         return None
 
+    def rewritten_below(self, step: int, generation: int) -> bool:
+        """Whether rows before state ``step`` may have been written again since ``generation``
+        (a new timeline, or a rollback below ``step``): a reader that copied them outside
+        the session's boundary asks this after its copy."""
+        return self._start_generation > generation or any(gen > generation and cut < step for gen, cut in self._cuts)
+
     def rows(self, upto_step: int) -> np.ndarray:
-        """Logged inputs from the root up to (not including) state ``upto_step``."""
+        """Logged inputs from the root up to (not including) state ``upto_step`` (a view;
+        rows of steps that read none are stale)."""
         return self._rows[:upto_step - self.base_step]
+
+    def reads(self, upto_step: int) -> np.ndarray:
+        """Whether each step from the root up to state ``upto_step`` read its inputs (a view)."""
+        return self._reads[:upto_step - self.base_step]
+
+    def actions(self, upto_step: int) -> np.ndarray:
+        """The action of each step from the root up to state ``upto_step`` (a view)."""
+        return self._actions[:upto_step - self.base_step]

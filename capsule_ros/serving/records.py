@@ -7,7 +7,7 @@ matching ``capsule_ros`` messages and services (test_foundation checks they agre
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -160,6 +160,24 @@ class PortPicture:
 
 
 @dataclass(frozen=True)
+class StalePicture:
+    """Capsule files of another fingerprint in the session's directory (counted at
+    configure, by cause: a capsule counts under every component that differs; "unsplit":
+    a format version 1 file, whose cause is not recorded), the progress of their
+    background regeneration (``capsules.regenerate_stale``), and the directory's recipes
+    (counted at configure, kept current by the session's own saves and drops)."""
+
+    stale: int = 0
+    by_cause: Dict[str, int] = field(default_factory=dict)
+    regenerable: int = 0
+    regenerated: int = 0
+    failed: int = 0
+    left: int = 0
+    files_regenerable: int = 0         # capsule files (any fingerprint) whose recipe can rebuild them
+    recipe_bytes: int = 0              # their recipes' bytes on disk
+
+
+@dataclass(frozen=True)
 class SessionStatus:
     """A consistent picture of the session, taken at a step boundary (``PolicySession.status``)."""
 
@@ -179,6 +197,7 @@ class SessionStatus:
     demotions: int
     stamp_ns: int = 0
     ports: Tuple[PortPicture, ...] = ()
+    stale: StalePicture = field(default_factory=StalePicture)
 
     @classmethod
     def of(cls, session: Any) -> SessionStatus:
@@ -193,4 +212,5 @@ class SessionStatus:
                    hits={int(t): n for t, n in c.hits.items()},
                    restores=c.restores, misses=c.misses, invalidations=c.invalidations, evictions=c.evictions,
                    demotions=c.demotions, stamp_ns=now,
-                   ports=tuple(PortPicture.of(adapter, now) for adapter in session.ports.values()))
+                   ports=tuple(PortPicture.of(adapter, now) for adapter in session.ports.values()),
+                   stale=session.files.picture() if session.files is not None else StalePicture())

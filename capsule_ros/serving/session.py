@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -74,6 +74,9 @@ from capsule_ros.serving.records import (
 )
 from capsule_ros.serving.stepping import GuardedStep
 
+if TYPE_CHECKING:
+    from capsule_ros.serving.regenerate import CapsuleFiles
+
 LOG = logging.getLogger(__name__)
 MAX_LABEL = 256
 # Errors of a capsule that cannot be restored from its bytes: re-entering it tries the fallback.
@@ -95,7 +98,8 @@ class PolicySession:
     def __init__(self, runtime: PolicyRuntime, store: CapsuleStore, control: ControlConfig, *,
                  directory: Optional[CapsuleDirectory] = None, ports: Optional[Mapping[str, PortConfig]] = None,
                  prefix: Sequence[int] = (), on_event: Optional[Callable[[EventRecord], None]] = None,
-                 clock_ns: Callable[[], int] = time.time_ns, enforce_deadline: bool = True):
+                 clock_ns: Callable[[], int] = time.time_ns, enforce_deadline: bool = True,
+                 files: Optional[CapsuleFiles] = None):
         self.runtime = runtime
         self.store = store
         self.control = control
@@ -115,13 +119,14 @@ class PolicySession:
         self.notices = Notices(LOG)
         self.boundary = Boundary(control.service_timeout_ms / 1e3)
         self.inputs = SensorInputs(runtime.staging, dict(ports or {}))
-        self.recompute = Recompute(runtime, store, control.input_log_steps, control.input_log_max_mb)
+        self.recompute = Recompute(runtime, store, control.input_log_steps, control.input_log_max_mb, self.prefix)
         self.stepper = GuardedStep(runtime, self.inputs, self.counters, self.recompute.log_step)
         self.capsules = CapsuleSet(store, directory, runtime.layout.schema(), self.recompute,
                                    between_steps=self.stepper.idle)
         self._next_episode = 1
         self._last_applied = np.zeros(runtime.policy.action_dim, dtype=np.float32)
         self._status: Optional[SessionStatus] = None
+        self.files = files                         # the directory's picture: stale files, recipes
         store.on_evict = self._on_evict
 
     # -- inputs ------------------------------------------------------------------------------------
@@ -181,8 +186,10 @@ class PolicySession:
             self.stepper.rehearse(self.step)
 
     def close(self) -> None:
-        """Stop the watchdog thread."""
+        """Stop the watchdog thread and a background regeneration (after its capsule in progress)."""
         self.stepper.close()
+        if self.files is not None:
+            self.files.close()
 
     def release(self, timeout_s: float = 30.0) -> None:
         """Close, then free the runtime, its replica and the capsule store at a boundary (the
@@ -329,9 +336,10 @@ class PolicySession:
     def reenter(self, capsule_id: str = "", *, only: Sequence[BufferKind] = ()) -> ReenterResult:
         """Restore a capsule and resume ("" = the interrupt capsule, or the untouched live
         state after an interrupt without one). A capsule that cannot be restored is rebuilt
-        by the recompute fallback when the input log covers it (on a replica, outside the
-        boundary: the control loop keeps stepping meanwhile). Raises the capsule's own error
-        (with the reason there is no fallback), WrongState, ResourceExhausted, Busy.
+        by the recompute fallback when the input log covers it, or else from its file's
+        recipe under this fingerprint (on a replica, outside the boundary: the control loop
+        keeps stepping meanwhile). Raises the capsule's own error (with the reasons there is
+        no fallback), WrongState, ResourceExhausted, Busy.
 
         ``only`` (an ablation, ``capsule-ros replay --ablation``): restore just these buffer
         kinds of the capsule and keep the rest of the live state."""
@@ -348,9 +356,11 @@ class PolicySession:
                 return self._resume(capsule, "", seconds, 0.0)
         except UNRESTORABLE as exc:
             cause = exc
-        # the recompute fallback: plan under the boundary, replay outside it, adopt under it again
+        # the recompute fallback: the file's recipe read outside the boundary when the input log
+        # cannot rebuild it, plan under the boundary, replay outside it, adopt under it again
+        chain = None if self.recompute.knows(capsule_id) else self.capsules.recipe_chain(capsule_id)
         with self.boundary.held():
-            plan = self.recompute.plan(capsule_id, cause)      # re-raises ``cause`` when the log cannot
+            plan = self.recompute.plan(capsule_id, cause, chain)   # re-raises ``cause`` when neither can
         try:
             seconds = self.recompute.rebuild(plan)
         except BaseException:
@@ -398,6 +408,8 @@ class PolicySession:
             if self.state == EpisodeState.INTERRUPTED and capsule_id == self.interrupt_capsule_id:
                 raise WrongState(f"capsule {capsule_id!r} is the interrupt capsule: re-enter or reset first")
             capsule = self.capsules.drop(capsule_id, from_disk, has_file)
+            if from_disk and self.files is not None:
+                self.files.removed(capsule_id)
             self._emit(EventKind.DROP, capsule, capsule_id=capsule_id,
                        detail="memory and disk" if from_disk else "memory")
         if from_disk:
@@ -454,6 +466,8 @@ class PolicySession:
         with self.boundary.blocking():
             saver.end(job)
             job.capsule.path = str(path)
+            if self.files is not None:
+                self.files.saved(job.capsule.id, job.written)
             self._emit(EventKind.SAVE, job.capsule, detail=job.capsule.path)
         return job.capsule
 

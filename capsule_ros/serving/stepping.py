@@ -52,7 +52,7 @@ class GuardedStep:
     serialises calls (the session's boundary lock)."""
 
     def __init__(self, runtime: PolicyRuntime, inputs: SensorInputs, counters: SessionCounters,
-                 log_step: Callable[[int, Optional[np.ndarray]], None]):
+                 log_step: Callable[[int, Optional[np.ndarray], Optional[np.ndarray]], None]):
         self.runtime = runtime
         self.inputs = inputs
         self.counters = counters
@@ -80,7 +80,7 @@ class GuardedStep:
         host buffers, no first launch of the captured graph, the weights back in the CPU
         caches, the interpreter's specialised code for the Python in between."""
         saved = self.runtime.arena.storage.clone()
-        rehearsal = GuardedStep(self.runtime, self.inputs, SessionCounters(), lambda step, row: None)
+        rehearsal = GuardedStep(self.runtime, self.inputs, SessionCounters(), lambda step, row, action: None)
         try:
             for _ in range(runs):
                 rehearsal.run(from_step, None)
@@ -117,7 +117,8 @@ class GuardedStep:
                 self.counters.last_fault = f"{type(exc).__name__}: {exc}"
                 LOG.debug("step failed", exc_info=True)
             if fault == StepFault.NONE or not self.runtime.guarded:
-                self.log_step(from_step, self.runtime.input_staging.numpy() if uploaded else None)
+                self.log_step(from_step, self.runtime.input_staging.numpy() if uploaded else None,
+                              out.action if out is not None else None)
         seconds = time.perf_counter() - start
         overran = watchdog.disarm() if watchdog is not None else False
         self.latency.record(seconds)
