@@ -25,8 +25,9 @@ def test_lockstep_sim_and_policy_node_drive_each_other(tmp_path, rclpy_context):
     from sensor_msgs.msg import JointState
 
     from capsule_ros.msg import Action
-    policy = start_policy_node(tmp_path, {"policy": {"weights": ""}, "ports": {"joints": {"qos": "reliable"}}},
-                               namespace="/lock")
+    # no step deadline: a loaded machine must not turn the steps this test follows into held safe actions
+    policy = start_policy_node(tmp_path, {"policy": {"weights": ""}, "ports": {"joints": {"qos": "reliable"}},
+                                          "control": {"deadline_ms": 0.0}}, namespace="/lock")
     sim = start_sim(tmp_path, "/lock")
     client = ClientNode(rclpy_context, "sim_lockstep_client", node_path="/lock/capsule_policy")
     try:
