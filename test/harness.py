@@ -212,3 +212,73 @@ class Driver:
 
     def run(self, observations, expect_action: bool = True) -> list:
         return [self.step(o, expect_action=expect_action) for o in observations]
+
+
+def write_sensor_bag(path: Path, messages: Sequence[tuple], storage: str = "mcap") -> Path:
+    """A rosbag2 bag of sensor messages, ``(topic, message type, rclpy message, log time
+    ns)`` each (times increasing), as a robot or simulator would have recorded them."""
+    from rclpy.serialization import serialize_message
+
+    from capsule_ros.bag.recorder import BagWriter
+    from capsule_ros.bag.typestore import build_typestore
+    with BagWriter(path, storage, build_typestore()) as writer:
+        for topic, msgtype, msg, log_time in messages:
+            writer.write(topic, msgtype, serialize_message(msg), log_time)
+    return path
+
+
+class ClockedBagPlayer:
+    """Plays a rosbag2 bag as ``ros2 bag play --clock --loop`` does (``ros2 bag`` is not in
+    the ROS 2 wheels): every message at its log time, as recorded (raw CDR) on its topic,
+    with ``/clock`` set to that log time just before it, at the recorded pace, loop after
+    loop, so that the simulated clock jumps back to the bag's start at every new loop."""
+
+    def __init__(self, client: ClientNode, bag: Path, topic_prefix: str = ""):
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
+        from rosbags.rosbag2 import Reader
+        from rosgraph_msgs.msg import Clock
+
+        from capsule_ros.ros.node import message_class
+        self.client, self.Clock = client, Clock
+        with Reader(bag) as reader:
+            self.entries = [(conn.topic, time, bytes(data)) for conn, time, data in reader.messages()]
+            types = {conn.topic: conn.msgtype for conn in reader.connections}
+        reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+        self.publishers = {topic: client.publisher(message_class(msgtype), topic_prefix + topic, reliable)
+                           for topic, msgtype in types.items()}
+        self.clock = client.publisher(Clock, "/clock", reliable)
+        self.start_ns, self.end_ns = self.entries[0][1], self.entries[-1][1]
+
+    def wait_for_node(self, status_queue: queue.Queue, timeout: float = 60.0) -> None:
+        """Until the node's clock shows the bag's start: ``/clock`` at the start, again and
+        again, until a ``~/status`` (stamped with the node's clock) says so."""
+        for publisher in [self.clock, *self.publishers.values()]:
+            self.client.wait_for_subscribers(publisher)
+
+        def node_at_start() -> bool:
+            self.publish_clock(self.start_ns)
+            return any(_stamp_ns(s.header.stamp) >= self.start_ns for s in ClientNode.drain(status_queue))
+        wait_for(node_at_start, timeout=timeout, interval=0.1, what="the node's clock at the bag's start")
+
+    def publish_clock(self, time_ns: int) -> None:
+        msg = self.Clock()
+        msg.clock.sec, msg.clock.nanosec = divmod(int(time_ns), 1_000_000_000)
+        self.clock.publish(msg)
+
+    def play(self, loops: int, topics_after_first_loop: Optional[Sequence[str]] = None) -> None:
+        """``loops`` times through the bag; from the second loop on only ``topics_after_first_loop``
+        (None: all of them), as if the other sensors had stopped."""
+        for loop in range(loops):
+            began = time.monotonic()
+            for topic, time_ns, data in self.entries:
+                if loop and topics_after_first_loop is not None and topic not in topics_after_first_loop:
+                    continue
+                pause = began + (time_ns - self.start_ns) / 1e9 - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)                   # the bag's own pace, not a wait for anything
+                self.publish_clock(time_ns)
+                self.publishers[topic].publish(data)
+
+
+def _stamp_ns(stamp: Any) -> int:
+    return int(stamp.sec) * 1_000_000_000 + int(stamp.nanosec)

@@ -53,6 +53,8 @@ from typing import Any, Callable, Dict, List, Optional
 from diagnostic_msgs.msg import DiagnosticArray
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.clock import Clock, ClockType, JumpThreshold, TimeJump
+from rclpy.duration import Duration
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 
 from capsule_ros.config import flatten, unflatten
@@ -73,11 +75,21 @@ from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
 from capsule_ros.serving.factory import PreparedServing, prepare_serving, start_session
 from capsule_ros.serving.outputs import OutputAdapter
 from capsule_ros.serving.process import settle_after_start, unsettle
-from capsule_ros.serving.records import ActionRecord, EpisodeState, EventKind, EventRecord, HoldMode
+from capsule_ros.serving.records import (
+    ActionRecord,
+    EpisodeState,
+    EventKind,
+    EventRecord,
+    HoldMode,
+    clock_jump_delta,
+)
 from capsule_ros.serving.session import PolicySession
 
 LOG = logging.getLogger(__name__)
 TRANSITION_BOUNDARY_S = 5.0     # how long deactivate / cleanup wait for a service to leave the session
+# jumps of the node's clock the session hears of: any jump back (a looping bag's /clock), and
+# a change of clock (use_sim_time set or cleared); forward jumps need nothing (ages just grow)
+CLOCK_JUMPS = JumpThreshold(min_forward=None, min_backward=Duration(nanoseconds=-1), on_clock_change=True)
 
 
 def message_class(type_name: str) -> Any:
@@ -122,6 +134,9 @@ class PolicyNode(LifecycleNode):
         self._port_subscriptions: Dict[str, Any] = {}
         self._control_timer: Any = None
         self._status_timer: Any = None
+        self._steady_clock = Clock(clock_type=ClockType.STEADY_TIME)   # status: also while a sim clock pauses
+        self._clock_jump_handle: Any = None        # the session's jump callback on the node's clock
+        self._clock_before_jump_ns = 0
         self._diagnostics = DiagnosticsBuilder(self.get_fully_qualified_name())
         self._log_bridge = RosLogBridge.install(self.get_logger())
         self.add_on_set_parameters_callback(self._on_set_parameters)
@@ -213,7 +228,9 @@ class PolicyNode(LifecycleNode):
             self.session, self._prepared = session, None
             self.facade.session = session
             self._status_timer = self.create_timer(1.0 / config.control.status_rate_hz, self._publish_status,
-                                                   callback_group=self._status_group)
+                                                   callback_group=self._status_group, clock=self._steady_clock)
+            self._clock_jump_handle = self.get_clock().create_jump_callback(
+                CLOCK_JUMPS, pre_callback=self._before_clock_jump, post_callback=self._after_clock_jump)
             if config.record.enabled:
                 self.recording.start(config, session.runtime.fingerprint)
         elif self._resume_on_activate:
@@ -245,6 +262,7 @@ class PolicyNode(LifecycleNode):
 
     def _cleanup(self) -> None:
         self._stop_stepping()
+        self._unwatch_clock()
         self.facade.active, self.facade.lifecycle_state = False, "unconfigured"
         self._resume_on_activate = False
         if self.recording.active:
@@ -272,6 +290,28 @@ class PolicyNode(LifecycleNode):
         for subscription in self._port_subscriptions.values():
             self.destroy_subscription(subscription)
         self._port_subscriptions = {}
+
+    # -- the clock --------------------------------------------------------------------------------
+    def _before_clock_jump(self) -> None:
+        self._clock_before_jump_ns = self.get_clock().now().nanoseconds
+
+    def _after_clock_jump(self, jump: TimeJump) -> None:
+        """The node's clock jumped back or changed (on the executor's thread, between
+        messages: its /clock subscription): the session's ports follow it
+        (``PolicySession.clock_jumped``). The jump is measured here: a change of clock
+        reports none."""
+        session = self.session
+        if session is None:
+            return
+        try:
+            session.clock_jumped(self.get_clock().now().nanoseconds - self._clock_before_jump_ns)
+        except CapsuleRosError as exc:          # released meanwhile: nothing to follow the clock
+            self.get_logger().warning(f"clock jump not applied: {exc}")
+
+    def _unwatch_clock(self) -> None:
+        if self._clock_jump_handle is not None:
+            self._clock_jump_handle.unregister()
+            self._clock_jump_handle = None
 
     # -- control loop ----------------------------------------------------------------------------
     def _configure_loop(self, control: ControlConfig) -> None:
@@ -304,8 +344,9 @@ class PolicyNode(LifecycleNode):
         if session is None or not self.facade.active:
             return
         topic = self._port_subscriptions[name].topic_name
+        now = session.observe_clock(self.get_clock().now().nanoseconds)   # a jump it finds goes first in a bag
         self.recording.received(topic, msgtype, msg)
-        fed = session.feed(name, msg, self.get_clock().now().nanoseconds)
+        fed = session.feed(name, msg, now)
         if fed.accepted:
             self.recording.accepted(name, topic, msgtype, msg)
         if fed.stepped:
@@ -336,8 +377,11 @@ class PolicyNode(LifecycleNode):
     def _on_event(self, event: EventRecord) -> None:
         """A capsule event (emitted under the session's boundary): published and recorded;
         an INTERRUPT also publishes the hold mode's safe action, whoever interrupted (a
-        service, a RunPolicy run ending, deactivate)."""
+        service, a RunPolicy run ending, deactivate); a CLOCK_JUMP moves the recording's
+        log times on across the jump."""
         msg = event_message(event, self.get_clock().now().nanoseconds)
+        if event.kind == EventKind.CLOCK_JUMP:
+            self.recording.clock_jumped(clock_jump_delta(event.detail))   # its log time goes on across it
         self.event_pub.publish(msg)
         self.recording.published(self.event_pub.topic_name, msg)
         session = self.session
@@ -403,6 +447,7 @@ class PolicyNode(LifecycleNode):
         then any recording, and the log bridge. After this no thread of the node publishes,
         so none can hit a destroyed publisher or context."""
         self.facade.active = False
+        self._unwatch_clock()
         self._service_threads.shutdown()
         if self.run_policy is not None:
             self.run_policy.close()

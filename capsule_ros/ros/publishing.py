@@ -28,7 +28,12 @@ from capsule_ros.serving.records import ActionRecord, RecordResult
 class NodeRecording:
     """The node's recording: a ``capsule_ros.bag.recorder.NodeRecorder`` while one runs,
     and the last accepted message of every port, which a new recording writes first (the
-    inputs the next step will use)."""
+    inputs the next step will use).
+
+    Log times are the node's clock, plus the jumps it made since the recording began
+    (``clock_jumped``): a simulated clock that loops back 10 s would otherwise squeeze the
+    next 10 s of messages into nanoseconds (log times must increase). A replay takes the
+    jumps back out where the bag's CLOCK_JUMP events say, and sees the node's clock."""
 
     def __init__(self, node: Node, action_topic: str, event_topic: str):
         self._clock = node.get_clock()
@@ -36,6 +41,7 @@ class NodeRecording:
         self.action_topic, self.event_topic = action_topic, event_topic
         self.recorder: Any = None                                     # a NodeRecorder while recording
         self._last_inputs: Dict[str, Tuple[str, str, Any]] = {}       # port -> (topic, type, message)
+        self._jumped_ns = 0                                           # minus the clock's jumps while recording
 
     @property
     def active(self) -> bool:
@@ -47,6 +53,7 @@ class NodeRecording:
         from capsule_ros.bag.recorder import NodeRecorder
         if self.recorder is not None:
             self.stop()
+        self._jumped_ns = 0
         self.recorder = NodeRecorder.start(path, config.record.directory, storage or config.record.storage, config,
                                            self.action_topic, self.event_topic, fingerprint=fingerprint,
                                            initial_inputs=len(self._last_inputs), serialize=serialize_message)
@@ -76,7 +83,11 @@ class NodeRecording:
         """A message the node published (an action, a capsule event)."""
         recorder = self.recorder
         if recorder is not None:
-            recorder.write_message(topic, msg, self._clock.now().nanoseconds)
+            recorder.write_message(topic, msg, self._log_time())
+
+    def clock_jumped(self, delta_ns: int) -> None:
+        """The node's clock jumped by ``delta_ns``: later log times go on from where they were."""
+        self._jumped_ns -= delta_ns
 
     def forget_inputs(self) -> None:
         """Lifecycle cleanup: the ports go, and their last values with them."""
@@ -84,7 +95,11 @@ class NodeRecording:
 
     def _write_input(self, topic: str, msgtype: str, msg: Any) -> None:
         """CDR serialisation is deterministic, so these are the bytes as received."""
-        self.recorder.write_raw(topic, msgtype, serialize_message(msg), self._clock.now().nanoseconds)
+        self.recorder.write_raw(topic, msgtype, serialize_message(msg), self._log_time())
+
+
+    def _log_time(self) -> int:
+        return self._clock.now().nanoseconds + self._jumped_ns
 
 
 class ActionOutput:

@@ -71,6 +71,7 @@ from capsule_ros.serving.records import (
     SessionCounters,
     SessionStatus,
     StepFault,
+    clock_jump_detail,
 )
 from capsule_ros.serving.stepping import GuardedStep
 
@@ -122,6 +123,7 @@ class PolicySession:
         self._next_episode = 1
         self._last_applied = np.zeros(runtime.policy.action_dim, dtype=np.float32)
         self._status: Optional[SessionStatus] = None
+        self._clock_seen_ns: Optional[int] = None       # the clock when feed / tick last read it
         store.on_evict = self._on_evict
 
     # -- inputs ------------------------------------------------------------------------------------
@@ -133,8 +135,8 @@ class PolicySession:
         """A sensor message for ``port``: checked (against ``now_ns``, default the session's
         clock, for future stamps), converted and staged. Raises PortDrop (counted)."""
         tolerance = self.control.future_tolerance_ms
-        return self.inputs.receive(port, msg, self.clock_ns() if now_ns is None else now_ns,
-                                   int(tolerance * 1e6) if tolerance > 0 else None)
+        now = self.observe_clock(self.clock_ns() if now_ns is None else now_ns)
+        return self.inputs.receive(port, msg, now, int(tolerance * 1e6) if tolerance > 0 else None)
 
     def feed(self, port: str, msg: Any, now_ns: Optional[int] = None, *, stage_only: bool = False,
              late: bool = False) -> Fed:
@@ -151,6 +153,32 @@ class PolicySession:
         if stage_only or control.mode != "trigger" or port != control.trigger_port:
             return Fed(True, None, False, None)
         return Fed(True, None, True, self.tick(stamp_ns(msg), late=late))
+
+    def observe_clock(self, now_ns: int) -> int:
+        """The session's clock as the control loop reads it (``receive``, ``tick``): a time
+        earlier than the last one read is a jump back (``clock_jumped``), for clocks that
+        report none (a wall clock stepped back). Returns ``now_ns``."""
+        seen, self._clock_seen_ns = self._clock_seen_ns, now_ns
+        if seen is not None and now_ns < seen:
+            self.clock_jumped(now_ns - seen)
+        return now_ns
+
+    def clock_jumped(self, delta_ns: int) -> None:
+        """The session's clock jumped by ``delta_ns`` (negative: back), as a simulated clock
+        does at every loop of ``ros2 bag play --clock --loop``: the ports forget their stamp
+        ordering and their ages go on across the jump (``SensorInputs.clock_jumped``), so
+        the sensors' new stamps are taken and staleness still applies; the jump is counted,
+        warned about and published as a CLOCK_JUMP event (a replay re-enacts it there). The
+        node calls it from its clock's jump callback; ``observe_clock`` for other clocks.
+        At a boundary, waiting as long as it takes (like a tick)."""
+        with self.boundary.blocking():
+            self.inputs.clock_jumped(delta_ns)
+            self._clock_seen_ns = self.clock_ns()
+            self.counters.clock_jumps += 1
+            self.counters.last_clock_jump_ns = delta_ns
+            self.notices.warn("clock", f"the clock jumped {delta_ns / 1e9:+.3f} s (a looping bag's /clock? a "
+                                       "simulator reset?): the ports' stamp ordering starts over")
+            self._emit(EventKind.CLOCK_JUMP, None, detail=clock_jump_detail(delta_ns))
 
     def write_input(self, name: str, values: np.ndarray) -> None:
         """Stage values for an input directly (no port checks: tests and tools)."""
@@ -201,7 +229,7 @@ class PolicySession:
         deadline miss, e.g. a replay re-enacting one); INTERRUPTED: the hold mode's safe
         action (None when silent); IDLE or inputs missing: None. After a policy action,
         ports older than their ``staleness_ms`` count a stale step."""
-        now = self.clock_ns()
+        now = self.observe_clock(self.clock_ns())
         stamp_ns = now if stamp_ns is None else stamp_ns
         with self.boundary.blocking():
             if self.state == EpisodeState.INTERRUPTED:
