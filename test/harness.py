@@ -142,6 +142,49 @@ def restore_node(client: ClientNode, params: Mapping[str, Any]) -> None:
             client.capsules.drop(capsule.id)
 
 
+class GoalRunner:
+    """An ActionClient of a policy node's ~/run_policy with blocking helpers (the client node spins elsewhere)."""
+
+    def __init__(self, client: ClientNode, node_path: str):
+        from rclpy.action import ActionClient
+
+        from capsule_ros.action import RunPolicy
+        self.RunPolicy = RunPolicy
+        self.action = ActionClient(client.node, RunPolicy, f"{node_path}/run_policy")
+        assert self.action.wait_for_server(timeout_sec=60)
+        self.feedback: queue.Queue = queue.Queue()
+
+    def send(self, goal_id: bytes = b"", **goal):
+        """Send a goal; its ClientGoalHandle (``accepted`` says whether it was)."""
+        from unique_identifier_msgs.msg import UUID
+        kwargs = {"goal_uuid": UUID(uuid=list(goal_id))} if goal_id else {}
+        future = self.action.send_goal_async(self.RunPolicy.Goal(**goal),
+                                             feedback_callback=lambda m: self.feedback.put(m.feedback), **kwargs)
+        wait_for(future.done, timeout=30, what="the goal response")
+        return future.result()
+
+    @staticmethod
+    def result(handle, timeout=30.0):
+        future = handle.get_result_async()
+        wait_for(future.done, timeout=timeout, what="the result")
+        return future.result()
+
+    def collect_feedback(self, count: int, timeout: float = 30.0):
+        """The next ``count`` feedback messages and when each arrived (monotonic seconds)."""
+        messages, arrived = [], []
+        deadline = time.monotonic() + timeout
+        while len(messages) < count:
+            messages.append(self.feedback.get(timeout=max(deadline - time.monotonic(), 0.01)))
+            arrived.append(time.monotonic())
+        return messages, arrived
+
+    @staticmethod
+    def cancel(handle):
+        future = handle.cancel_goal_async()
+        wait_for(future.done, timeout=30, what="the cancel response")
+        return future.result()
+
+
 class Driver:
     """Feeds a trigger-mode node one joint-state message at a time, like a robot, and
     collects what it publishes (actions, status, capsule events)."""

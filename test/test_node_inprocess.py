@@ -117,3 +117,101 @@ def test_run_time_parameters_go_through_the_sessions_reconfigure(make_node):
     assert not read_only.successful and session.ports["goal"].config.dtype == "float32"
     assert node.set_parameters([Parameter("control.mode", value="timer")])[0].successful
     assert session.control.mode == "timer" and node.config.control.mode == "timer"
+
+
+def active_node(make_node, **params):
+    node = make_node(**params)
+    node.start()
+    assert node.trigger_configure() == make_node.SUCCESS and node.trigger_activate() == make_node.SUCCESS
+    return node
+
+
+def in_thread(work, results: dict, name: str):
+    import threading
+    thread = threading.Thread(target=lambda: results.__setitem__(name, work()), name=name)
+    thread.start()
+    return thread
+
+
+def test_a_verb_that_reaches_the_boundary_after_deactivate_is_refused_and_activate_resumes(make_node):
+    """The interleaving that broke activate, made deterministic by the boundary's FIFO order:
+    a re-entry of a persisted capsule passed the node's "active" check before deactivate and
+    reached the boundary after deactivate's interrupt (it had to read the capsule's file
+    again: a drop queued ahead of it took the capsule out of memory). It used to re-enter
+    and answer success, and every activate after it failed ("reenter without a capsule id
+    needs an interrupt capsule (episode is RUNNING)") until cleanup."""
+    import threading
+
+    from capsule_ros.polling import wait_until
+    node = active_node(make_node)
+    session = node.session
+    capsule = answer(node, "commit", label="C", persist=True).capsule.id
+    boundary, results, release, holding = session.boundary, {}, threading.Event(), threading.Event()
+
+    def a_step_in_progress():
+        with boundary.blocking():
+            holding.set()
+            release.wait(30)
+    threads = [threading.Thread(target=a_step_in_progress)]
+    threads[0].start()
+    assert holding.wait(30)
+    for name, work in (("drop", lambda: answer(node, "drop", capsule_id=capsule)),
+                       ("reenter", lambda: answer(node, "reenter", capsule_id=capsule)),
+                       ("deactivate", node.trigger_deactivate)):
+        queued = boundary.queued
+        threads.append(in_thread(work, results, name))
+        wait_until(lambda q=queued: boundary.queued > q, 30, f"{name} waiting at the boundary")
+    release.set()
+    for thread in threads:
+        thread.join(30)
+
+    assert results["deactivate"] == make_node.SUCCESS
+    for verb in ("drop", "reenter"):                      # reached the boundary after deactivate
+        assert results[verb].error_code == ErrorCode.WRONG_STATE and "inactive" in results[verb].message, \
+            results[verb]
+    interrupted_at = session.interrupt_capsule.id
+    assert node.trigger_activate() == make_node.SUCCESS, node.transition_error
+    assert session.state == EpisodeState.RUNNING and session.lineage == interrupted_at
+    assert answer(node, "reenter", capsule_id=capsule).success          # served again
+
+
+def test_deactivate_and_activate_racing_capsule_verbs_always_leave_a_node_that_activates(make_node):
+    """Seeded stress: hundreds of lifecycle round trips, each racing one capsule verb from a
+    service thread (a re-entry read from disk, resets from the initial state and from a
+    capsule, interrupt, commit), started 0-3 ms apart in either order."""
+    import random
+    import time
+    node = active_node(make_node)
+    session = node.session
+    persisted = answer(node, "commit", label="C", persist=True).capsule.id
+    verbs = {"reenter C from disk": lambda: answer(node, "reenter", capsule_id=persisted),
+             "reset": lambda: answer(node, "reset"),
+             "reset C": lambda: answer(node, "reset", capsule_id=persisted),
+             "interrupt": lambda: answer(node, "interrupt", hold_mode=0, commit=True),
+             "commit": lambda: answer(node, "commit", label="racing")}
+    rng = random.Random(22)
+    answered = {name: {"served": 0, "refused": 0} for name in verbs}
+    for trial in range(300):
+        if persisted in session.store:
+            assert answer(node, "drop", capsule_id=persisted).success       # memory only: its file stays
+        name = rng.choice(sorted(verbs))
+        offset_s, verb_first = rng.uniform(0.0, 0.003), rng.random() < 0.5
+        results: dict = {}
+        if verb_first:
+            thread = in_thread(verbs[name], results, name)
+            time.sleep(offset_s)                          # a jittered start, not a wait for anything
+            deactivated = node.trigger_deactivate()
+        else:
+            thread = in_thread(lambda: (time.sleep(offset_s), verbs[name]())[1], results, name)
+            deactivated = node.trigger_deactivate()
+        thread.join(30)
+        activated = node.trigger_activate()
+        context = f"trial {trial}: {name} ({'first' if verb_first else 'second'}, {offset_s * 1e3:.1f} ms)"
+        assert deactivated == make_node.SUCCESS and activated == make_node.SUCCESS, (context, node.transition_error)
+        response = results[name]
+        assert response.success or response.error_code == ErrorCode.WRONG_STATE, (context, response.message)
+        answered[name]["served" if response.success else "refused"] += 1
+        if session.state == EpisodeState.INTERRUPTED:    # the racing interrupt won: resume for the next trial
+            assert answer(node, "reenter").success, context
+    assert answer(node, "commit", label="after the storm").success
+    assert all(counts["served"] and counts["refused"] for counts in answered.values()), answered   # both sides won

@@ -16,8 +16,9 @@ activate at start-up so one command serves):
 - activate: the runtime on its device (arena, capture, warm-up: the first active step is
   not a cold one), capsule pools, then subscriptions and stepping. After a deactivate it
   resumes the interrupted episode from the capsule the deactivate committed.
-- deactivate: stepping stops at a boundary; a running episode is interrupted (safe action
-  published, boundary capsule committed); the state is kept.
+- deactivate: the capsule verbs are refused at the session's boundary (also a request
+  that passed the "active" check just before), a running episode is interrupted there
+  (safe action published, boundary capsule committed), stepping stops; the state is kept.
 - cleanup: the runtime and the capsule pools are released (on CUDA the memory goes back
   to the driver); capsule files stay.
 - shutdown: deactivate and cleanup as needed.
@@ -77,7 +78,6 @@ from capsule_ros.serving.outputs import OutputAdapter
 from capsule_ros.serving.process import settle_after_start, unsettle
 from capsule_ros.serving.records import (
     ActionRecord,
-    EpisodeState,
     EventKind,
     EventRecord,
     HoldMode,
@@ -112,7 +112,6 @@ class PolicyNode(LifecycleNode):
         self.session: Optional[PolicySession] = None
         self.transition_error: Optional[BaseException] = None     # why the last transition failed
         self._prepared: Optional[PreparedServing] = None
-        self._resume_on_activate = False
         self._settled = False
         self._streams = StreamKeeper()             # one CUDA stream across activations (StreamKeeper says why)
         self._raise_transition_errors = False
@@ -233,9 +232,8 @@ class PolicyNode(LifecycleNode):
                 CLOCK_JUMPS, pre_callback=self._before_clock_jump, post_callback=self._after_clock_jump)
             if config.record.enabled:
                 self.recording.start(config, session.runtime.fingerprint)
-        elif self._resume_on_activate:
-            self.session.reenter("")
-        self._resume_on_activate = False
+        else:                   # after a deactivate: its interrupted episode resumes, the verbs are served
+            self.session.resume_serving(TRANSITION_BOUNDARY_S)
         if not self._settled:
             settle_after_start()                       # no multi-ms garbage collections during the loop
             self._settled = True
@@ -249,22 +247,26 @@ class PolicyNode(LifecycleNode):
             f" {config.control.mode} mode, episode {session.episode_id} {session.state.name}")
 
     def _deactivate(self) -> None:
+        """The verbs are refused at the session's boundary first (also those on their way
+        there), then a running episode is interrupted there (its INTERRUPT event publishes
+        the safe action): whatever a service was doing, activate can resume. Stepping stops
+        (no step runs meanwhile: transitions run on the executor's thread)."""
         session, config = self.session, self.config
         assert session is not None and config is not None
+        hold = HoldMode.HOLD_ZERO if config.control.deadline_action == "zero" else HoldMode.HOLD_LAST
+        capsule = session.suspend_serving(self.facade.refusal("inactive"), hold, timeout_s=TRANSITION_BOUNDARY_S)
         self.facade.active, self.facade.lifecycle_state = False, "inactive"
         self._stop_stepping()
-        if session.state == EpisodeState.RUNNING:
-            hold = HoldMode.HOLD_ZERO if config.control.deadline_action == "zero" else HoldMode.HOLD_LAST
-            capsule = session.interrupt(hold, True, timeout_s=TRANSITION_BOUNDARY_S)   # publishes its safe action
-            self._resume_on_activate = True
-            self.get_logger().info(f"deactivated at step {session.step}: boundary capsule "
-                                   f"{capsule.id if capsule else '(none)'}; activate resumes from it")
+        if self.run_policy is not None:
+            self.run_policy.node_deactivated(capsule)
+        if capsule is not None:
+            self.get_logger().info(f"deactivated at step {session.step}: boundary capsule {capsule.id}; "
+                                   "activate resumes from it")
 
     def _cleanup(self) -> None:
         self._stop_stepping()
         self._unwatch_clock()
         self.facade.active, self.facade.lifecycle_state = False, "unconfigured"
-        self._resume_on_activate = False
         if self.recording.active:
             self.recording.stop()
         self.recording.forget_inputs()

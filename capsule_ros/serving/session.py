@@ -19,8 +19,9 @@ so a replay that drives it counts exactly what the node counts.
 
 Concurrency: the session owns its step boundary (``capsule_ros.serving.boundary``) and
 this module shows every use of it: ``self.boundary.blocking()`` for a tick (one step),
-``self.boundary.held()`` for a verb (BUSY after ``control.service_timeout_ms``),
-``self.boundary.unless_busy()`` for status. The parts it composes (the capsule set and
+``self.boundary.held()`` for a verb (BUSY after ``control.service_timeout_ms``; WRONG_STATE
+while the node is inactive: ``suspend_serving``), ``self.boundary.lifecycle()`` for the
+node's lifecycle and parameters, ``self.boundary.unless_busy()`` for status. The parts it composes (the capsule set and
 its files, the recompute fallback, the guarded step) never take the boundary and never
 call back into the session: they return plans and results, and each says whether it
 runs under the boundary or outside it. File I/O (reading, writing, removing capsule
@@ -124,6 +125,7 @@ class PolicySession:
         self._last_applied = np.zeros(runtime.policy.action_dim, dtype=np.float32)
         self._status: Optional[SessionStatus] = None
         self._clock_seen_ns: Optional[int] = None       # the clock when feed / tick last read it
+        self._resume_when_served = False                # suspend_serving interrupted the episode
         store.on_evict = self._on_evict
 
     # -- inputs ------------------------------------------------------------------------------------
@@ -217,7 +219,7 @@ class PolicySession:
         node's lifecycle ``cleanup``): device memory goes back to the driver and the session
         cannot run again (its boundary answers WRONG_STATE from now on). Capsule files stay."""
         self.close()
-        with self.boundary.held(timeout_s):
+        with self.boundary.lifecycle(timeout_s):
             self.state = EpisodeState.IDLE
             self.recompute.close()
             self.store.close()
@@ -280,7 +282,7 @@ class PolicySession:
                 raise InvalidArgument(f"ports.{name}: its message type, fields, shape and dtype are fixed at start-up")
         if control.mode == "trigger" and control.trigger_port not in self.ports:
             raise InvalidArgument(f"control.trigger_port = {control.trigger_port!r}: not a port")
-        with self.boundary.held():
+        with self.boundary.lifecycle():          # also while the verbs are suspended (an inactive node)
             self.control = control
             self.boundary.timeout_s = control.service_timeout_ms / 1e3
             for name, port in ports.items():
@@ -339,20 +341,49 @@ class PolicySession:
         re-entered or replaced). Raises InvalidArgument (hold mode), WrongState (not
         RUNNING), ResourceExhausted (commit without room) and Busy (no boundary within
         ``timeout_s``, default control.service_timeout_ms)."""
-        try:
-            mode = HoldMode(hold_mode)
-        except ValueError:
-            raise InvalidArgument(f"hold_mode {hold_mode!r}: must be one of {[m.value for m in HoldMode]}") from None
+        mode = _hold_mode(hold_mode)
         with self.boundary.held(timeout_s):
             self._require(EpisodeState.RUNNING, verb="interrupt")
-            capsule = self._snapshot("interrupt", held=True) if commit else None
-            self._release_interrupt_capsule()
-            if capsule is not None:
-                self.interrupt_capsule_id = self.lineage = capsule.id
-            self.hold_mode = mode
-            self.state = EpisodeState.INTERRUPTED
-            self._emit(EventKind.INTERRUPT, capsule, detail=mode.name)
-            return capsule
+            return self._interrupt(mode, commit)
+
+    def suspend_serving(self, reason: str, hold_mode: int = HoldMode.HOLD_LAST, *,
+                        timeout_s: Optional[float] = None) -> Optional[Capsule]:
+        """Stop serving the verbs (the node's lifecycle deactivate): from now on each verb
+        answers WrongState(``reason``), also one already waiting for the boundary; at the
+        next boundary a RUNNING episode is interrupted with ``hold_mode`` (the boundary
+        capsule committed, the INTERRUPT event and its safe action), which
+        ``resume_serving`` re-enters. The verbs are refused before the boundary is taken,
+        so none can change the state between this interrupt and the resume. Returns the
+        interrupt capsule (None when no episode was running). Busy when no boundary comes
+        within ``timeout_s`` (ResourceExhausted: no room for the capsule): the verbs are
+        served again and nothing changed."""
+        mode = _hold_mode(hold_mode)
+        self.boundary.suspend(reason)
+        try:
+            with self.boundary.lifecycle(timeout_s):
+                self._resume_when_served = self.state == EpisodeState.RUNNING
+                return self._interrupt(mode, True) if self._resume_when_served else None
+        except BaseException:
+            self.boundary.resume()
+            raise
+
+    def resume_serving(self, timeout_s: Optional[float] = None) -> Optional[ReenterResult]:
+        """Serve the verbs again (the node's lifecycle activate), at one boundary: the
+        episode ``suspend_serving`` interrupted resumes from its interrupt capsule (bit for
+        bit), then the verbs are served. Busy when no boundary comes within ``timeout_s``:
+        still suspended, nothing changed."""
+        with self.boundary.lifecycle(timeout_s):
+            result = None
+            if self._resume_when_served and self.state == EpisodeState.INTERRUPTED:
+                result = self._resume_interrupted()
+            self._resume_when_served = False
+            self.boundary.resume()
+            return result
+
+    @property
+    def suspended(self) -> str:
+        """Why the verbs are refused (``suspend_serving``); "" while they are served."""
+        return self.boundary.suspended
 
     def reenter(self, capsule_id: str = "", *, only: Sequence[BufferKind] = ()) -> ReenterResult:
         """Restore a capsule and resume ("" = the interrupt capsule, or the untouched live
@@ -381,15 +412,17 @@ class PolicySession:
             plan = self.recompute.plan(capsule_id, cause)      # re-raises ``cause`` when the log cannot
         try:
             seconds = self.recompute.rebuild(plan)
+            with self.boundary.held():                         # Busy, or suspended meanwhile: WrongState
+                capsule = self.recompute.adopt(capsule_id, plan, cause, seconds)
+                self.counters.fallback_recomputes += 1
+                self.store.restore(capsule.id, self.runtime)
+                return self._resume(capsule, str(cause), 0.0, seconds)
         except BaseException:
-            with self.boundary.blocking():                     # its room must go back, whatever the wait
+            # its room must go back, whatever the wait (a no-op once adopted); after a
+            # release (lifecycle cleanup) the store is gone with it
+            with contextlib.suppress(WrongState), self.boundary.blocking():
                 self.recompute.unreserve(plan)
             raise
-        with self.boundary.held():
-            capsule = self.recompute.adopt(capsule_id, plan, cause, seconds)
-            self.counters.fallback_recomputes += 1
-            self.store.restore(capsule.id, self.runtime)
-            return self._resume(capsule, str(cause), 0.0, seconds)
 
     def fork(self, capsule_id: str = "", label: str = "") -> Capsule:
         """A new capsule id with the same state ("" = the live state at this boundary).
@@ -506,6 +539,17 @@ class PolicySession:
         if self.state not in states:
             raise WrongState(f"cannot {verb} while {self.state.name} (allowed in "
                              f"{' / '.join(s.name for s in states)})")
+
+    def _interrupt(self, mode: HoldMode, commit: bool) -> Optional[Capsule]:
+        """Stop acting at this boundary (RUNNING), with the boundary capsule if ``commit``."""
+        capsule = self._snapshot("interrupt", held=True) if commit else None
+        self._release_interrupt_capsule()
+        if capsule is not None:
+            self.interrupt_capsule_id = self.lineage = capsule.id
+        self.hold_mode = mode
+        self.state = EpisodeState.INTERRUPTED
+        self._emit(EventKind.INTERRUPT, capsule, detail=mode.name)
+        return capsule
 
     def _snapshot(self, label: str, pinned: bool = False, held: bool = False) -> Capsule:
         capsule = self.store.snapshot(self.runtime, label=label, parent_id=self.lineage,
@@ -626,6 +670,13 @@ class PolicySession:
             self.on_event(event)
         except Exception:
             LOG.exception("capsule event observer failed")
+
+
+def _hold_mode(value: int) -> HoldMode:
+    try:
+        return HoldMode(value)
+    except ValueError:
+        raise InvalidArgument(f"hold_mode {value!r}: must be one of {[m.value for m in HoldMode]}") from None
 
 
 def _check_label(label: str) -> None:
