@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from rclpy.node import Node
 from rclpy.serialization import serialize_message
@@ -21,7 +21,7 @@ from capsule_ros.msg import Action
 from capsule_ros.ros.messages import action_message
 from capsule_ros.ros.outputs import OutputPublisher
 from capsule_ros.serving.config import ServingConfig
-from capsule_ros.serving.outputs import OutputAdapter
+from capsule_ros.serving.outputs import OutputAdapter, OutputConfig
 from capsule_ros.serving.records import ActionRecord, RecordResult
 
 
@@ -126,11 +126,13 @@ class ActionOutput:
             self._node.destroy_publisher(output.publisher)
         self.outputs = []
 
-    def set_time_steps(self, time_steps: List[float]) -> None:
-        """New trajectory point spacing, one per output (a run-time parameter change)."""
+    def retune(self, configs: Mapping[str, OutputConfig], time_steps: Mapping[str, float]) -> None:
+        """Run-time settings of the outputs and their point spacing, by output name (a
+        parameter change; ``capsule_ros.serving.outputs.point_spacing`` checked them)."""
         with self._lock:
-            for output, time_step in zip(self.outputs, time_steps, strict=True):
-                output.adapter.time_step_s = time_step
+            for output in self.outputs:
+                name = output.adapter.name
+                output.adapter.retune(configs[name], time_steps[name])
 
     def publish(self, record: ActionRecord, frame_id: str, action_dim: int) -> None:
         """``record`` on ~/action and every output, and into the recording."""

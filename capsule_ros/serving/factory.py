@@ -13,11 +13,12 @@ from capsule_ros.capsules.store import CapsuleStore
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.registry import BuildContext, policy_kind
 from capsule_ros.runtime import numerics
-from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
+from capsule_ros.runtime.arena import ArenaLayout, BufferKind, BufferSpec, dtype_from_name
 from capsule_ros.runtime.chunking import ChunkSchedule, resolve_delay
 from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, StreamKeeper, runtime_fingerprint
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.config import ControlConfig, ServingConfig
+from capsule_ros.serving.recompute import check_log_size
 from capsule_ros.serving.records import EventRecord
 from capsule_ros.serving.session import PolicySession
 
@@ -114,11 +115,16 @@ class PreparedServing:
 
 def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, node_name: str = "capsule_policy",
                     directory: Optional[CapsuleDirectory] = None) -> PreparedServing:
-    """Build the policy on the CPU (weights read and checked), compute the fingerprint and
-    open the capsule directory (which moves unfinished saves aside); ``directory``: use
-    this one instead of opening ``capsules.directory`` (a replay's read-only directory)."""
+    """Build the policy on the CPU (weights read and checked), check what needs the policy
+    (the chunk schedule, the reset prefix, the input log's size), compute the fingerprint
+    and open the capsule directory (which moves unfinished saves aside); ``directory``: use
+    this one instead of opening ``capsules.directory`` (a replay's read-only directory).
+    A bad value raises ConfigError here, before any device memory is used."""
     policy = build_policy(config, weights)
     check_chunking(policy, config)
+    policy.check_prefix(config.policy.prefix)
+    in_start, in_end = ArenaLayout(policy.state_spec()).byte_range(BufferKind.INPUT)   # one step's inputs
+    check_log_size(config.control.input_log_steps, in_end - in_start, config.control.input_log_max_mb)
     fingerprint = runtime_fingerprint(policy, config.runtime, port_bindings(config))
     if directory is None and config.capsules.directory:
         directory = CapsuleDirectory(capsule_directory_path(config.capsules.directory, node_name),
