@@ -5,7 +5,8 @@ services onto it, and ``capsule-ros replay`` and the demo drive it directly. Pol
 mechanism: the runtime and the store provide verbs (step, snapshot, restore, fork); the
 session decides when to use them. Its verbs are the ones of ``capsule_ros.serving.verbs``
 (commit, reset, interrupt, reenter, fork, list, drop, save, load), plus ``feed`` / ``tick``
-for the control loop and ``reconfigure`` for run-time settings.
+for the control loop, ``clock_jumped`` when its clock jumps, ``reconfigure`` for run-time
+settings, and ``suspend_serving`` / ``resume_serving`` for the node's lifecycle.
 
 Episode states: IDLE (no episode), RUNNING (each tick steps the policy), INTERRUPTED
 (each tick hands out the safe action; the state waits at its boundary).
