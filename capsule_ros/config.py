@@ -2,9 +2,18 @@
 bad value and the allowed range.
 
 Each field is declared with :func:`setting`, which records its documentation, range,
-choices and whether it is read-only (shapes and dtypes: they define the graph and the
-capsule fingerprint). The same metadata validates YAML / dict input here and becomes the
-ROS parameter descriptors in ``capsule_ros.ros.params``, so the two can never disagree.
+choices and when a change takes effect on a running node (``applies``):
+
+- ``live``: at once, also while the node is active (the control loop reads it at every
+  step, or the node applies it when it is set);
+- ``configure``: at the node's next lifecycle configure (it shapes what configure and
+  activate build: the input log, the RNG seed, the reset prefix...); refused while the
+  node is configured, with that reason;
+- ``start``: read-only, set at start-up only (shapes and dtypes: they define the graph and
+  the capsule fingerprint). ``read_only=True`` says the same.
+
+The same metadata validates YAML / dict input here and becomes the ROS parameter
+descriptors in ``capsule_ros.ros.params``, so the two can never disagree.
 
 The YAML files are ROS 2 parameter files (``<node>: ros__parameters: {...}``) so that the
 same ``config/policy.yaml`` serves ``--params-file`` and the ROS-free core.
@@ -29,12 +38,25 @@ ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
 NAME_PATTERN = r"[A-Za-z][A-Za-z0-9_]{0,63}"
 
 
+LIVE, CONFIGURE, START = "live", "configure", "start"
+# what each ``applies`` means for a node, as its parameter descriptors and the reference say it
+APPLIES: Mapping[str, str] = {
+    LIVE: "takes effect at once, also while the node is active",
+    CONFIGURE: "takes effect at the next lifecycle configure: refused while the node is configured (set it "
+               "after cleanup)",
+    START: "read-only: set at start-up (parameter file, launch arguments, --ros-args -p)",
+}
+
+
 def setting(default: Any, doc: str, *, low: Optional[float] = None, high: Optional[float] = None,
             choices: Optional[Sequence[Any]] = None, pattern: Optional[str] = None,
-            read_only: bool = False) -> Any:
-    """A validated configuration field (see module docstring)."""
+            applies: str = LIVE, read_only: bool = False) -> Any:
+    """A validated configuration field (see module docstring; ``read_only`` = ``applies="start"``)."""
+    applies = START if read_only else applies
+    if applies not in APPLIES:
+        raise ValueError(f"applies={applies!r}: one of {sorted(APPLIES)}")
     meta = {"doc": doc, "low": low, "high": high, "choices": tuple(choices) if choices else None,
-            "pattern": pattern, "read_only": read_only}
+            "pattern": pattern, "applies": applies, "read_only": applies == START}
     if isinstance(default, (list, tuple)):
         return field(default_factory=lambda: tuple(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -147,6 +169,12 @@ class ConfigSection:
     def normalize(cls, values: dict) -> dict:
         """Rewrite accepted spellings to the canonical one before validation (override)."""
         return values
+
+    def with_live_settings(self: T, new: T) -> T:
+        """This section with ``new``'s values of the settings that apply live (the others
+        keep the values they started with: e.g. an ``auto`` delay fixed at activate)."""
+        return dataclasses.replace(self, **{f.name: getattr(new, f.name) for f in self.settings()
+                                            if f.metadata["applies"] == LIVE})
 
     def to_mapping(self) -> dict:
         out = {}

@@ -164,6 +164,49 @@ def restore_node(client: ClientNode, params: Mapping[str, Any]) -> None:
             client.capsules.drop(capsule.id)
 
 
+class GoalRunner:
+    """An ActionClient of a policy node's ~/run_policy with blocking helpers (the client node spins elsewhere)."""
+
+    def __init__(self, client: ClientNode, node_path: str):
+        from rclpy.action import ActionClient
+
+        from capsule_ros.action import RunPolicy
+        self.RunPolicy = RunPolicy
+        self.action = ActionClient(client.node, RunPolicy, f"{node_path}/run_policy")
+        assert self.action.wait_for_server(timeout_sec=60)
+        self.feedback: queue.Queue = queue.Queue()
+
+    def send(self, goal_id: bytes = b"", **goal):
+        """Send a goal; its ClientGoalHandle (``accepted`` says whether it was)."""
+        from unique_identifier_msgs.msg import UUID
+        kwargs = {"goal_uuid": UUID(uuid=list(goal_id))} if goal_id else {}
+        future = self.action.send_goal_async(self.RunPolicy.Goal(**goal),
+                                             feedback_callback=lambda m: self.feedback.put(m.feedback), **kwargs)
+        wait_for(future.done, timeout=30, what="the goal response")
+        return future.result()
+
+    @staticmethod
+    def result(handle, timeout=30.0):
+        future = handle.get_result_async()
+        wait_for(future.done, timeout=timeout, what="the result")
+        return future.result()
+
+    def collect_feedback(self, count: int, timeout: float = 30.0):
+        """The next ``count`` feedback messages and when each arrived (monotonic seconds)."""
+        messages, arrived = [], []
+        deadline = time.monotonic() + timeout
+        while len(messages) < count:
+            messages.append(self.feedback.get(timeout=max(deadline - time.monotonic(), 0.01)))
+            arrived.append(time.monotonic())
+        return messages, arrived
+
+    @staticmethod
+    def cancel(handle):
+        future = handle.cancel_goal_async()
+        wait_for(future.done, timeout=30, what="the cancel response")
+        return future.result()
+
+
 class Driver:
     """Feeds a trigger-mode node one joint-state message at a time, like a robot, and
     collects what it publishes (actions, status, capsule events)."""
@@ -298,3 +341,73 @@ class FixtureDriver:
 
     def run(self, steps: range, episode: int = 0) -> list:
         return [self.step(episode, t) for t in steps]
+
+
+def write_sensor_bag(path: Path, messages: Sequence[tuple], storage: str = "mcap") -> Path:
+    """A rosbag2 bag of sensor messages, ``(topic, message type, rclpy message, log time
+    ns)`` each (times increasing), as a robot or simulator would have recorded them."""
+    from rclpy.serialization import serialize_message
+
+    from capsule_ros.bag.recorder import BagWriter
+    from capsule_ros.bag.typestore import build_typestore
+    with BagWriter(path, storage, build_typestore()) as writer:
+        for topic, msgtype, msg, log_time in messages:
+            writer.write(topic, msgtype, serialize_message(msg), log_time)
+    return path
+
+
+class ClockedBagPlayer:
+    """Plays a rosbag2 bag as ``ros2 bag play --clock --loop`` does (``ros2 bag`` is not in
+    the ROS 2 wheels): every message at its log time, as recorded (raw CDR) on its topic,
+    with ``/clock`` set to that log time just before it, at the recorded pace, loop after
+    loop, so that the simulated clock jumps back to the bag's start at every new loop."""
+
+    def __init__(self, client: ClientNode, bag: Path, topic_prefix: str = ""):
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
+        from rosbags.rosbag2 import Reader
+        from rosgraph_msgs.msg import Clock
+
+        from capsule_ros.ros.node import message_class
+        self.client, self.Clock = client, Clock
+        with Reader(bag) as reader:
+            self.entries = [(conn.topic, time, bytes(data)) for conn, time, data in reader.messages()]
+            types = {conn.topic: conn.msgtype for conn in reader.connections}
+        reliable = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+        self.publishers = {topic: client.publisher(message_class(msgtype), topic_prefix + topic, reliable)
+                           for topic, msgtype in types.items()}
+        self.clock = client.publisher(Clock, "/clock", reliable)
+        self.start_ns, self.end_ns = self.entries[0][1], self.entries[-1][1]
+
+    def wait_for_node(self, status_queue: queue.Queue, timeout: float = 60.0) -> None:
+        """Until the node's clock shows the bag's start: ``/clock`` at the start, again and
+        again, until a ``~/status`` (stamped with the node's clock) says so."""
+        for publisher in [self.clock, *self.publishers.values()]:
+            self.client.wait_for_subscribers(publisher)
+
+        def node_at_start() -> bool:
+            self.publish_clock(self.start_ns)
+            return any(_stamp_ns(s.header.stamp) >= self.start_ns for s in ClientNode.drain(status_queue))
+        wait_for(node_at_start, timeout=timeout, interval=0.1, what="the node's clock at the bag's start")
+
+    def publish_clock(self, time_ns: int) -> None:
+        msg = self.Clock()
+        msg.clock.sec, msg.clock.nanosec = divmod(int(time_ns), 1_000_000_000)
+        self.clock.publish(msg)
+
+    def play(self, loops: int, topics_after_first_loop: Optional[Sequence[str]] = None) -> None:
+        """``loops`` times through the bag; from the second loop on only ``topics_after_first_loop``
+        (None: all of them), as if the other sensors had stopped."""
+        for loop in range(loops):
+            began = time.monotonic()
+            for topic, time_ns, data in self.entries:
+                if loop and topics_after_first_loop is not None and topic not in topics_after_first_loop:
+                    continue
+                pause = began + (time_ns - self.start_ns) / 1e9 - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)                   # the bag's own pace, not a wait for anything
+                self.publish_clock(time_ns)
+                self.publishers[topic].publish(data)
+
+
+def _stamp_ns(stamp: Any) -> int:
+    return int(stamp.sec) * 1_000_000_000 + int(stamp.nanosec)

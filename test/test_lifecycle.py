@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import ClientNode, Driver, action_bytes, observations, set_params, start_policy_node, unique_ns, wait_for
+from harness import (
+    ClientNode,
+    Driver,
+    GoalRunner,
+    action_bytes,
+    observations,
+    set_params,
+    start_policy_node,
+    unique_ns,
+    wait_for,
+)
 
 from capsule_ros.errors import ErrorCode
 
@@ -141,3 +151,52 @@ def test_cleanup_releases_the_runtime_and_a_new_configure_starts_fresh(managed):
     wait_for(lambda: driver.port("goal").received >= 1, timeout=60, what="the goal to be taken")
     again = driver.run(observations(4, 7))                          # the same policy from its initial state
     assert np.array_equal(np.asarray([a.values for a in again]), np.asarray([a.values for a in first]))
+
+
+def test_deactivate_racing_reentries_resets_and_goals_from_other_processes_always_reactivates(tmp_path,
+                                                                                            rclpy_context):
+    """The trials that left a node unable to activate (3 of 20, 8 of 30): a persisted capsule
+    C not in memory, then ``~/reenter C``, ``~/reset`` or a ``~/run_policy`` goal from one
+    client and ``change_state deactivate`` from another, 0-3 ms apart; then ``activate``."""
+    import random
+    import threading
+    import time
+
+    from capsule_ros.ros.client import LifecycleClient
+    ns = unique_ns("race")
+    node_path = f"{ns}/capsule_policy"
+    proc = start_policy_node(tmp_path, {"policy": {"weights": ""}, "control": {"deadline_ms": 5000.0}}, namespace=ns)
+    client = ClientNode(rclpy_context, f"race_client_{ns.strip('/')}", node_path=node_path)
+    lifecycle = LifecycleClient(client.node, node_path, server_wait_s=60.0)
+    runner = GoalRunner(client, node_path)
+    try:
+        capsule = client.capsules.commit(label="C", persist=True).capsule.id
+        requests = {"reenter C": lambda: client.capsules.reenter(capsule, check=False),
+                    "reset": lambda: client.capsules.reset(check=False),
+                    "goal": lambda: runner.send(reset=True, max_steps=0)}
+        rng = random.Random(20)
+        for trial in range(30):
+            client.capsules.drop(capsule, check=False)            # from memory (its file stays)
+            name, offset_s = rng.choice(sorted(requests)), rng.uniform(0.0, 0.003)
+            answered: dict = {}
+            thread = threading.Thread(target=lambda n=name: answered.__setitem__(n, requests[n]()))
+            thread.start()
+            time.sleep(offset_s)                                  # a jittered start, not a wait for anything
+            assert lifecycle.change("deactivate") is True, f"trial {trial}: {name}"
+            thread.join(60)
+            assert lifecycle.change("activate") is True, f"trial {trial}: {name}: {proc.log()[-2000:]}"
+            if name == "goal":                                    # it ran (ended by the deactivate) or was refused
+                handle = answered[name]
+                if handle.accepted and not handle.get_result_async().done():
+                    runner.cancel(handle)
+                result = runner.result(handle).result if handle.accepted else None
+                assert result is None or result.outcome in (result.OUTCOME_INTERRUPTED, result.OUTCOME_REJECTED,
+                                                            result.OUTCOME_CANCELED), (trial, result)
+            else:
+                response = answered[name]
+                assert response.success or response.error_code == ErrorCode.WRONG_STATE, (trial, response.message)
+        assert client.capsules.commit(label="after the trials").success
+    finally:
+        lifecycle.destroy()
+        client.close()
+        assert proc.stop() == 0, proc.log()

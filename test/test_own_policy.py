@@ -116,7 +116,8 @@ def test_gru_chunk_settings_are_read_only_ros_parameters(gru_node):
     described = {d.name: d for d in answers["describe_parameters"].descriptors}
     assert all(described[name].read_only for name in names)
     assert described["policy.gru_chunk.hidden"].type == ParameterType.PARAMETER_INTEGER
-    assert described["policy.gru_chunk.hidden"].description == "GRU hidden size"
+    assert described["policy.gru_chunk.hidden"].description == "GRU hidden size; read-only: set at start-up " \
+                                                                "(parameter file, launch arguments, --ros-args -p)"
     assert (described["policy.gru_chunk.hidden"].integer_range[0].from_value,
             described["policy.gru_chunk.hidden"].integer_range[0].to_value) == (1, 4096)
 

@@ -34,6 +34,7 @@ else:
 pytestmark = pytest.mark.ros
 NODE = "/capsule_policy"                 # the names README shows: the default node, no namespace
 SPIN = ["--spin-time", "5"]              # discovery without a warm daemon (module docstring)
+FIND = ["--timeout", "30"]               # ros2 param: a warm daemon may see a new node late (the second node)
 START_TIMEOUT_S = 90.0
 
 
@@ -125,3 +126,45 @@ def test_ctrl_c_on_send_goal_cancels_the_goal_although_the_cli_exits_1(managed):
         interrupts = [e for e in ClientNode.drain(events) if e.kind == EventKind.INTERRUPT and e.capsule_id]
         time.sleep(0.05)
     assert interrupts, "the cancel did not interrupt the run with a boundary capsule"
+
+
+def test_ros2_param_dump_writes_every_parameter_and_a_node_launched_from_it_dumps_the_same(tmp_path,
+                                                                                          rclpy_context):
+    """`ros2 param dump` of the node wrote `ros__parameters: {}` (four parameters had no
+    value) and `ros2 param get … policy.prefix` said "Parameter not set". Now the dump is
+    complete and `ros2 launch … params_file:=` of it starts a node with the same parameters."""
+    import yaml
+
+    from capsule_ros.ros.client import LifecycleClient
+    from capsule_ros.ros.processes import ManagedProcess
+    client = ClientNode(rclpy_context, "dump_test_client")
+    lifecycle = LifecycleClient(client.node, NODE, server_wait_s=START_TIMEOUT_S)
+    first = start_policy_node(tmp_path, {"policy": {"weights": ""}, "lifecycle": {"autostart": False}}, tag="dump")
+    launched = None
+    try:
+        assert lifecycle.state() == "unconfigured"
+        dump = ros2("param", "dump", NODE, *SPIN, *FIND, home=tmp_path)
+        assert dump.returncode == 0 and "{}" not in dump.stdout, dump.stdout + dump.stderr
+        params = yaml.safe_load(dump.stdout)[NODE]["ros__parameters"]
+        assert params["policy"]["prefix"] == [] and params["outputs"]["names"] == []
+        assert params["ports"]["names"] == ["joints", "goal"] and params["ports"]["joints"]["names"] == []
+        prefix = ros2("param", "get", NODE, "policy.prefix", *SPIN, *FIND, home=tmp_path)
+        assert prefix.returncode == 0 and "not set" not in prefix.stdout, prefix.stdout + prefix.stderr
+        dumped = tmp_path / "dumped.yaml"
+        dumped.write_text(dump.stdout)
+        assert first.stop() == 0, first.log()
+
+        launched = ManagedProcess([shutil.which("ros2") or "ros2", "launch", "capsule_ros", "policy.launch.py",
+                                   f"params_file:={dumped}"], tmp_path / "launch.log",
+                                  env=dict(os.environ, HOME=str(tmp_path)))
+        assert lifecycle.state() == "unconfigured", launched.log()       # lifecycle.autostart: false, as dumped
+        again = ros2("param", "dump", NODE, *SPIN, *FIND, home=tmp_path)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert yaml.safe_load(again.stdout) == yaml.safe_load(dump.stdout)
+    finally:
+        lifecycle.destroy()
+        client.close()
+        ros2("daemon", "stop", home=tmp_path)
+        assert first.stop() == 0, first.log()
+        if launched is not None:
+            assert launched.stop(timeout=30) == 0, launched.log()

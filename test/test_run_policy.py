@@ -3,59 +3,15 @@ policy_node: a step budget, feedback, cancel, one goal at a time, a cancel that 
 before its goal, and runs ended by other clients or by deactivation."""
 from __future__ import annotations
 
-import queue
 import time
 import uuid
 
 import pytest
-from harness import ClientNode, Driver, observations, start_policy_node, unique_ns, wait_for
+from harness import ClientNode, Driver, GoalRunner, observations, start_policy_node, unique_ns, wait_for
 
 from capsule_ros.errors import ErrorCode
 
 pytestmark = pytest.mark.ros
-
-
-class Runner:
-    """An ActionClient of ~/run_policy with blocking helpers (the client node spins elsewhere)."""
-
-    def __init__(self, client: ClientNode, node_path: str):
-        from rclpy.action import ActionClient
-
-        from capsule_ros.action import RunPolicy
-        self.RunPolicy = RunPolicy
-        self.action = ActionClient(client.node, RunPolicy, f"{node_path}/run_policy")
-        assert self.action.wait_for_server(timeout_sec=60)
-        self.feedback: queue.Queue = queue.Queue()
-
-    def send(self, goal_id: bytes = b"", **goal):
-        """Send a goal; its ClientGoalHandle (``accepted`` says whether it was)."""
-        from unique_identifier_msgs.msg import UUID
-        kwargs = {"goal_uuid": UUID(uuid=list(goal_id))} if goal_id else {}
-        future = self.action.send_goal_async(self.RunPolicy.Goal(**goal),
-                                             feedback_callback=lambda m: self.feedback.put(m.feedback), **kwargs)
-        wait_for(future.done, timeout=30, what="the goal response")
-        return future.result()
-
-    @staticmethod
-    def result(handle, timeout=30.0):
-        future = handle.get_result_async()
-        wait_for(future.done, timeout=timeout, what="the result")
-        return future.result()
-
-    def collect_feedback(self, count: int, timeout: float = 30.0):
-        """The next ``count`` feedback messages and when each arrived (monotonic seconds)."""
-        messages, arrived = [], []
-        deadline = time.monotonic() + timeout
-        while len(messages) < count:
-            messages.append(self.feedback.get(timeout=max(deadline - time.monotonic(), 0.01)))
-            arrived.append(time.monotonic())
-        return messages, arrived
-
-    @staticmethod
-    def cancel(handle):
-        future = handle.cancel_goal_async()
-        wait_for(future.done, timeout=30, what="the cancel response")
-        return future.result()
 
 
 def start(tmp_path, rclpy_context, prefix, **control):
@@ -66,7 +22,7 @@ def start(tmp_path, rclpy_context, prefix, **control):
     client = ClientNode(rclpy_context, f"run_client_{ns.strip('/')}", node_path=f"{ns}/capsule_policy")
     driver = Driver(client, ns)
     driver.send_goal()
-    return proc, client, driver, Runner(client, f"{ns}/capsule_policy"), ns
+    return proc, client, driver, GoalRunner(client, f"{ns}/capsule_policy"), ns
 
 
 @pytest.fixture
@@ -177,6 +133,7 @@ def test_runs_ended_by_others_report_it(trigger_node):
     result = runner.result(handle)
     assert result.result.outcome == Result.OUTCOME_INTERRUPTED and result.result.steps == 3
     assert result.result.capsule.id, "the deactivate's capsule"
+    assert "the node was deactivated" in result.result.message, result.result.message
     refused = runner.result(runner.send(max_steps=1))
     assert (refused.result.outcome, refused.result.error_code) == (Result.OUTCOME_REJECTED, ErrorCode.WRONG_STATE)
     assert lifecycle.change("activate")

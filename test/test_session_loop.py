@@ -14,7 +14,7 @@ from runtime_fixtures import default_config
 
 from capsule_ros.errors import Busy, InvalidArgument, WrongState
 from capsule_ros.serving.factory import build_session
-from capsule_ros.serving.records import ActionSource
+from capsule_ros.serving.records import ActionSource, EventKind
 
 
 def joint_state(stamp_s: int, values=(0.1, 0.2, 0.0, 0.0)):
@@ -94,6 +94,35 @@ def test_a_stale_port_counts_a_stale_step_on_the_sessions_clock(clocked):
     session.interrupt()
     session.feed("joints", joint_state(5))                       # a safe action: no stale step counted
     assert session.ports["goal"].counters.stale_steps == 2
+
+
+def test_a_clock_that_goes_back_is_a_jump_the_ports_follow(clocked, warned):
+    """A simulated clock looping back 10 s (``ros2 bag play --clock --loop``): the sensors'
+    stamps start over and are taken, the jump is counted once, and a port that is not
+    refreshed keeps ageing across the jump, so it goes stale after its bound."""
+    session, now = clocked
+    events = []
+    session.on_event = events.append
+    session.feed("goal", goal(100))
+    assert session.feed("joints", joint_state(100)).record.source == ActionSource.POLICY
+    now[0] += 50_000_000
+    assert session.feed("joints", joint_state(101)).accepted
+    now[0] -= 10_000_000_000                                     # the clock goes back 10 s
+    fed = session.feed("joints", joint_state(91))                # stamped on the new timeline
+    assert fed.accepted and fed.record.source == ActionSource.POLICY, fed.drop
+    assert session.counters.clock_jumps == 1 and session.counters.last_clock_jump_ns == -10_000_000_000
+    assert [e.detail for e in events if e.kind == EventKind.CLOCK_JUMP] == ["-10000000000 ns"]
+    assert any("the clock jumped -10.000 s" in r.getMessage() for r in warned)
+    assert session.ports["goal"].counters.stale_steps == 0     # 50 ms old, on either timeline
+    now[0] += 60_000_000                                         # 110 ms since the goal: stale
+    session.feed("joints", joint_state(92))
+    assert session.ports["goal"].counters.stale_steps == 1
+    assert {p.name: p.age_ms for p in session.status().ports}["goal"] == pytest.approx(110.0)
+    now[0] -= 5_000_000_000
+    session.clock_jumped(-5_000_000_000)                         # the node's jump callback: not counted again
+    assert session.feed("joints", joint_state(80)).accepted and session.counters.clock_jumps == 2
+    dropped = session.ports["joints"].counters.dropped
+    assert dropped["out_of_order"] == 0 and dropped["future"] == 0
 
 
 def test_ticks_before_every_input_has_a_value_wait_and_say_which(clocked, warned):

@@ -8,7 +8,9 @@ Capsule events are re-enacted where they took effect (``capsule_ros.bag.schedule
 COMMIT commits (recorded capsule ids map to the replay's), REENTER re-enters the mapped
 capsule, RESET resets, INTERRUPT interrupts with the recorded hold mode, FORK and DROP
 as recorded, LOAD reads a capsule file the bag did not make; SAVE and EVICT change
-nothing a replay can check.
+nothing a replay can check. CLOCK_JUMP (the node's clock went back, e.g. a looping bag's
+/clock) makes the in-process target's clock jump there too, so its ports take and drop
+the stamps after it as the node's did.
 
 Verification needs a known starting state, an *anchor*: the initial state (the bag's
 first action is step 1 of a fresh scan), a RESET, a REENTER into a capsule the bag
@@ -65,7 +67,7 @@ from capsule_ros.errors import CapsuleRosError
 from capsule_ros.runtime import numerics
 from capsule_ros.runtime.schema import BufferKind
 from capsule_ros.serving.config import ServingConfig
-from capsule_ros.serving.records import ActionSource, EventKind, HoldMode
+from capsule_ros.serving.records import ActionSource, EventKind, HoldMode, clock_jump_delta
 from capsule_ros.serving.verbs import VERBS
 
 
@@ -138,6 +140,7 @@ class Replayer:
         self._action_times = [a.time for a in self._scan.actions]
         self._handlers: Dict[EventKind, Callable[[RecordedEvent], bool]] = {
             verb.event: getattr(self, f"_{verb.name}") for verb in VERBS if verb.replayed and verb.event is not None}
+        self._handlers[EventKind.CLOCK_JUMP] = self._clock_jump          # the node's clock, not a verb
 
     # -- driving -----------------------------------------------------------------------------------
     def run(self) -> Verdict:
@@ -466,6 +469,17 @@ class Replayer:
         with contextlib.suppress(CapsuleRosError):   # e.g. evicted here: nothing to drop
             self.target.drop(replay_id)
         return True
+
+    def _clock_jump(self, event: RecordedEvent) -> bool:
+        """The node's clock jumped here (a looping bag's /clock): the target's clock jumps
+        too, so its ports take and drop what the node's did. A target that cannot make its
+        clock jump (a node: its own clock) would drop the next stamps as out of order: the
+        verification pauses until the next anchor."""
+        if self.target.clock_jump(clock_jump_delta(event.detail), event.time):
+            return True
+        self._move(Anchor.LOST, f"the recorded node's clock jumped ({event.detail}); {self.target.kind} keeps its "
+                                "own clock (replay in process to verify across clock jumps)")
+        return False
 
     def _load(self, event: RecordedEvent) -> bool:
         try:

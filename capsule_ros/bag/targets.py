@@ -55,6 +55,10 @@ class ReplayTarget(Protocol):
     def missing_inputs(self) -> List[str]:
         """Ports that have not received a value yet."""
 
+    def clock_jump(self, delta_ns: int, log_ns: Optional[int] = None) -> bool:
+        """The recorded node's clock jumped by ``delta_ns`` at log time ``log_ns`` (a CLOCK_JUMP
+        event): re-enact it; False when the target cannot (its clock is its own)."""
+
     # -- the replayed verbs (capsule_ros.serving.verbs, replayed=True) ----------------------------
     def commit(self, label: str) -> str:
         """The new capsule's id."""
@@ -93,8 +97,9 @@ class ReplayTarget(Protocol):
 
 class InProcessTarget:
     """A PolicySession built from the recorded config, in this process. Its clock is the
-    recording's log time, so the session counts what the node counted (dropped and stale
-    inputs, steps waiting for inputs) where the node counted it."""
+    recording's log time, less the jumps of the node's clock the recording went on across
+    (``clock_jump``: log times never go back), so the session counts what the node counted
+    (dropped and stale inputs, steps waiting for inputs) where the node counted it."""
 
     kind = "in-process"
     reenacts_deadline_misses = True       # tick(late=True): the session hands out its safe action
@@ -108,8 +113,9 @@ class InProcessTarget:
         self.session = build_session(config, directory=files)
         self.session.enforce_deadline = False      # verify the function, not this machine's timing
         self.session.notices.muted = True          # the verdict reports what the replay saw
-        self._now = 0
-        self.session.clock_ns = lambda: self._now
+        self._now = 0                              # the log time of the message being replayed
+        self._jumped_ns = 0                        # minus the node's clock jumps so far (NodeRecording)
+        self.session.clock_ns = lambda: self._now - self._jumped_ns
         self.files = files
         self.ablation = tuple(ablation)
 
@@ -142,6 +148,13 @@ class InProcessTarget:
     def missing_inputs(self) -> List[str]:
         """Ports that have not received a value yet (a step waits for all of them)."""
         return self.session.inputs.missing()
+
+    def clock_jump(self, delta_ns: int, log_ns: Optional[int] = None) -> bool:
+        """The session's clock jumps as the node's did, where the node's did."""
+        self._at(log_ns)
+        self._jumped_ns -= delta_ns
+        self.session.clock_jumped(delta_ns)
+        return True
 
     # -- the replayed verbs: each returns what the replay maps to the recording ---------------------
     def commit(self, label: str) -> str:

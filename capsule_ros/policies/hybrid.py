@@ -566,6 +566,13 @@ class HybridPolicy(StatefulPolicy):
     def supports_prefill(self) -> bool:
         return self.embed is not None
 
+    def check_prefix(self, tokens: Sequence[int]) -> None:
+        super().check_prefix(tokens)
+        beyond = sorted({t for t in tokens if t >= self.cfg.vocab_size})
+        if beyond:
+            raise ConfigError(f"policy.prefix = {list(tokens)}: token ids {beyond} are not below "
+                              f"policy.hybrid.vocab_size = {self.cfg.vocab_size}")
+
     def init_state(self, state: State, *, episode: int, seed: int) -> None:
         input_names = {s.name for s in self.inputs}
         for name, view in state.items():

@@ -34,12 +34,18 @@ class NodeFacade:
         self._recording = recording
 
     def active_session(self) -> PolicySession:
-        """The session, when the node is active; else WRONG_STATE."""
+        """The session, when the node is active; else WRONG_STATE. (A check made before the
+        boundary: the session's boundary refuses a verb that reaches it after a deactivate.)"""
         session = self.session
         if not self.active or session is None:
-            raise WrongState(f"the node is {self.lifecycle_state}, not active: capsule services and goals are "
-                             "answered once it is activated (lifecycle ~/change_state)")
+            raise WrongState(self.refusal())
         return session
+
+    def refusal(self, lifecycle_state: str = "") -> str:
+        """What a capsule service or goal answers while the node is ``lifecycle_state``
+        (default: its state now)."""
+        return (f"the node is {lifecycle_state or self.lifecycle_state}, not active: capsule services and goals "
+                "are answered once it is activated (lifecycle ~/change_state)")
 
     def handler(self, verb: Verb) -> Callable[..., Any]:
         """What serves ``verb`` now: the active session's method of its name, or the node's

@@ -16,8 +16,9 @@ activate at start-up so one command serves):
 - activate: the runtime on its device (arena, capture, warm-up: the first active step is
   not a cold one), capsule pools, then subscriptions and stepping. After a deactivate it
   resumes the interrupted episode from the capsule the deactivate committed.
-- deactivate: stepping stops at a boundary; a running episode is interrupted (safe action
-  published, boundary capsule committed); the state is kept.
+- deactivate: the capsule verbs are refused at the session's boundary (also a request
+  that passed the "active" check just before), a running episode is interrupted there
+  (safe action published, boundary capsule committed), stepping stops; the state is kept.
 - cleanup: the runtime and the capsule pools are released (on CUDA the memory goes back
   to the driver); capsule files stay.
 - shutdown: deactivate and cleanup as needed.
@@ -53,9 +54,11 @@ from typing import Any, Callable, Dict, List, Optional
 from diagnostic_msgs.msg import DiagnosticArray
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.clock import Clock, ClockType, JumpThreshold, TimeJump
+from rclpy.duration import Duration
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 
-from capsule_ros.config import flatten, unflatten
+from capsule_ros.config import APPLIES, CONFIGURE, flatten
 from capsule_ros.errors import CapsuleRosError, ConfigError
 from capsule_ros.msg import CapsuleEvent, RuntimeStatus
 from capsule_ros.ros.capsule_services import CapsuleServices
@@ -63,7 +66,7 @@ from capsule_ros.ros.facade import NodeFacade
 from capsule_ros.ros.log_bridge import RosLogBridge
 from capsule_ros.ros.messages import event_message
 from capsule_ros.ros.outputs import qos_profile
-from capsule_ros.ros.params import declare_parameters, parameter_values
+from capsule_ros.ros.params import declare_parameters, parameter_values, plain
 from capsule_ros.ros.publishing import ActionOutput, NodeRecording
 from capsule_ros.ros.run_policy import RunPolicyServer
 from capsule_ros.ros.spinning import Offload
@@ -71,18 +74,36 @@ from capsule_ros.ros.status import DiagnosticsBuilder, runtime_status
 from capsule_ros.runtime.engine import StreamKeeper, release_device_memory
 from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
 from capsule_ros.serving.factory import PreparedServing, prepare_serving, start_session
-from capsule_ros.serving.outputs import OutputAdapter
+from capsule_ros.serving.outputs import OutputAdapter, point_spacing
 from capsule_ros.serving.process import settle_after_start, unsettle
-from capsule_ros.serving.records import ActionRecord, EpisodeState, EventKind, EventRecord, HoldMode
+from capsule_ros.serving.records import (
+    ActionRecord,
+    EventKind,
+    EventRecord,
+    HoldMode,
+    clock_jump_delta,
+)
 from capsule_ros.serving.session import PolicySession
 
 LOG = logging.getLogger(__name__)
 TRANSITION_BOUNDARY_S = 5.0     # how long deactivate / cleanup wait for a service to leave the session
+# jumps of the node's clock the session hears of: any jump back (a looping bag's /clock), and
+# a change of clock (use_sim_time set or cleared); forward jumps need nothing (ages just grow)
+CLOCK_JUMPS = JumpThreshold(min_forward=None, min_backward=Duration(nanoseconds=-1), on_clock_change=True)
 
 
 def message_class(type_name: str) -> Any:
     package, _, name = type_name.split("/")
     return getattr(importlib.import_module(f"{package}.msg"), name)
+
+
+def _config_error(params: Dict[str, Any]) -> str:
+    """What ServingConfig.from_params says about ``params`` ("" when they are valid)."""
+    try:
+        ServingConfig.from_params(params)
+    except ConfigError as exc:
+        return str(exc)
+    return ""
 
 
 def control_period(control: ControlConfig) -> Optional[float]:
@@ -95,12 +116,11 @@ class PolicyNode(LifecycleNode):
 
     def __init__(self, node_name: str = "capsule_policy", **kwargs: Any):
         super().__init__(node_name, **kwargs)
-        declare_parameters(self)
+        self._applies = declare_parameters(self)         # parameter name -> when a change takes effect
         self.config: Optional[ServingConfig] = None
         self.session: Optional[PolicySession] = None
         self.transition_error: Optional[BaseException] = None     # why the last transition failed
         self._prepared: Optional[PreparedServing] = None
-        self._resume_on_activate = False
         self._settled = False
         self._streams = StreamKeeper()             # one CUDA stream across activations (StreamKeeper says why)
         self._raise_transition_errors = False
@@ -122,6 +142,9 @@ class PolicyNode(LifecycleNode):
         self._port_subscriptions: Dict[str, Any] = {}
         self._control_timer: Any = None
         self._status_timer: Any = None
+        self._steady_clock = Clock(clock_type=ClockType.STEADY_TIME)   # status: also while a sim clock pauses
+        self._clock_jump_handle: Any = None        # the session's jump callback on the node's clock
+        self._clock_before_jump_ns = 0
         self._diagnostics = DiagnosticsBuilder(self.get_fully_qualified_name())
         self._log_bridge = RosLogBridge.install(self.get_logger())
         self.add_on_set_parameters_callback(self._on_set_parameters)
@@ -212,13 +235,13 @@ class PolicyNode(LifecycleNode):
             session.start_watchdog(self._publish_action)   # a step over its deadline: the safe action at once
             self.session, self._prepared = session, None
             self.facade.session = session
-            self._status_timer = self.create_timer(1.0 / config.control.status_rate_hz, self._publish_status,
-                                                   callback_group=self._status_group)
+            self._start_status_timer(config.control.status_rate_hz)
+            self._clock_jump_handle = self.get_clock().create_jump_callback(
+                CLOCK_JUMPS, pre_callback=self._before_clock_jump, post_callback=self._after_clock_jump)
             if config.record.enabled:
                 self.recording.start(config, session.runtime.fingerprint)
-        elif self._resume_on_activate:
-            self.session.reenter("")
-        self._resume_on_activate = False
+        else:                   # after a deactivate: its interrupted episode resumes, the verbs are served
+            self.session.resume_serving(TRANSITION_BOUNDARY_S)
         if not self._settled:
             settle_after_start()                       # no multi-ms garbage collections during the loop
             self._settled = True
@@ -232,21 +255,26 @@ class PolicyNode(LifecycleNode):
             f" {config.control.mode} mode, episode {session.episode_id} {session.state.name}")
 
     def _deactivate(self) -> None:
+        """The verbs are refused at the session's boundary first (also those on their way
+        there), then a running episode is interrupted there (its INTERRUPT event publishes
+        the safe action): whatever a service was doing, activate can resume. Stepping stops
+        (no step runs meanwhile: transitions run on the executor's thread)."""
         session, config = self.session, self.config
         assert session is not None and config is not None
+        hold = HoldMode.HOLD_ZERO if config.control.deadline_action == "zero" else HoldMode.HOLD_LAST
+        capsule = session.suspend_serving(self.facade.refusal("inactive"), hold, timeout_s=TRANSITION_BOUNDARY_S)
         self.facade.active, self.facade.lifecycle_state = False, "inactive"
         self._stop_stepping()
-        if session.state == EpisodeState.RUNNING:
-            hold = HoldMode.HOLD_ZERO if config.control.deadline_action == "zero" else HoldMode.HOLD_LAST
-            capsule = session.interrupt(hold, True, timeout_s=TRANSITION_BOUNDARY_S)   # publishes its safe action
-            self._resume_on_activate = True
-            self.get_logger().info(f"deactivated at step {session.step}: boundary capsule "
-                                   f"{capsule.id if capsule else '(none)'}; activate resumes from it")
+        if self.run_policy is not None:
+            self.run_policy.node_deactivated(capsule)
+        if capsule is not None:
+            self.get_logger().info(f"deactivated at step {session.step}: boundary capsule {capsule.id}; "
+                                   "activate resumes from it")
 
     def _cleanup(self) -> None:
         self._stop_stepping()
+        self._unwatch_clock()
         self.facade.active, self.facade.lifecycle_state = False, "unconfigured"
-        self._resume_on_activate = False
         if self.recording.active:
             self.recording.stop()
         self.recording.forget_inputs()
@@ -272,6 +300,28 @@ class PolicyNode(LifecycleNode):
         for subscription in self._port_subscriptions.values():
             self.destroy_subscription(subscription)
         self._port_subscriptions = {}
+
+    # -- the clock --------------------------------------------------------------------------------
+    def _before_clock_jump(self) -> None:
+        self._clock_before_jump_ns = self.get_clock().now().nanoseconds
+
+    def _after_clock_jump(self, jump: TimeJump) -> None:
+        """The node's clock jumped back or changed (on the executor's thread, between
+        messages: its /clock subscription): the session's ports follow it
+        (``PolicySession.clock_jumped``). The jump is measured here: a change of clock
+        reports none."""
+        session = self.session
+        if session is None:
+            return
+        try:
+            session.clock_jumped(self.get_clock().now().nanoseconds - self._clock_before_jump_ns)
+        except CapsuleRosError as exc:          # released meanwhile: nothing to follow the clock
+            self.get_logger().warning(f"clock jump not applied: {exc}")
+
+    def _unwatch_clock(self) -> None:
+        if self._clock_jump_handle is not None:
+            self._clock_jump_handle.unregister()
+            self._clock_jump_handle = None
 
     # -- control loop ----------------------------------------------------------------------------
     def _configure_loop(self, control: ControlConfig) -> None:
@@ -304,8 +354,9 @@ class PolicyNode(LifecycleNode):
         if session is None or not self.facade.active:
             return
         topic = self._port_subscriptions[name].topic_name
+        now = session.observe_clock(self.get_clock().now().nanoseconds)   # a jump it finds goes first in a bag
         self.recording.received(topic, msgtype, msg)
-        fed = session.feed(name, msg, self.get_clock().now().nanoseconds)
+        fed = session.feed(name, msg, now)
         if fed.accepted:
             self.recording.accepted(name, topic, msgtype, msg)
         if fed.stepped:
@@ -336,8 +387,11 @@ class PolicyNode(LifecycleNode):
     def _on_event(self, event: EventRecord) -> None:
         """A capsule event (emitted under the session's boundary): published and recorded;
         an INTERRUPT also publishes the hold mode's safe action, whoever interrupted (a
-        service, a RunPolicy run ending, deactivate)."""
+        service, a RunPolicy run ending, deactivate); a CLOCK_JUMP moves the recording's
+        log times on across the jump."""
         msg = event_message(event, self.get_clock().now().nanoseconds)
+        if event.kind == EventKind.CLOCK_JUMP:
+            self.recording.clock_jumped(clock_jump_delta(event.detail))   # its log time goes on across it
         self.event_pub.publish(msg)
         self.recording.published(self.event_pub.topic_name, msg)
         session = self.session
@@ -347,6 +401,13 @@ class PolicyNode(LifecycleNode):
                 self._publish_action(record)
 
     # -- status ------------------------------------------------------------------------------------
+    def _start_status_timer(self, rate_hz: float) -> None:
+        """~/status and /diagnostics at ``rate_hz`` of the steady clock (a new timer replaces the old)."""
+        if self._status_timer is not None:
+            self.destroy_timer(self._status_timer)
+        self._status_timer = self.create_timer(1.0 / rate_hz, self._publish_status, callback_group=self._status_group,
+                                               clock=self._steady_clock)
+
     def _publish_status(self) -> None:
         session = self.session
         if session is None:
@@ -360,40 +421,81 @@ class PolicyNode(LifecycleNode):
 
     # -- parameters --------------------------------------------------------------------------------
     def _on_set_parameters(self, params: List[Any]) -> SetParametersResult:
-        """Validate run-time changes through the config dataclasses; if valid, the session
-        takes them at its next boundary (``PolicySession.reconfigure``). An unconfigured node
-        validates everything at configure."""
-        if self.config is None:
+        """A set of the node's configuration parameters, in any lifecycle state: refused with
+        the reason, nothing changed, unless every value is valid (the very check configure
+        makes: ``ServingConfig.from_params`` over all the node's parameters with the change)
+        and takes effect as its ``applies`` says (``capsule_ros.config``): a live one at once
+        (``_apply_live``), a configure-time one only while the node is unconfigured (the
+        next configure reads it). Read-only ones rclpy refuses by their descriptor; rclpy's
+        own (``use_sim_time``) are rclpy's."""
+        changes = {p.name: plain(p.value) for p in params if p.name in self._applies}
+        if not changes:
             return SetParametersResult(successful=True)
-        flat = flatten({"control": self.config.control.to_mapping(),
-                        "ports": {n: p.to_mapping() for n, p in self.config.ports.items()}})
-        touched = False
-        for p in params:
-            if p.name.startswith("control.") or (p.name.startswith("ports.") and p.name != "ports.names"):
-                flat[p.name] = p.value
-                touched = True
-        if not touched:
-            return SetParametersResult(successful=True)
-        nested = unflatten(flat)
         try:
-            control = ControlConfig.from_mapping(nested["control"])
-            ports = {n: PortConfig.from_mapping(v, section=f"ports.{n}") for n, v in nested["ports"].items()}
-            if control.mode == "trigger" and control.trigger_port not in ports:
-                raise ConfigError(f"control.trigger_port = {control.trigger_port!r}: not a port")
-            time_steps = [output.adapter.time_step(control_period(control)) for output in self.actions.outputs]
-            if self.session is not None:
-                self.session.reconfigure(control, ports)
+            config = self._checked_config(changes)
+            if self.config is not None and config is not None:
+                self._apply_live(config)
         except CapsuleRosError as exc:
             return SetParametersResult(successful=False, reason=str(exc))
-        rate_changed = (control.mode, control.rate_hz) != (self.config.control.mode, self.config.control.rate_hz)
-        self.config = dataclasses.replace(self.config, ports=ports, control=control)
-        self.facade.config = self.config
-        if self._prepared is not None:
-            self._prepared = dataclasses.replace(self._prepared, config=self.config)
-        if rate_changed and self.facade.active:
-            self._configure_loop(control)
-        self.actions.set_time_steps(time_steps)
         return SetParametersResult(successful=True)
+
+    def _checked_config(self, changes: Dict[str, Any]) -> Optional[ServingConfig]:
+        """The configuration the node's parameters give with ``changes``, or ConfigError.
+        None: an unconfigured node whose parameters were invalid before the change already
+        (a bad start-up file: a fix of one value at a time must be possible; configure
+        reports what is still wrong)."""
+        if self.config is not None:
+            current = flatten(parameter_values(self))
+            late = sorted(name for name, value in changes.items()
+                          if self._applies[name] == CONFIGURE and value != current.get(name))
+            if late:
+                raise ConfigError(f"{', '.join(late)}: {APPLIES[CONFIGURE]}; the node is "
+                                  f"{self.facade.lifecycle_state}")
+        try:
+            return ServingConfig.from_params(parameter_values(self, changes), source="ROS parameters")
+        except ConfigError as exc:
+            if self.config is None and str(exc) == _config_error(parameter_values(self)):
+                return None
+            raise
+
+    def _apply_live(self, new: ServingConfig) -> None:
+        """Make the live settings of ``new`` take effect on the configured node: the control
+        loop and the ports (the session's ``reconfigure``, at a boundary), the status rate,
+        the recording (``record.enabled``: start or stop it now, once there is a session;
+        directory and storage: the next recording), the outputs' trajectory points. What
+        can fail comes first, and a failure leaves everything as it was."""
+        old = self.config
+        assert old is not None
+        control = old.control.with_live_settings(new.control)
+        ports = {name: port.with_live_settings(new.ports[name]) for name, port in old.ports.items()}
+        outputs = {name: output.with_live_settings(new.outputs[name]) for name, output in old.outputs.items()}
+        config = dataclasses.replace(old, control=control, ports=ports, outputs=outputs,
+                                     record=old.record.with_live_settings(new.record))
+        period = control_period(control)
+        time_steps = {name: point_spacing(name, output, period) for name, output in outputs.items()}
+        session = self.session
+        start_recording = (session is not None and config.record.enabled and not old.record.enabled
+                           and not self.recording.active)
+        if start_recording:
+            assert session is not None
+            self.recording.start(config, session.runtime.fingerprint)
+        try:
+            if session is not None:
+                session.reconfigure(control, ports)
+        except BaseException:
+            if start_recording:
+                self.recording.stop()
+            raise
+        self.actions.retune(outputs, time_steps)
+        self.config = self.facade.config = config
+        if self._prepared is not None:
+            self._prepared = dataclasses.replace(self._prepared, config=config)
+        if (control.mode, control.rate_hz) != (old.control.mode, old.control.rate_hz) and self.facade.active:
+            self._configure_loop(control)
+        if control.status_rate_hz != old.control.status_rate_hz and self._status_timer is not None:
+            self._start_status_timer(control.status_rate_hz)
+        if old.record.enabled and not config.record.enabled and self.recording.active:
+            self.recording.stop()
 
     def close(self) -> None:
         """Stop the node's threads, after the executor and before destroy_node and rclpy's
@@ -403,6 +505,7 @@ class PolicyNode(LifecycleNode):
         then any recording, and the log bridge. After this no thread of the node publishes,
         so none can hit a destroyed publisher or context."""
         self.facade.active = False
+        self._unwatch_clock()
         self._service_threads.shutdown()
         if self.run_policy is not None:
             self.run_policy.close()

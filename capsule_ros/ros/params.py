@@ -1,22 +1,27 @@
 """ROS parameters generated from the config dataclasses.
 
 Every ``setting`` of ``capsule_ros.config`` becomes a declared parameter with its
-description, range and read-only flag, so ``ros2 param describe`` tells the same story
-as the code, and validation has one source (the dataclasses). Read-only parameters are
-the ones that shape the graph: they can only be set at start-up (params file, launch
-arguments, ``--ros-args -p``).
+description, range and when a change takes effect (``applies``: live, at configure, or
+read-only at start-up, in the description; read-only in the descriptor), so ``ros2 param
+describe`` tells the same story as the code, and validation has one source (the
+dataclasses). Read-only parameters are the ones that shape the graph: they can only be
+set at start-up (params file, launch arguments, ``--ros-args -p``).
+
+Every parameter is declared with a value, an empty list included (as a typed empty
+array), so ``ros2 param dump`` / ``get`` show every one and a dumped file loads back.
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import typing
-from typing import Any, Dict, Tuple, Type
+from typing import Any, Dict, Mapping, Optional, Tuple, Type
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
-from capsule_ros.config import ConfigSection, field_default, unflatten
+from capsule_ros.config import APPLIES, CONFIGURE, LIVE, START, ConfigSection, field_default, unflatten
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.registry import kind_settings
 from capsule_ros.serving.config import SECTIONS, PortConfig
@@ -27,11 +32,26 @@ _ARRAY_TYPES = {str: Parameter.Type.STRING_ARRAY, int: Parameter.Type.INTEGER_AR
                 float: Parameter.Type.DOUBLE_ARRAY, bool: Parameter.Type.BOOL_ARRAY}
 
 
-def descriptor(f: dataclasses.Field, python_type: Any) -> ParameterDescriptor:
+# the parameter groups the node declares from the configuration (ServingConfig.from_params)
+GROUPS = frozenset({prefix for prefix, _ in SECTIONS} | {"ports", "outputs"})
+# the groups whose live settings the node applies at once (PolicyNode._apply_live); the others
+# are read at configure only, so a setting there that says "live" (a policy kind's own) applies
+# at configure
+APPLIED_LIVE = frozenset({"control", "ports", "outputs", "record"})
+
+
+def applies(name: str, f: dataclasses.Field) -> str:
+    """When a change of the parameter ``name`` (of setting ``f``) takes effect on the node."""
+    mode = f.metadata["applies"]
+    return CONFIGURE if mode == LIVE and name.split(".", 1)[0] not in APPLIED_LIVE else mode
+
+
+def descriptor(f: dataclasses.Field, python_type: Any, mode: str = "") -> ParameterDescriptor:
     meta = f.metadata
     text = meta["doc"]
     if meta["choices"]:
         text += f" (one of {list(meta['choices'])})"
+    text += f"; {APPLIES[mode or meta['applies']]}"
     desc = ParameterDescriptor(description=text, read_only=bool(meta["read_only"]))
     low, high = meta["low"], meta["high"]
     if low is not None or high is not None:
@@ -51,13 +71,29 @@ def descriptor(f: dataclasses.Field, python_type: Any) -> ParameterDescriptor:
 
 def _declare(node: Node, name: str, f: dataclasses.Field, python_type: Any) -> Any:
     default = field_default(f)
-    if isinstance(default, tuple):
+    desc = descriptor(f, python_type, applies(name, f))
+    if isinstance(default, tuple) and not default:
         item = typing.get_args(python_type)[0] if typing.get_args(python_type) else str
-        value: Any = list(default) if default else _ARRAY_TYPES[item]
-    else:
-        value = default
-    param = node.declare_parameter(name, value, descriptor(f, python_type))
+        return _declare_list(node, name, _ARRAY_TYPES[item], desc)
+    param = node.declare_parameter(name, list(default) if isinstance(default, tuple) else default, desc)
     return default if param.type_ == Parameter.Type.NOT_SET else param.value
+
+
+def _declare_list(node: Node, name: str, array_type: Parameter.Type, desc: ParameterDescriptor) -> Any:
+    """A list parameter whose default is empty, declared with a value: rclpy would type a
+    bare ``[]`` as a byte array, and an empty list in a parameter file arrives unset, which
+    ``ros2 param dump`` cannot write (it wrote ``ros__parameters: {}`` for the whole node).
+    So: declared with its type, set to the typed empty list when nothing gave it a value,
+    then made read-only when it is."""
+    writable = ParameterDescriptor(description=desc.description, additional_constraints=desc.additional_constraints,
+                                   integer_range=desc.integer_range, floating_point_range=desc.floating_point_range)
+    param: Parameter = node.declare_parameter(name, array_type, writable)
+    if param.type_ == Parameter.Type.NOT_SET:
+        node.set_parameters([Parameter(name, array_type, [])])
+    if desc.read_only:
+        desc.type = array_type.value
+        node.set_descriptor(name, desc)
+    return node.get_parameter(name).value
 
 
 def _declare_section(node: Node, prefix: str, cls: Type[ConfigSection]) -> Dict[str, Any]:
@@ -65,39 +101,57 @@ def _declare_section(node: Node, prefix: str, cls: Type[ConfigSection]) -> Dict[
     return {f"{prefix}.{f.name}": _declare(node, f"{prefix}.{f.name}", f, hints[f.name]) for f in cls.settings()}
 
 
-def _declare_named(node: Node, group: str, cls: Type[ConfigSection], what: str, required: bool) -> None:
-    """``<group>.names`` and, for each name, the ``<group>.<name>.*`` section."""
+def _applies(prefix: str, cls: Type[ConfigSection]) -> Dict[str, str]:
+    return {f"{prefix}.{f.name}": applies(f"{prefix}.{f.name}", f) for f in cls.settings()}
+
+
+def _declare_named(node: Node, group: str, cls: Type[ConfigSection], what: str, required: bool) -> Dict[str, str]:
+    """``<group>.names`` and, for each name, the ``<group>.<name>.*`` section; when each applies."""
     required_text = "at least one" if required else "none by default"
-    param: Parameter = node.declare_parameter(
-        f"{group}.names", Parameter.Type.STRING_ARRAY,
-        ParameterDescriptor(description=f"names of {what} ({required_text}); each has {group}.<name>.* parameters",
-                            read_only=True))
-    for name in list(param.value or []):
+    names = _declare_list(node, f"{group}.names", Parameter.Type.STRING_ARRAY, ParameterDescriptor(
+        description=f"names of {what} ({required_text}); each has {group}.<name>.* parameters; {APPLIES[START]}",
+        read_only=True))
+    applies = {f"{group}.names": START}
+    for name in list(names or []):
         _declare_section(node, f"{group}.{name}", cls)
+        applies.update(_applies(f"{group}.{name}", cls))
+    return applies
 
 
-def declare_parameters(node: Node) -> None:
-    """Declare every parameter (values are validated by ``configure``, see parameter_values).
-    The section of the configured policy kind is declared when the kind is known; an
-    unknown kind is reported by ``configure``, like any other bad value."""
+def declare_parameters(node: Node) -> Dict[str, str]:
+    """Declare every parameter (values are validated by ``configure``, see parameter_values);
+    when each takes effect, by name (``capsule_ros.config.APPLIES``). The section of the
+    configured policy kind is declared when the kind is known; an unknown kind is reported
+    by ``configure``, like any other bad value."""
     flat: Dict[str, Any] = {}
+    applies: Dict[str, str] = {}
     for prefix, cls in SECTIONS:
         flat.update(_declare_section(node, prefix, cls))
+        applies.update(_applies(prefix, cls))
     try:
         kind_sections = kind_settings(flat["policy.kind"])
     except ConfigError:
         kind_sections = {}
     for prefix, cls in kind_sections.items():
         _declare_section(node, prefix, cls)
-    _declare_named(node, "ports", PortConfig, "the sensor ports", required=True)
-    _declare_named(node, "outputs", OutputConfig, "the command outputs beside ~/action", required=False)
+        applies.update(_applies(prefix, cls))
+    applies.update(_declare_named(node, "ports", PortConfig, "the sensor ports", required=True))
+    applies.update(_declare_named(node, "outputs", OutputConfig, "the command outputs beside ~/action",
+                                  required=False))
+    return applies
 
 
-def parameter_values(node: Node) -> Dict[str, Any]:
-    """The node's current parameters as the nested mapping ServingConfig.from_params takes
-    (unset ones left out: their defaults apply; arrays come back as lists, which
-    ConfigSection.from_mapping coerces)."""
-    groups = {prefix for prefix, _ in SECTIONS} | {"ports", "outputs"}
-    flat = {name: param.value for name, param in node.get_parameters_by_prefix("").items()
-            if name.split(".", 1)[0] in groups and "." in name and param.value is not None}
-    return unflatten(flat)
+def parameter_values(node: Node, changes: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """The node's current parameters, with ``changes`` (name -> value) over them, as the
+    nested mapping ServingConfig.from_params takes (unset ones left out: their defaults
+    apply)."""
+    flat = {name: plain(param.value) for name, param in node.get_parameters_by_prefix("").items()
+            if name.split(".", 1)[0] in GROUPS and "." in name}
+    flat.update({name: plain(value) for name, value in (changes or {}).items()})
+    return unflatten({name: value for name, value in flat.items() if value is not None})
+
+
+def plain(value: Any) -> Any:
+    """A parameter's value with arrays as lists (rclpy hands out ``array.array`` for numeric
+    arrays set through the parameter services)."""
+    return list(value) if isinstance(value, (array.array, tuple)) else value

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from rclpy.node import Node
 from rclpy.serialization import serialize_message
@@ -21,14 +21,19 @@ from capsule_ros.msg import Action
 from capsule_ros.ros.messages import action_message
 from capsule_ros.ros.outputs import OutputPublisher
 from capsule_ros.serving.config import ServingConfig
-from capsule_ros.serving.outputs import OutputAdapter
+from capsule_ros.serving.outputs import OutputAdapter, OutputConfig
 from capsule_ros.serving.records import ActionRecord, RecordResult
 
 
 class NodeRecording:
     """The node's recording: a ``capsule_ros.bag.recorder.NodeRecorder`` while one runs,
     and the last accepted message of every port, which a new recording writes first (the
-    inputs the next step will use)."""
+    inputs the next step will use).
+
+    Log times are the node's clock, plus the jumps it made since the recording began
+    (``clock_jumped``): a simulated clock that loops back 10 s would otherwise squeeze the
+    next 10 s of messages into nanoseconds (log times must increase). A replay takes the
+    jumps back out where the bag's CLOCK_JUMP events say, and sees the node's clock."""
 
     def __init__(self, node: Node, action_topic: str, event_topic: str):
         self._clock = node.get_clock()
@@ -36,6 +41,7 @@ class NodeRecording:
         self.action_topic, self.event_topic = action_topic, event_topic
         self.recorder: Any = None                                     # a NodeRecorder while recording
         self._last_inputs: Dict[str, Tuple[str, str, Any]] = {}       # port -> (topic, type, message)
+        self._jumped_ns = 0                                           # minus the clock's jumps while recording
 
     @property
     def active(self) -> bool:
@@ -47,6 +53,7 @@ class NodeRecording:
         from capsule_ros.bag.recorder import NodeRecorder
         if self.recorder is not None:
             self.stop()
+        self._jumped_ns = 0
         self.recorder = NodeRecorder.start(path, config.record.directory, storage or config.record.storage, config,
                                            self.action_topic, self.event_topic, fingerprint=fingerprint,
                                            initial_inputs=len(self._last_inputs), serialize=serialize_message)
@@ -76,7 +83,11 @@ class NodeRecording:
         """A message the node published (an action, a capsule event)."""
         recorder = self.recorder
         if recorder is not None:
-            recorder.write_message(topic, msg, self._clock.now().nanoseconds)
+            recorder.write_message(topic, msg, self._log_time())
+
+    def clock_jumped(self, delta_ns: int) -> None:
+        """The node's clock jumped by ``delta_ns``: later log times go on from where they were."""
+        self._jumped_ns -= delta_ns
 
     def forget_inputs(self) -> None:
         """Lifecycle cleanup: the ports go, and their last values with them."""
@@ -84,7 +95,11 @@ class NodeRecording:
 
     def _write_input(self, topic: str, msgtype: str, msg: Any) -> None:
         """CDR serialisation is deterministic, so these are the bytes as received."""
-        self.recorder.write_raw(topic, msgtype, serialize_message(msg), self._clock.now().nanoseconds)
+        self.recorder.write_raw(topic, msgtype, serialize_message(msg), self._log_time())
+
+
+    def _log_time(self) -> int:
+        return self._clock.now().nanoseconds + self._jumped_ns
 
 
 class ActionOutput:
@@ -111,11 +126,13 @@ class ActionOutput:
             self._node.destroy_publisher(output.publisher)
         self.outputs = []
 
-    def set_time_steps(self, time_steps: List[float]) -> None:
-        """New trajectory point spacing, one per output (a run-time parameter change)."""
+    def retune(self, configs: Mapping[str, OutputConfig], time_steps: Mapping[str, float]) -> None:
+        """Run-time settings of the outputs and their point spacing, by output name (a
+        parameter change; ``capsule_ros.serving.outputs.point_spacing`` checked them)."""
         with self._lock:
-            for output, time_step in zip(self.outputs, time_steps, strict=True):
-                output.adapter.time_step_s = time_step
+            for output in self.outputs:
+                name = output.adapter.name
+                output.adapter.retune(configs[name], time_steps[name])
 
     def publish(self, record: ActionRecord, frame_id: str, action_dim: int) -> None:
         """``record`` on ~/action and every output, and into the recording."""

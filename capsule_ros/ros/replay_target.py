@@ -184,6 +184,10 @@ class NodeTarget:
         self._wait_counted(port)
         return self._drain()
 
+    def clock_jump(self, delta_ns: int, log_ns: Optional[int] = None) -> bool:
+        """The node's clock is its own (the wall clock): a recorded jump cannot be re-enacted."""
+        return False
+
     def missing_inputs(self) -> List[str]:
         """Ports the node has not counted a message on yet."""
         with self._status:

@@ -110,7 +110,7 @@ class Run:
 
     goal_handle: Any
     goal: Any
-    episode_id: int = 0
+    episode_id: int = 0                                            # 0 until its episode started
     steps: int = 0
     wake: threading.Event = field(default_factory=threading.Event)
     stopping: bool = False                                         # someone is ending it (set once)
@@ -146,6 +146,14 @@ class RunPolicyServer:
             self._stop(run, Result.OUTCOME_SUCCEEDED, f"ran {run.steps} step(s)")
         elif time.monotonic() - run.last_feedback >= 1.0 / FEEDBACK_HZ:
             run.wake.set()
+
+    def node_deactivated(self, capsule: Optional[Capsule]) -> None:
+        """The node was deactivated, its episode interrupted with ``capsule``: a running goal
+        ends INTERRUPTED with it, saying so (unless its own stop is under way)."""
+        run = self._run
+        if run is not None:
+            self._end(run, Result.OUTCOME_INTERRUPTED, self._ended_by_others(self._facade.session), capsule,
+                      unless_stopping=True)
 
     def close(self) -> None:
         """Process exit: end a running goal (ABORTED) and join the worker."""
@@ -190,17 +198,20 @@ class RunPolicyServer:
         if goal_handle.is_cancel_requested:                   # canceled before it started: nothing ran
             goal_handle.canceled()
             return self._result(Result.OUTCOME_CANCELED, "canceled before it started")
+        run = Run(goal_handle, goal)                  # its episode is not known yet: no step counts
+        with self._lock:
+            self._run = run                           # a deactivate from here on ends it (node_deactivated)
         try:
             session = self._facade.active_session()
             HoldMode(goal.hold_mode)
             self._start_episode(session, goal)
         except (CapsuleRosError, ValueError) as exc:
+            with self._lock:
+                self._run = None
             goal_handle.abort()
             code = exc.code if isinstance(exc, CapsuleRosError) else ErrorCode.INVALID_ARGUMENT
             return self._result(Result.OUTCOME_REJECTED, f"could not start: {exc}", error_code=int(code))
-        run = Run(goal_handle, goal, episode_id=session.episode_id)
-        with self._lock:
-            self._run = run
+        run.episode_id = session.episode_id
         deadline = time.monotonic() + goal.timeout_s if goal.timeout_s > 0 else None
         while run.ended is None:
             run.wake.wait(1.0 / FEEDBACK_HZ)
@@ -266,6 +277,9 @@ class RunPolicyServer:
     def _ended_by_others(session: Optional[PolicySession]) -> str:
         if session is None:
             return "the node was cleaned up"
+        if session.suspended:
+            return (f"the node was deactivated: the episode was interrupted at step {session.step} "
+                    "(activate resumes it)")
         return f"the episode was ended by another request (now {session.state.name}, episode {session.episode_id})"
 
     def _interrupt_capsule(self) -> Optional[Capsule]:

@@ -37,7 +37,8 @@ def runtime_status(session: PolicySession, stamp: Any) -> RuntimeStatus:
         dropped_inputs=sum(p.dropped_total for p in s.ports),
         deadline_misses=s.counters.deadline_misses, step_errors=s.counters.step_errors,
         nonfinite_steps=s.counters.nonfinite_steps, last_fault=s.counters.last_fault,
-        late_refills=s.counters.late_refills, ports=[port_status(p) for p in s.ports])
+        late_refills=s.counters.late_refills, ports=[port_status(p) for p in s.ports],
+        clock_jumps=s.counters.clock_jumps, last_clock_jump_s=s.counters.last_clock_jump_ns / 1e9)
     stale = s.stale
     msg.stale_capsules, msg.stale_regenerable = stale.stale, stale.regenerable
     for cause in STALE_CAUSES:
@@ -61,17 +62,18 @@ def port_status(port: PortPicture) -> PortStatus:
 
 class DiagnosticsBuilder:
     """DiagnosticArray with a level that reflects what changed since the last report:
-    ERROR on new deadline misses or failed / non-finite steps, WARN on new dropped inputs
-    or stale ports."""
+    ERROR on new deadline misses or failed / non-finite steps, WARN on new dropped inputs,
+    stale ports or jumps of the node's clock."""
 
     def __init__(self, node_name: str):
         self.node_name = node_name
-        self._last: Tuple[int, int, int, int] = (0, 0, 0, 0)
+        self._last: Tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
 
     def build(self, status: RuntimeStatus, stamp: Any) -> DiagnosticArray:
         stale = sum(p.stale_steps for p in status.ports)
-        now = (status.deadline_misses, status.step_errors + status.nonfinite_steps, status.dropped_inputs, stale)
-        misses, faults, drops, stales = (a - b for a, b in zip(now, self._last, strict=True))
+        now = (status.deadline_misses, status.step_errors + status.nonfinite_steps, status.dropped_inputs, stale,
+               status.clock_jumps)
+        misses, faults, drops, stales, jumps = (a - b for a, b in zip(now, self._last, strict=True))
         self._last = now
         if faults:
             level, text = DiagnosticStatus.ERROR, f"{faults} failed or non-finite step(s) since the last report: " \
@@ -81,6 +83,9 @@ class DiagnosticsBuilder:
         elif drops or stales:
             level = DiagnosticStatus.WARN
             text = f"{drops} dropped input(s), {stales} stale step(s) since the last report"
+        elif jumps:
+            level = DiagnosticStatus.WARN
+            text = f"the clock jumped {jumps} time(s) since the last report (last {status.last_clock_jump_s:+.3f} s)"
         else:
             level, text = DiagnosticStatus.OK, "ok"
         values = {
@@ -95,7 +100,8 @@ class DiagnosticsBuilder:
             "demotions": status.demotions, "fallback_recomputes": status.fallback_recomputes,
             "dropped_inputs": status.dropped_inputs, "deadline_misses": status.deadline_misses,
             "step_errors": status.step_errors, "nonfinite_steps": status.nonfinite_steps,
-            "last_fault": status.last_fault,
+            "last_fault": status.last_fault, "clock_jumps": status.clock_jumps,
+            "last_clock_jump_s": f"{status.last_clock_jump_s:.3f}",
         }
         values.update(recipes_regenerable=status.recipes_regenerable, recipe_bytes=status.recipe_bytes)
         if status.stale_capsules:

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from capsule_ros.config import ConfigSection, setting
+from capsule_ros.config import CONFIGURE, ConfigSection, setting
 from capsule_ros.errors import ConfigError, InvalidArgument
 from capsule_ros.runtime import numerics
 from capsule_ros.runtime.arena import STATE_KINDS, ArenaLayout, BufferKind, StateArena
@@ -73,12 +73,13 @@ class RuntimeConfig(ConfigSection):
     compile: str = setting("auto", "torch.compile the policy's kernels: auto (on CUDA when Triton is present), "
                            "on, off", choices=("auto", "on", "off"), read_only=True)
     deterministic: bool = setting(True, "torch deterministic algorithms (bit-identical replays)", read_only=True)
-    debug_checks: bool = setting(False, "check buffer addresses before every graph replay")
+    debug_checks: bool = setting(False, "check buffer addresses before every graph replay", applies=CONFIGURE)
     cpu_threads: int = setting(1, "torch intra-op threads on CPU (0 = torch's default: the core count, only with "
                                "numerics native)", low=0, high=1024,
                                read_only=True)
     numerics: str = setting(numerics.PORTABLE, numerics.SETTING_DOC, choices=numerics.CHOICES, read_only=True)
-    seed: int = setting(0, "seed of the policy's counter-based RNG at reset", low=0, high=2**31 - 1)
+    seed: int = setting(0, "seed of the policy's counter-based RNG at reset", low=0, high=2**31 - 1,
+                        applies=CONFIGURE)
     guard_steps: bool = setting(True, "keep the state before each step (one on-device copy) so a step that "
                                 "fails or outputs non-finite values is undone", read_only=True)
     state_check: bool = setting(True, "at start, check that the policy keeps no state outside its declared buffers: "

@@ -40,6 +40,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
 
 # Standard buffer names.
@@ -149,6 +150,12 @@ class StatefulPolicy(nn.Module, abc.ABC):
     @property
     def supports_prefill(self) -> bool:
         return False
+
+    def check_prefix(self, tokens: Sequence[int]) -> None:
+        """ConfigError when ``tokens`` (``policy.prefix``) cannot be prefilled: configure
+        checks it, so a bad prefix fails configure instead of every reset at activate."""
+        if tokens and not self.supports_prefill:
+            raise ConfigError(f"policy.prefix = {list(tokens)}: this policy has no prefix input")
 
     def compile_kernels(self, enabled: bool = True) -> None:
         """Optionally switch to torch.compile'd kernels (the runtime calls it on CUDA)."""

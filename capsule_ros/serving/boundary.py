@@ -15,10 +15,18 @@ Cost: one condition-variable round trip per acquire.
 ``held()`` (a verb: BUSY when no boundary comes within the service timeout),
 ``blocking()`` (the control loop's tick, and work that must not give up: ending a loan,
 returning a failed rebuild's room), ``unless_busy()`` (status: enter only if free at
-once). After ``close`` (the session was released) every entry answers WRONG_STATE, so a
-request that was still waiting never touches a released runtime. The session's parts
-(capsule files, the recompute fallback, the guarded step) never take the lock
-themselves: the session module shows every use of it.
+once), ``lifecycle()`` (the node's lifecycle transitions and run-time parameters: like
+``held()``, and open while the verbs are suspended). After ``close`` (the session was
+released) every entry answers WRONG_STATE, so a request that was still waiting never
+touches a released runtime. The session's parts (capsule files, the recompute fallback,
+the guarded step) never take the lock themselves: the session module shows every use of it.
+
+Suspending the verbs (``suspend`` / ``resume``: the node's lifecycle deactivate and
+activate): while suspended, ``held()`` answers WRONG_STATE with the reason, also to a
+verb that was already waiting for its turn. The check is made under the lock, where the
+verb would act, so a transition and a verb are ordered at the boundary: a verb that
+checked the node's state before a deactivate and reached the boundary after it never
+changes the state the deactivate left.
 """
 from __future__ import annotations
 
@@ -79,6 +87,11 @@ class BoundaryLock:
     def locked(self) -> bool:
         return self._held
 
+    def queued(self) -> int:
+        """Callers holding the lock or waiting for it."""
+        with self._cond:
+            return self._next_ticket - self._serving - len(self._abandoned)
+
     def __enter__(self) -> BoundaryLock:
         self.acquire()
         return self
@@ -96,14 +109,21 @@ class Boundary:
         self.timeout_s = timeout_s
         self._lock = BoundaryLock()
         self._closed = False
+        self._suspended = ""          # why the verbs are refused ("" = they are served)
 
     @contextlib.contextmanager
     def held(self, timeout_s: Optional[float] = None) -> Iterator[None]:
         """Between two steps, for one verb; BUSY if no boundary comes within ``timeout_s``
-        (default ``self.timeout_s``)."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        if not self._lock.acquire(timeout=timeout):
-            raise Busy(f"no step boundary within {timeout * 1e3:.0f} ms")
+        (default ``self.timeout_s``), WRONG_STATE while the verbs are suspended."""
+        self._acquire(timeout_s)
+        with self._entered(gated=True):
+            yield
+
+    @contextlib.contextmanager
+    def lifecycle(self, timeout_s: Optional[float] = None) -> Iterator[None]:
+        """Between two steps, for a lifecycle transition or a run-time parameter change:
+        ``held()``, also while the verbs are suspended (transitions suspend and resume them)."""
+        self._acquire(timeout_s)
         with self._entered():
             yield
 
@@ -130,11 +150,37 @@ class Boundary:
         WRONG_STATE."""
         self._closed = True
 
+    def suspend(self, reason: str) -> None:
+        """Refuse the verbs from now on (``held()`` answers WRONG_STATE with ``reason``),
+        including those already waiting; the other entries are unaffected."""
+        self._suspended = reason or "the session's verbs are suspended"
+
+    def resume(self) -> None:
+        """Serve the verbs again."""
+        self._suspended = ""
+
+    @property
+    def suspended(self) -> str:
+        """Why the verbs are refused; "" while they are served."""
+        return self._suspended
+
+    @property
+    def queued(self) -> int:
+        """Entries holding the boundary or waiting for it (a step, verbs, a transition)."""
+        return self._lock.queued()
+
+    def _acquire(self, timeout_s: Optional[float]) -> None:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if not self._lock.acquire(timeout=timeout):
+            raise Busy(f"no step boundary within {timeout * 1e3:.0f} ms")
+
     @contextlib.contextmanager
-    def _entered(self) -> Iterator[None]:
+    def _entered(self, gated: bool = False) -> Iterator[None]:
         try:
             if self._closed:
                 raise WrongState("the session was released (lifecycle cleanup): nothing to act on")
+            if gated and self._suspended:
+                raise WrongState(self._suspended)
             yield
         finally:
             self._lock.release()

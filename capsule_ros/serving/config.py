@@ -15,7 +15,11 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar
 
 from capsule_ros.capsules.config import CapsuleStoreConfig
 from capsule_ros.config import (
+    APPLIES,
+    CONFIGURE,
+    LIVE,
     NAME_PATTERN,
+    START,
     ConfigSection,
     dims,
     field_default,
@@ -31,6 +35,7 @@ from capsule_ros.runtime.engine import RuntimeConfig
 from capsule_ros.serving.outputs import OutputConfig
 
 S = TypeVar("S", bound=ConfigSection)
+WHEN = {LIVE: "at once", CONFIGURE: "at configure", START: "at start-up"}     # the reference's column
 
 MESSAGE_TYPES = (
     "sensor_msgs/msg/JointState", "sensor_msgs/msg/Imu", "sensor_msgs/msg/Image",
@@ -103,12 +108,14 @@ class ControlConfig(ConfigSection):
     future_tolerance_ms: float = setting(1000.0, "a sensor message stamped further ahead of the node's clock is "
                                          "dropped (reason 'future'); 0 = no check", low=0.0, high=1e9)
     frame_id: str = setting("", "header.frame_id of published actions")
-    status_rate_hz: float = setting(2.0, "rate of ~/status and /diagnostics", low=0.1, high=100.0)
-    autostart: bool = setting(True, "start episode 1 (RUNNING) at launch; else IDLE until ~/reset")
+    status_rate_hz: float = setting(2.0, "rate of ~/status and /diagnostics (steady clock)", low=0.1, high=100.0)
+    autostart: bool = setting(True, "start episode 1 (RUNNING) when the node activates after configure; else IDLE "
+                              "until ~/reset", applies=CONFIGURE)
     input_log_steps: int = setting(20000, "steps of inputs kept per episode for the recompute fallback "
-                                   "(0 = no fallback)", low=0, high=100_000_000)
+                                   "(0 = no fallback)", low=0, high=100_000_000, applies=CONFIGURE)
     input_log_max_mb: float = setting(2048.0, "most host memory the input log may take (input_log_steps x the "
-                                      "bytes of one step's inputs); start-up fails above it", low=0.0, high=1e7)
+                                      "bytes of one step's inputs); configure fails above it", low=0.0, high=1e7,
+                                      applies=CONFIGURE)
     service_timeout_ms: float = setting(500.0, "how long a service waits for a step boundary (then BUSY)",
                                         low=1.0, high=60000.0)
     chunking: str = setting("sync", "chunking policies (ACT with a queue, Diffusion, gru_chunk, exported programs with "
@@ -145,7 +152,9 @@ class PolicyConfig(ConfigSection):
     weights: str = setting("builtin:arm_reach", "safetensors file, 'builtin:<name>' for a shipped policy, "
                            "or '' for random weights from init_seed", read_only=True)
     init_seed: int = setting(0, "seed of random weights when weights is ''", low=0, high=2**31 - 1, read_only=True)
-    prefix: Tuple[int, ...] = setting((), "token ids prefilled at every reset to the initial state", low=0)
+    prefix: Tuple[int, ...] = setting((), "token ids prefilled at every reset to the initial state (a policy with "
+                                      "a prefix input: configure checks them against it)", low=0,
+                                      applies=CONFIGURE)
 
 
 @dataclass(frozen=True)
@@ -154,9 +163,10 @@ class RecordConfig(ConfigSection):
 
     SECTION = "record"
 
-    enabled: bool = setting(False, "record from start-up")
-    directory: str = setting("~/.ros/capsule_ros/bags", "parent directory of new bags")
-    storage: str = setting("mcap", "rosbag2 storage plugin", choices=("mcap", "sqlite3"))
+    enabled: bool = setting(False, "record: from activate, or now on an active node (true starts a recording "
+                            "unless one runs; false stops the running one)")
+    directory: str = setting("~/.ros/capsule_ros/bags", "parent directory of new bags (the next recording)")
+    storage: str = setting("mcap", "rosbag2 storage plugin (the next recording)", choices=("mcap", "sqlite3"))
 
 
 @dataclass(frozen=True)
@@ -259,14 +269,26 @@ def settings_reference() -> str:
     lines = ["# Configuration reference", "",
              "Every parameter of `policy_node` (and of `capsule-ros demo` / `replay`, which read the same",
              "parameter file), generated from the configuration dataclasses by `tools/config_reference.py`.",
-             "Read-only parameters shape the graph and the capsule fingerprint: they are set at start-up",
-             "(parameter file, launch arguments, `--ros-args -p`). The others can change at run time",
-             "(`ros2 param set`), validated the same way.", ""]
+             "",
+             "## When a change takes effect", "",
+             "Every parameter is validated the same way at start-up, at lifecycle configure and when it is",
+             "set on a running node (`ros2 param set`, in every lifecycle state): a bad value is refused with",
+             "a reason that quotes it and the allowed range. The column *applies* says when a value that is",
+             "accepted takes effect:", "",
+             *(f"- **{WHEN[mode]}**: {APPLIES[mode]}." for mode in (LIVE, CONFIGURE, START)), "",
+             "So a set that answers success has taken effect (or, while the node is unconfigured, is what",
+             "the next configure reads). Configure-time settings shape what configure and activate build",
+             "(the input log, the reset prefix, the RNG seed); read-only ones shape the graph and the",
+             "capsule fingerprint. `use_sim_time` (rclpy's own) applies at once too: the node's clock",
+             "changes, which the session counts as a clock jump ([architecture](architecture.md#clock-jumps)).",
+             "Every parameter has a value (an empty list is a typed empty list), so",
+             "`ros2 param dump /capsule_policy > params.yaml` writes a file that",
+             "`ros2 launch capsule_ros policy.launch.py params_file:=params.yaml` loads back.", ""]
     # the built-in kinds only: the reference must not depend on which packages are installed
     kinds = tuple((f"policy.{name}", policy_kind(name).settings) for name in BUILTIN)
     for prefix, cls in (("ports.<name>", PortConfig), ("outputs.<name>", OutputConfig)) + SECTIONS + kinds:
         lines += [f"## `{prefix}`", "", (cls.__doc__ or "").strip().splitlines()[0], "",
-                  "| parameter | default | allowed | read-only | meaning |", "| --- | --- | --- | --- | --- |"]
+                  "| parameter | default | allowed | applies | meaning |", "| --- | --- | --- | --- | --- |"]
         for f in cls.settings():
             meta = f.metadata
             allowed = []
@@ -280,7 +302,7 @@ def settings_reference() -> str:
             default = field_default(f)
             shown = list(default) if isinstance(default, tuple) else default
             lines.append(f"| `{prefix}.{f.name}` | `{shown!r}` | {'; '.join(allowed) or '-'} | "
-                         f"{'yes' if meta['read_only'] else 'no'} | {meta['doc']} |")
+                         f"{WHEN[meta['applies']]} | {meta['doc']} |")
         lines.append("")
     lines += ["`ports.names` (read-only) lists the ports; each has the `ports.<name>.*` parameters above.",
               "`outputs.names` (read-only, default empty) lists the command outputs; each has the",

@@ -21,6 +21,7 @@ from capsule_ros.runtime.fingerprint import FingerprintParts
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.config import ControlConfig, ServingConfig
 from capsule_ros.serving.invalidation import Survey, survey
+from capsule_ros.serving.recompute import check_log_size
 from capsule_ros.serving.records import EventRecord
 from capsule_ros.serving.regenerate import BackgroundRegeneration, CapsuleFiles, Deployment
 from capsule_ros.serving.session import PolicySession
@@ -128,12 +129,18 @@ class PreparedServing:
 
 def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, node_name: str = "capsule_policy",
                     directory: Optional[CapsuleDirectory] = None) -> PreparedServing:
-    """Build the policy on the CPU (weights read and checked), compute the fingerprint, open
-    the capsule directory (which moves unfinished saves aside) and count its capsules of
-    another fingerprint by cause (headers only; logged when there are any); ``directory``:
-    use this one instead of opening ``capsules.directory`` (a replay's read-only directory)."""
+    """Build the policy on the CPU (weights read and checked), check what needs the policy
+    (the chunk schedule, the reset prefix, the input log's size), compute the fingerprint
+    (and its parts), open the capsule directory (which moves unfinished saves aside) and
+    count its capsules of another fingerprint by cause (headers only; logged when there are
+    any); ``directory``: use this one instead of opening ``capsules.directory`` (a replay's
+    read-only directory). A bad value raises ConfigError here, before any device memory is
+    used."""
     policy = build_policy(config, weights)
     check_chunking(policy, config)
+    policy.check_prefix(config.policy.prefix)
+    in_start, in_end = ArenaLayout(policy.state_spec()).byte_range(BufferKind.INPUT)   # one step's inputs
+    check_log_size(config.control.input_log_steps, in_end - in_start, config.control.input_log_max_mb)
     fingerprint, parts = runtime_identity(policy, config.runtime, port_bindings(config))
     if directory is None and config.capsules.directory:
         directory = CapsuleDirectory(capsule_directory_path(config.capsules.directory, node_name),

@@ -78,6 +78,17 @@ class OutputConfig(ConfigSection):
             raise ConfigError(f"{self.SECTION}.joints = {list(self.joints)}: names repeat")
 
 
+def point_spacing(name: str, config: OutputConfig, control_period_s: Optional[float]) -> float:
+    """Seconds between the trajectory points of output ``name``: ``time_step_ms``, else the
+    control period (None in trigger mode, where a JointTrajectory output must set time_step_ms)."""
+    if config.time_step_ms > 0:
+        return config.time_step_ms / 1e3
+    if control_period_s is None and config.type == TRAJECTORY:
+        raise ConfigError(f"outputs.{name}.time_step_ms: must be set when control.mode is 'trigger' "
+                          "(there is no control period to space the points)")
+    return float(control_period_s or 0.0)
+
+
 @dataclass(frozen=True)
 class Command:
     """What one output sends for one action: ``rows`` [K, n] float64 joint values (K = 1
@@ -108,18 +119,14 @@ class OutputAdapter:
             raise ConfigError(f"{where}.joints: {len(config.joints)} names for {len(indices)} action values "
                               f"(set {where}.indices to pick which)")
         self.indices = np.asarray(indices, dtype=np.int64)
-        self.time_step_s = self.time_step(control_period_s)
+        self.time_step_s = point_spacing(name, config, control_period_s)
         self._last_position: Optional[np.ndarray] = None
 
-    def time_step(self, control_period_s: Optional[float]) -> float:
-        """Seconds between trajectory points: ``time_step_ms``, else the control period
-        (None in trigger mode, where a JointTrajectory output must set time_step_ms)."""
-        if self.config.time_step_ms > 0:
-            return self.config.time_step_ms / 1e3
-        if control_period_s is None and self.config.type == TRAJECTORY:
-            raise ConfigError(f"outputs.{self.name}.time_step_ms: must be set when control.mode is 'trigger' "
-                              "(there is no control period to space the points)")
-        return float(control_period_s or 0.0)
+    def retune(self, config: OutputConfig, time_step_s: float) -> None:
+        """Run-time settings (``time_step_ms``, ``points``: what the node's parameters may
+        change) and the point spacing they give (``point_spacing``); the caller serialises
+        it with ``command``."""
+        self.config, self.time_step_s = config, time_step_s
 
     @property
     def size(self) -> int:

@@ -15,7 +15,10 @@ would be dropped as out of order). A message that cannot be read at all counts a
 
 Ages and staleness are judged on the receiver's clock, the one ``accept`` is given (the
 node's ROS clock; a replay's log time), so an in-process replay counts stale steps
-where the node counted them.
+where the node counted them. When that clock jumps (``clock_jumped``: a simulated clock
+going back to a bag's start), the ordering point is forgotten, since the sensors' stamps
+start over on the new timeline, and the time of the last accepted message moves with the
+clock, so ages go on growing across the jump and staleness still applies.
 """
 from __future__ import annotations
 
@@ -120,6 +123,13 @@ class PortAdapter:
     def reset_ordering(self) -> None:
         """Forget the last accepted stamp (a new episode: a sensor clock may have restarted)."""
         self._last_stamp = None
+
+    def clock_jumped(self, delta_ns: int) -> None:
+        """The receiver's clock jumped by ``delta_ns``: stamps start over (ordering forgotten)
+        and the last message's time moves with the clock, so its age is unchanged."""
+        self.reset_ordering()
+        if self.counters.last_accept_ns is not None:
+            self.counters.last_accept_ns += delta_ns
 
     def convert(self, msg: Any, now_ns: Optional[int] = None, future_tolerance_ns: Optional[int] = None) -> np.ndarray:
         """The buffer values of ``msg`` (shape config.shape, the buffer's dtype), or raise
@@ -287,3 +297,8 @@ class SensorInputs:
         """A new episode: a sensor's clock may have restarted."""
         for port in self.ports.values():
             port.reset_ordering()
+
+    def clock_jumped(self, delta_ns: int) -> None:
+        """The receiver's clock jumped (``PortAdapter.clock_jumped``, every port)."""
+        for port in self.ports.values():
+            port.clock_jumped(delta_ns)

@@ -110,6 +110,17 @@ class RebuildPlan:
         return sum(stage.info.steps for stage in self.stages)
 
 
+def check_log_size(log_steps: int, row_bytes: int, max_log_mb: float) -> None:
+    """ConfigError when ``log_steps`` rows of ``row_bytes`` (one step's inputs) would take
+    more than ``max_log_mb``; configure checks it from the layout, before any memory is used."""
+    if log_steps * row_bytes > max_log_mb * 2**20:
+        fits = int(max_log_mb * 2**20 // max(row_bytes, 1))
+        raise ConfigError(f"control.input_log_steps = {log_steps}: the input log would take "
+                          f"{log_steps * row_bytes / 2**20:,.0f} MiB ({row_bytes:,} bytes of inputs per step), "
+                          f"over control.input_log_max_mb = {max_log_mb:g}; set input_log_steps to at most "
+                          f"{fits} (0 turns the recompute fallback off) or raise the limit")
+
+
 class Recompute:
     """The input log, the ledger, recipes and the rebuild (see the module docstring). Not
     thread-safe except ``rebuild``: callers hold the session's boundary lock."""
@@ -124,12 +135,7 @@ class Recompute:
         self.store = store
         self.prefix = tuple(prefix)
         row_bytes = runtime.input_staging.numel()
-        if log_steps * row_bytes > max_log_mb * 2**20:
-            fits = int(max_log_mb * 2**20 // max(row_bytes, 1))
-            raise ConfigError(f"control.input_log_steps = {log_steps}: the input log would take "
-                              f"{log_steps * row_bytes / 2**20:,.0f} MiB ({row_bytes:,} bytes of inputs per step), "
-                              f"over control.input_log_max_mb = {max_log_mb:g}; set input_log_steps to at most "
-                              f"{fits} (0 turns the recompute fallback off) or raise the limit")
+        check_log_size(log_steps, row_bytes, max_log_mb)
         self.log = InputLog(log_steps, row_bytes, runtime.policy.action_dim)
         self.inputs = recipe_inputs(runtime)
         self.root_id = ""

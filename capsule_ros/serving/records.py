@@ -52,6 +52,7 @@ class EventKind(enum.IntEnum):
     SAVE = 6
     LOAD = 7
     EVICT = 8
+    CLOCK_JUMP = 9         # the session's clock went back (detail: ``clock_jump_detail``)
 
 
 class StepFault(str, enum.Enum):
@@ -97,6 +98,16 @@ class EventRecord:
     detail: str = ""
 
 
+def clock_jump_detail(delta_ns: int) -> str:
+    """A CLOCK_JUMP event's detail: the jump, signed, in nanoseconds ("-10000000000 ns")."""
+    return f"{int(delta_ns):+d} ns"
+
+
+def clock_jump_delta(detail: str) -> int:
+    """The jump (ns) a CLOCK_JUMP event's detail holds (``clock_jump_detail``)."""
+    return int(detail.split()[0])
+
+
 class EpisodeStart(NamedTuple):
     """What ``reset`` answers: the new episode and the capsule it started from (None: the initial state)."""
 
@@ -133,6 +144,8 @@ class SessionCounters:
     fallback_recomputes: int = 0
     ticks_waiting_for_inputs: int = 0
     last_fault: str = ""               # the last step error or non-finite output, for logs and status
+    clock_jumps: int = 0               # times the session's clock went back (PolicySession.clock_jumped)
+    last_clock_jump_ns: int = 0        # by how much, the last time (negative: back)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ services onto it, and ``capsule-ros replay`` and the demo drive it directly. Pol
 mechanism: the runtime and the store provide verbs (step, snapshot, restore, fork); the
 session decides when to use them. Its verbs are the ones of ``capsule_ros.serving.verbs``
 (commit, reset, interrupt, reenter, fork, list, drop, save, load), plus ``feed`` / ``tick``
-for the control loop and ``reconfigure`` for run-time settings.
+for the control loop, ``clock_jumped`` when its clock jumps, ``reconfigure`` for run-time
+settings, and ``suspend_serving`` / ``resume_serving`` for the node's lifecycle.
 
 Episode states: IDLE (no episode), RUNNING (each tick steps the policy), INTERRUPTED
 (each tick hands out the safe action; the state waits at its boundary).
@@ -19,8 +20,9 @@ so a replay that drives it counts exactly what the node counts.
 
 Concurrency: the session owns its step boundary (``capsule_ros.serving.boundary``) and
 this module shows every use of it: ``self.boundary.blocking()`` for a tick (one step),
-``self.boundary.held()`` for a verb (BUSY after ``control.service_timeout_ms``),
-``self.boundary.unless_busy()`` for status. The parts it composes (the capsule set and
+``self.boundary.held()`` for a verb (BUSY after ``control.service_timeout_ms``; WRONG_STATE
+while the node is inactive: ``suspend_serving``), ``self.boundary.lifecycle()`` for the
+node's lifecycle and parameters, ``self.boundary.unless_busy()`` for status. The parts it composes (the capsule set and
 its files, the recompute fallback, the guarded step) never take the boundary and never
 call back into the session: they return plans and results, and each says whether it
 runs under the boundary or outside it. File I/O (reading, writing, removing capsule
@@ -71,6 +73,7 @@ from capsule_ros.serving.records import (
     SessionCounters,
     SessionStatus,
     StepFault,
+    clock_jump_detail,
 )
 from capsule_ros.serving.stepping import GuardedStep
 
@@ -127,6 +130,8 @@ class PolicySession:
         self._last_applied = np.zeros(runtime.policy.action_dim, dtype=np.float32)
         self._status: Optional[SessionStatus] = None
         self.files = files                         # the directory's picture: stale files, recipes
+        self._clock_seen_ns: Optional[int] = None       # the clock when feed / tick last read it
+        self._resume_when_served = False                # suspend_serving interrupted the episode
         store.on_evict = self._on_evict
 
     # -- inputs ------------------------------------------------------------------------------------
@@ -138,8 +143,8 @@ class PolicySession:
         """A sensor message for ``port``: checked (against ``now_ns``, default the session's
         clock, for future stamps), converted and staged. Raises PortDrop (counted)."""
         tolerance = self.control.future_tolerance_ms
-        return self.inputs.receive(port, msg, self.clock_ns() if now_ns is None else now_ns,
-                                   int(tolerance * 1e6) if tolerance > 0 else None)
+        now = self.observe_clock(self.clock_ns() if now_ns is None else now_ns)
+        return self.inputs.receive(port, msg, now, int(tolerance * 1e6) if tolerance > 0 else None)
 
     def feed(self, port: str, msg: Any, now_ns: Optional[int] = None, *, stage_only: bool = False,
              late: bool = False) -> Fed:
@@ -156,6 +161,32 @@ class PolicySession:
         if stage_only or control.mode != "trigger" or port != control.trigger_port:
             return Fed(True, None, False, None)
         return Fed(True, None, True, self.tick(stamp_ns(msg), late=late))
+
+    def observe_clock(self, now_ns: int) -> int:
+        """The session's clock as the control loop reads it (``receive``, ``tick``): a time
+        earlier than the last one read is a jump back (``clock_jumped``), for clocks that
+        report none (a wall clock stepped back). Returns ``now_ns``."""
+        seen, self._clock_seen_ns = self._clock_seen_ns, now_ns
+        if seen is not None and now_ns < seen:
+            self.clock_jumped(now_ns - seen)
+        return now_ns
+
+    def clock_jumped(self, delta_ns: int) -> None:
+        """The session's clock jumped by ``delta_ns`` (negative: back), as a simulated clock
+        does at every loop of ``ros2 bag play --clock --loop``: the ports forget their stamp
+        ordering and their ages go on across the jump (``SensorInputs.clock_jumped``), so
+        the sensors' new stamps are taken and staleness still applies; the jump is counted,
+        warned about and published as a CLOCK_JUMP event (a replay re-enacts it there). The
+        node calls it from its clock's jump callback; ``observe_clock`` for other clocks.
+        At a boundary, waiting as long as it takes (like a tick)."""
+        with self.boundary.blocking():
+            self.inputs.clock_jumped(delta_ns)
+            self._clock_seen_ns = self.clock_ns()
+            self.counters.clock_jumps += 1
+            self.counters.last_clock_jump_ns = delta_ns
+            self.notices.warn("clock", f"the clock jumped {delta_ns / 1e9:+.3f} s (a looping bag's /clock? a "
+                                       "simulator reset?): the ports' stamp ordering starts over")
+            self._emit(EventKind.CLOCK_JUMP, None, detail=clock_jump_detail(delta_ns))
 
     def write_input(self, name: str, values: np.ndarray) -> None:
         """Stage values for an input directly (no port checks: tests and tools)."""
@@ -196,7 +227,7 @@ class PolicySession:
         node's lifecycle ``cleanup``): device memory goes back to the driver and the session
         cannot run again (its boundary answers WRONG_STATE from now on). Capsule files stay."""
         self.close()
-        with self.boundary.held(timeout_s):
+        with self.boundary.lifecycle(timeout_s):
             self.state = EpisodeState.IDLE
             self.recompute.close()
             self.store.close()
@@ -208,7 +239,7 @@ class PolicySession:
         deadline miss, e.g. a replay re-enacting one); INTERRUPTED: the hold mode's safe
         action (None when silent); IDLE or inputs missing: None. After a policy action,
         ports older than their ``staleness_ms`` count a stale step."""
-        now = self.clock_ns()
+        now = self.observe_clock(self.clock_ns())
         stamp_ns = now if stamp_ns is None else stamp_ns
         with self.boundary.blocking():
             if self.state == EpisodeState.INTERRUPTED:
@@ -259,7 +290,7 @@ class PolicySession:
                 raise InvalidArgument(f"ports.{name}: its message type, fields, shape and dtype are fixed at start-up")
         if control.mode == "trigger" and control.trigger_port not in self.ports:
             raise InvalidArgument(f"control.trigger_port = {control.trigger_port!r}: not a port")
-        with self.boundary.held():
+        with self.boundary.lifecycle():          # also while the verbs are suspended (an inactive node)
             self.control = control
             self.boundary.timeout_s = control.service_timeout_ms / 1e3
             for name, port in ports.items():
@@ -318,20 +349,49 @@ class PolicySession:
         re-entered or replaced). Raises InvalidArgument (hold mode), WrongState (not
         RUNNING), ResourceExhausted (commit without room) and Busy (no boundary within
         ``timeout_s``, default control.service_timeout_ms)."""
-        try:
-            mode = HoldMode(hold_mode)
-        except ValueError:
-            raise InvalidArgument(f"hold_mode {hold_mode!r}: must be one of {[m.value for m in HoldMode]}") from None
+        mode = _hold_mode(hold_mode)
         with self.boundary.held(timeout_s):
             self._require(EpisodeState.RUNNING, verb="interrupt")
-            capsule = self._snapshot("interrupt", held=True) if commit else None
-            self._release_interrupt_capsule()
-            if capsule is not None:
-                self.interrupt_capsule_id = self.lineage = capsule.id
-            self.hold_mode = mode
-            self.state = EpisodeState.INTERRUPTED
-            self._emit(EventKind.INTERRUPT, capsule, detail=mode.name)
-            return capsule
+            return self._interrupt(mode, commit)
+
+    def suspend_serving(self, reason: str, hold_mode: int = HoldMode.HOLD_LAST, *,
+                        timeout_s: Optional[float] = None) -> Optional[Capsule]:
+        """Stop serving the verbs (the node's lifecycle deactivate): from now on each verb
+        answers WrongState(``reason``), also one already waiting for the boundary; at the
+        next boundary a RUNNING episode is interrupted with ``hold_mode`` (the boundary
+        capsule committed, the INTERRUPT event and its safe action), which
+        ``resume_serving`` re-enters. The verbs are refused before the boundary is taken,
+        so none can change the state between this interrupt and the resume. Returns the
+        interrupt capsule (None when no episode was running). Busy when no boundary comes
+        within ``timeout_s`` (ResourceExhausted: no room for the capsule): the verbs are
+        served again and nothing changed."""
+        mode = _hold_mode(hold_mode)
+        self.boundary.suspend(reason)
+        try:
+            with self.boundary.lifecycle(timeout_s):
+                self._resume_when_served = self.state == EpisodeState.RUNNING
+                return self._interrupt(mode, True) if self._resume_when_served else None
+        except BaseException:
+            self.boundary.resume()
+            raise
+
+    def resume_serving(self, timeout_s: Optional[float] = None) -> Optional[ReenterResult]:
+        """Serve the verbs again (the node's lifecycle activate), at one boundary: the
+        episode ``suspend_serving`` interrupted resumes from its interrupt capsule (bit for
+        bit), then the verbs are served. Busy when no boundary comes within ``timeout_s``:
+        still suspended, nothing changed."""
+        with self.boundary.lifecycle(timeout_s):
+            result = None
+            if self._resume_when_served and self.state == EpisodeState.INTERRUPTED:
+                result = self._resume_interrupted()
+            self._resume_when_served = False
+            self.boundary.resume()
+            return result
+
+    @property
+    def suspended(self) -> str:
+        """Why the verbs are refused (``suspend_serving``); "" while they are served."""
+        return self.boundary.suspended
 
     def reenter(self, capsule_id: str = "", *, only: Sequence[BufferKind] = ()) -> ReenterResult:
         """Restore a capsule and resume ("" = the interrupt capsule, or the untouched live
@@ -363,15 +423,17 @@ class PolicySession:
             plan = self.recompute.plan(capsule_id, cause, chain)   # re-raises ``cause`` when neither can
         try:
             seconds = self.recompute.rebuild(plan)
+            with self.boundary.held():                         # Busy, or suspended meanwhile: WrongState
+                capsule = self.recompute.adopt(capsule_id, plan, cause, seconds)
+                self.counters.fallback_recomputes += 1
+                self.store.restore(capsule.id, self.runtime)
+                return self._resume(capsule, str(cause), 0.0, seconds)
         except BaseException:
-            with self.boundary.blocking():                     # its room must go back, whatever the wait
+            # its room must go back, whatever the wait (a no-op once adopted); after a
+            # release (lifecycle cleanup) the store is gone with it
+            with contextlib.suppress(WrongState), self.boundary.blocking():
                 self.recompute.unreserve(plan)
             raise
-        with self.boundary.held():
-            capsule = self.recompute.adopt(capsule_id, plan, cause, seconds)
-            self.counters.fallback_recomputes += 1
-            self.store.restore(capsule.id, self.runtime)
-            return self._resume(capsule, str(cause), 0.0, seconds)
 
     def fork(self, capsule_id: str = "", label: str = "") -> Capsule:
         """A new capsule id with the same state ("" = the live state at this boundary).
@@ -493,6 +555,17 @@ class PolicySession:
             raise WrongState(f"cannot {verb} while {self.state.name} (allowed in "
                              f"{' / '.join(s.name for s in states)})")
 
+    def _interrupt(self, mode: HoldMode, commit: bool) -> Optional[Capsule]:
+        """Stop acting at this boundary (RUNNING), with the boundary capsule if ``commit``."""
+        capsule = self._snapshot("interrupt", held=True) if commit else None
+        self._release_interrupt_capsule()
+        if capsule is not None:
+            self.interrupt_capsule_id = self.lineage = capsule.id
+        self.hold_mode = mode
+        self.state = EpisodeState.INTERRUPTED
+        self._emit(EventKind.INTERRUPT, capsule, detail=mode.name)
+        return capsule
+
     def _snapshot(self, label: str, pinned: bool = False, held: bool = False) -> Capsule:
         capsule = self.store.snapshot(self.runtime, label=label, parent_id=self.lineage,
                                       episode_id=self.episode_id, step=self.step, pinned=pinned, held=held)
@@ -612,6 +685,13 @@ class PolicySession:
             self.on_event(event)
         except Exception:
             LOG.exception("capsule event observer failed")
+
+
+def _hold_mode(value: int) -> HoldMode:
+    try:
+        return HoldMode(value)
+    except ValueError:
+        raise InvalidArgument(f"hold_mode {value!r}: must be one of {[m.value for m in HoldMode]}") from None
 
 
 def _check_label(label: str) -> None:
