@@ -56,8 +56,8 @@ class _Scaler(StatefulPolicy):
         return {"policy": type(self).__name__.strip("_").lower()}
 
 
-class _PythonCounter(_Scaler):
-    """Counts its steps in a Python attribute: a restored capsule cannot bring it back."""
+class _CountsCalls:
+    """Counts the calls of ``gain`` in a Python attribute: a restored capsule cannot bring it back."""
 
     def __init__(self):
         super().__init__()
@@ -66,6 +66,10 @@ class _PythonCounter(_Scaler):
     def gain(self, state):
         self.calls += 1
         return torch.full((), float(self.calls), device=state["x"].device)
+
+
+class _PythonCounter(_CountsCalls, _Scaler):
+    """Its step counts its runs in a Python attribute."""
 
 
 class _HiddenTensor(_Scaler):
@@ -124,16 +128,8 @@ class _Chunker(StatefulPolicy):
         return {"policy": type(self).__name__.strip("_").lower()}
 
 
-class _ChunkerCounter(_Chunker):
-    """Its network counts its runs in a Python attribute: a restored capsule cannot bring it back."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def gain(self, state):
-        self.calls += 1
-        return torch.full((), float(self.calls), device=state["x"].device)
+class _ChunkerCounter(_CountsCalls, _Chunker):
+    """Its network counts its runs in a Python attribute."""
 
 
 CHUNK_SCHEDULES = {"sync": ChunkingOptions("sync"), "async": ChunkingOptions("async", delay=1, horizon=2)}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device
+from capsule_ros.benchmarks.common import config_path, emit, environment, paced_ticks, pct, print_table, resolve_device
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_session
 from capsule_ros.serving.process import settle_after_start
@@ -54,7 +54,7 @@ def _phase(session, commits: str, seconds: float, period_s: float) -> dict:
     """Tick every ``period_s`` for ``seconds`` while ``commits`` (one of ``KINDS``) run back
     to back in another thread."""
     rng = np.random.default_rng(0)
-    ticks, commit_s = [], []
+    commit_s: list = []
     stop = threading.Event()
     persist = commits.startswith("persist")
     store = session.store          # the recipe setting of this phase (read at each save)
@@ -70,20 +70,13 @@ def _phase(session, commits: str, seconds: float, period_s: float) -> dict:
     thread = threading.Thread(target=committer) if commits != "none" else None
     if thread is not None:
         thread.start()
-    end = time.monotonic() + seconds
-    next_tick = time.monotonic()
-    while time.monotonic() < end:
-        for name, view in session.runtime.staging.items():
-            session.write_input(name, rng.normal(size=view.shape).astype(view.dtype))
-        start = time.perf_counter()
-        session.tick()
-        ticks.append(time.perf_counter() - start)
-        next_tick += period_s
-        time.sleep(max(0.0, next_tick - time.monotonic()))
-    stop.set()
-    if thread is not None:
-        thread.join()
-    return {"commits": commits, "samples": np.asarray(ticks), "commit_samples": commit_s}
+    try:
+        ticks = paced_ticks(session, seconds, rng, period_s)
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join()
+    return {"commits": commits, "samples": ticks, "commit_samples": commit_s}
 
 
 def _pooled(parts) -> dict:

@@ -111,6 +111,24 @@ def random_arena(layout: ArenaLayout, device: torch.device, seed: int = 0) -> Ar
     return ArenaHost(arena, layout, f"bench-{layout.digest()}", stream)
 
 
+def paced_ticks(session, seconds: float, rng: np.random.Generator, period_s: float = 0.002,
+                until: Callable[[], bool] = lambda: False) -> np.ndarray:
+    """Tick a ``PolicySession`` every ``period_s`` for ``seconds`` (or until ``until``), each
+    tick on fresh random inputs, as a timer-driven node does; each tick's wall time (s)."""
+    out = []
+    end = time.monotonic() + seconds
+    next_tick = time.monotonic()
+    while time.monotonic() < end and not until():
+        for name, view in session.runtime.staging.items():
+            session.write_input(name, rng.normal(size=view.shape).astype(view.dtype))
+        start = time.perf_counter()
+        session.tick()
+        out.append(time.perf_counter() - start)
+        next_tick += period_s
+        time.sleep(max(0.0, next_tick - time.monotonic()))
+    return np.asarray(out)
+
+
 def print_table(title: str, header: List[str], rows: Iterable[List[object]]) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -23,12 +23,12 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import torch
 
-from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device
+from capsule_ros.benchmarks.common import config_path, emit, environment, paced_ticks, pct, print_table, resolve_device
 from capsule_ros.benchmarks.lerobot_act import serving_config, write_act_checkpoint
 from capsule_ros.benchmarks.reenter import QUICK as REFERENCE_QUICK
 from capsule_ros.capsules.directory import CapsuleDirectory
@@ -141,23 +141,6 @@ def _check_1000(config: ServingConfig, device: torch.device, tmp: Path, count: i
     return {"capsules": count, "deployment_load_s": load_s, "check_s": check_s, "per_capsule_ms": check_s / count * 1e3}
 
 
-def _ticks(session, seconds: float, rng: np.random.Generator, period_s: float = 0.002,
-           until: Callable[[], bool] = lambda: False) -> np.ndarray:
-    """Tick every ``period_s`` for ``seconds`` (or until ``until``); each tick's wall time."""
-    out = []
-    end = time.monotonic() + seconds
-    next_tick = time.monotonic()
-    while time.monotonic() < end and not until():
-        for name, view in session.runtime.staging.items():
-            session.write_input(name, rng.normal(size=view.shape).astype(view.dtype))
-        start = time.perf_counter()
-        session.tick()
-        out.append(time.perf_counter() - start)
-        next_tick += period_s
-        time.sleep(max(0.0, next_tick - time.monotonic()))
-    return np.asarray(out)
-
-
 def _background(config: ServingConfig, device: torch.device, tmp: Path, seconds: float) -> Dict[str, Any]:
     """The control loop's tick with and without a background regeneration running."""
     stale = tmp / "stale"
@@ -177,14 +160,14 @@ def _background(config: ServingConfig, device: torch.device, tmp: Path, seconds:
     samples: Dict[str, List[np.ndarray]] = {"without": [], "with": []}
     regenerated = 0
     for _ in range(ROUNDS):
-        samples["without"].append(_ticks(session, seconds / ROUNDS, rng))
+        samples["without"].append(paced_ticks(session, seconds / ROUNDS, rng))
         for capsule_id in ids:                             # the stale files again (the last round replaced them)
             shutil.copy(stale / f"{capsule_id}.capsule", live_dir / f"{capsule_id}.capsule")
         assert session.directory is not None
         background = BackgroundRegeneration(live, session.directory, ids, session.runtime.fingerprint,
                                             load_deployment)
         background.start()           # tick until it is done (at nice 19 it is slower on a busy machine)
-        samples["with"].append(_ticks(session, 20 * seconds / ROUNDS, rng,
+        samples["with"].append(paced_ticks(session, 20 * seconds / ROUNDS, rng,
                                       until=lambda b=background: b.finished))   # type: ignore[misc]
         background.close()
         regenerated += background.progress()[0]
