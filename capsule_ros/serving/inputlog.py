@@ -1,10 +1,11 @@
 """The episode input log: what the recompute fallback replays, and what a saved
 capsule's recipe is cut from.
 
-Each step's staged inputs (the whole input region, a few bytes to a few KB) are copied
-into a preallocated ring of ``capacity`` rows, so logging never allocates; beside each row,
-whether the step read its inputs at all (a chunking policy's consume steps read none: no
-row is copied for them) and the action it produced (for a recipe's actions). Entry ``i``
+Each step's staged inputs (the whole input region: a few bytes, or a camera frame) are
+copied into ``capacity`` rows allocated and touched up front, so logging never allocates
+or faults a page in; beside each row, whether the step read its inputs at all (a chunking
+policy's consume steps read none: no row is copied for them) and the action it produced
+(for a recipe's actions). Entry ``i``
 holds the inputs of the step taken from state step ``base_step + i`` of the current
 episode's timeline. A rollback truncates the log at the restored step; the log remembers
 every truncation so it can tell whether a capsule's prefix is still the logged one.
@@ -16,14 +17,24 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 
+def _touched(shape: Tuple[int, ...], dtype) -> np.ndarray:
+    """A zeroed array whose pages are all mapped now. ``np.zeros`` maps a page at its first
+    write, so an episode's first pass through a camera policy's log paid the kernel's
+    first-touch faults inside the control step (docs/benchmarks.md, "The input log's first
+    touch"); here the session's start pays them once."""
+    array = np.empty(shape, dtype=dtype)
+    array.fill(0)
+    return array
+
+
 class InputLog:
     """Inputs of the current episode's timeline, from its root state onwards."""
 
     def __init__(self, capacity: int, row_bytes: int, action_dim: int = 0):
         self.capacity = capacity
-        self._rows = np.zeros((capacity, row_bytes), dtype=np.uint8)
-        self._reads = np.zeros(capacity, dtype=bool)
-        self._actions = np.zeros((capacity, action_dim), dtype=np.float32)
+        self._rows = _touched((capacity, row_bytes), np.uint8)
+        self._reads = _touched((capacity,), bool)
+        self._actions = _touched((capacity, action_dim), np.float32)
         self.episode_id = -1
         self.base_step = 0
         self.length = 0
