@@ -20,8 +20,8 @@ import numpy as np
 def _touched(shape: Tuple[int, ...], dtype) -> np.ndarray:
     """A zeroed array whose pages are all mapped now. ``np.zeros`` maps a page at its first
     write, so an episode's first pass through a camera policy's log paid the kernel's
-    first-touch faults inside the control step (docs/benchmarks.md, "The input log's first
-    touch"); here the session's start pays them once."""
+    first-touch faults inside the control step
+    (docs/benchmarks.md, "The input log's first touch"); the session's start pays them."""
     array = np.empty(shape, dtype=dtype)
     array.fill(0)
     return array
