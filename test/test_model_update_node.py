@@ -94,8 +94,11 @@ def test_the_node_counts_lists_and_regenerates_stale_capsules(tmp_path, rclpy_co
     other_ports.release()
     shutil.copy(V1_FIXTURE, directory)                     # format version 1, this node's graph: valid
 
+    # regenerate_nice 0: at the default 19 the child gets only idle CPU, and the suite also runs
+    # with a busy loop on every core, where it would wait for minutes (docs/model-updates.md)
     node = start_policy_node(tmp_path, {"policy": {"weights": ""}, "control": {"deadline_ms": 5000.0},
-                                        "capsules": {"regenerate_stale": True}}, namespace="/mu")
+                                        "capsules": {"regenerate_stale": True, "regenerate_nice": 0}},
+                             namespace="/mu")
     client = ClientNode(rclpy_context, "model_update_client", node_path="/mu/capsule_policy")
     try:
         diagnostics = client.subscribe(DiagnosticArray, "/diagnostics")

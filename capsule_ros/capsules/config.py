@@ -34,3 +34,6 @@ class CapsuleStoreConfig(ConfigSection):
     regenerate_stale: bool = setting(False, "at activate, regenerate in the background the capsule files of another "
                                      "fingerprint that carry a recipe, for this model (low priority, off the control "
                                      "loop; each file is replaced atomically when complete)", read_only=True)
+    regenerate_nice: int = setting(19, "OS niceness of the background regeneration's process: 19 takes only the CPU "
+                                   "time nothing else wants, so on a saturated machine it waits; lower lets it make "
+                                   "progress against other work of the same priority", low=0, high=19, read_only=True)

@@ -554,11 +554,11 @@ def regenerate_directory(src: Path, dst: Path, load: Callable[[], Deployment], *
 # -- the node: stale capsules and their background regeneration -----------------------------------------
 def _regenerate_in_child(load: Callable[[ServingConfig], Deployment], config: ServingConfig, root: str,
                          capsule_ids: Sequence[str], fingerprint: str, stop: Any, conn: Any) -> None:
-    """The child process of ``BackgroundRegeneration``: lowest priority, the deployment
-    built again from ``config`` (it must have the node's ``fingerprint``), each outcome
-    sent to the parent as it comes."""
+    """The child process of ``BackgroundRegeneration``: at ``capsules.regenerate_nice``
+    (lowest priority by default), the deployment built again from ``config`` (it must have
+    the node's ``fingerprint``), each outcome sent to the parent as it comes."""
     with contextlib.suppress(OSError):
-        os.nice(19)
+        os.nice(config.capsules.regenerate_nice)
     try:
         deployment = load(config)
         if deployment.fingerprint != fingerprint:
