@@ -59,7 +59,10 @@ def test_background_regeneration_makes_a_stale_capsule_reenterable_bit_identical
     session = build_session(config)
     with pytest.raises(FingerprintMismatch):               # before: refused, never rebuilt silently
         session.reenter(capsule.id)
-    background = BackgroundRegeneration(config, session.directory, [capsule.id], session.runtime.fingerprint,
+    # the child at niceness 0: at the default 19 it gets only idle CPU, and the suite also runs
+    # with a busy loop on every core, where it would wait for minutes (docs/model-updates.md)
+    at_nice_0 = dataclasses.replace(config, capsules=dataclasses.replace(config.capsules, regenerate_nice=0))
+    background = BackgroundRegeneration(at_nice_0, session.directory, [capsule.id], session.runtime.fingerprint,
                                         load_deployment)
     background.start()
     wait_for(lambda: background.finished, timeout=120, what="the background regeneration")
@@ -94,8 +97,7 @@ def test_the_node_counts_lists_and_regenerates_stale_capsules(tmp_path, rclpy_co
     other_ports.release()
     shutil.copy(V1_FIXTURE, directory)                     # format version 1, this node's graph: valid
 
-    # regenerate_nice 0: at the default 19 the child gets only idle CPU, and the suite also runs
-    # with a busy loop on every core, where it would wait for minutes (docs/model-updates.md)
+    # regenerate_nice 0, as above
     node = start_policy_node(tmp_path, {"policy": {"weights": ""}, "control": {"deadline_ms": 5000.0},
                                         "capsules": {"regenerate_stale": True, "regenerate_nice": 0}},
                              namespace="/mu")
