@@ -213,6 +213,10 @@ class RoleRule:
             or (self.floats and tensor.dtype.is_floating_point)
         return dtype_ok and (self.shape is None or tuple(tensor.shape) == self.shape)
 
+    def takes(self, tensor: Tensor) -> bool:
+        """Whether a rule with labels or names claims this tensor."""
+        return (not self.labels or tensor.label in self.labels) and (not self.names or tensor.name in self.names)
+
     def stage(self) -> int:
         """The claiming round (module docstring): pairs are round 0."""
         if self.labels or self.names:
@@ -246,6 +250,7 @@ class Wording:
     unknown_label: str = "{where}: {side} {key!r} has type {label!r}; supported: {labels}"
     unexpected_name: str = "{where}: {side} {key!r} ({label}) is read only as {names}; rename it or drop it"
     empty: str = "{where}: the policy has no {noun} ({count})"
+    too_many: str = "{where}: {names} are each a {noun}; the policy takes {count}"
     wrong_kind: str = "{where}: {label} {key!r} has kind {kind} (must be {kinds})"
     twice: str = "{where}: name {key!r} is used twice"
     reserved: str = "{where}: name {key!r} is a buffer the runtime writes ({reserved})"
@@ -423,18 +428,14 @@ class _Examination:
     def _claim(self, rule: RoleRule) -> None:
         free = self._free(rule.side)
         if rule.labels or rule.names:
-            for i in free:
-                t = self.tensors[i][0]
-                if (not rule.labels or t.label in rule.labels) and (not rule.names or t.name in rule.names):
-                    self._bind(i, rule)
-            return
-        if rule.count not in (Count.ONE, Count.OPTIONAL):
-            for i in free:
-                self._bind(i, rule)
-            return
-        chosen = self._choose(rule, free)
-        if chosen is not None:
-            self._bind(chosen, rule)
+            claimed = [i for i in free if rule.takes(self.tensors[i][0])]
+        elif rule.count in (Count.ONE, Count.OPTIONAL):
+            chosen = self._choose(rule, free)
+            claimed = [] if chosen is None else [chosen]
+        else:
+            claimed = free
+        for i in claimed:
+            self._bind(i, rule)
 
     def _choose(self, rule: RoleRule, free: List[int]) -> Optional[int]:
         """A ONE or OPTIONAL rule's tensor (module docstring)."""
@@ -541,8 +542,12 @@ class _Examination:
 
     def _counts(self) -> None:
         for rule in self.rules.roles:
-            if rule.count is Count.SOME and not any(b.rule is rule for b in self.claims.values()):
-                self.say("empty", noun=rule.noun or rule.role.value, count=rule.count.value)
+            names = [b.tensor.name for b in self._in_order() if b.rule is rule]
+            noun = rule.noun or rule.role.value
+            if not names and rule.count in (Count.ONE, Count.SOME):
+                self.say("empty", noun=noun, count=rule.count.value)
+            if len(names) > 1 and rule.count in (Count.ONE, Count.OPTIONAL):
+                self.say("too_many", names=names, noun=noun, count=rule.count.value)
 
     def _kinds(self) -> None:
         for b in self._in_order():
@@ -578,14 +583,10 @@ class _Examination:
 
     def _labels(self) -> None:
         for rule in self.rules.roles:
-            if not (rule.labels and rule.names):
-                continue
-            for t, _ in self._leftover():
-                if t.name in rule.names and t.label not in rule.labels:
-                    self.say("wrong_label", key=t.name, labels=_listed(rule.labels), label=t.label)
-            for b in self._in_order():
-                if b.rule is not rule and b.tensor.name in rule.names and b.tensor.label not in rule.labels:
-                    self.say("wrong_label", key=b.tensor.name, labels=_listed(rule.labels), label=b.tensor.label)
+            if rule.labels and rule.names:
+                for t, _ in self.tensors:
+                    if t.name in rule.names and t.label not in rule.labels:
+                        self.say("wrong_label", key=t.name, labels=_listed(rule.labels), label=t.label)
 
     def _port_of(self, b: Binding, feed: Feed, fed: Dict[str, str]) -> None:
         """A port-fed tensor's checks: its port is mapped, its shape fits the feed, the port
