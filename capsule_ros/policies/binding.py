@@ -183,7 +183,7 @@ class MessageTypes:
 
 ANY_MESSAGES = MessageTypes()
 IMAGE_MESSAGES = MessageTypes(only=(IMAGE_MESSAGE,), need=f"a {IMAGE_MESSAGE} port")
-VECTOR_MESSAGES = MessageTypes(never=(IMAGE_MESSAGE, TEXT_MESSAGE), need=f"a vector port (not {IMAGE_MESSAGE})")
+VECTOR_MESSAGES = MessageTypes(never=(IMAGE_MESSAGE,), need=f"a vector port (not {IMAGE_MESSAGE})")
 TEXT_MESSAGES = MessageTypes(only=(TEXT_MESSAGE,), need=f"a {TEXT_MESSAGE} port")
 
 
@@ -456,12 +456,7 @@ class _Examination:
 
     def _in_order(self) -> List[Binding]:
         """The bindings: state pairs in the pair setting's order, then the rest in tensor order."""
-        seen, rest = set(), []
-        for i in sorted(self.claims):
-            if id(self.claims[i]) not in seen and self.claims[i].partner is None:
-                seen.add(id(self.claims[i]))
-                rest.append(self.claims[i])
-        return self.pair_bindings + rest
+        return self.pair_bindings + [b for _, b in sorted(self.claims.items()) if b.partner is None]
 
     # -- checks ----------------------------------------------------------------------------------
     def check(self) -> None:
