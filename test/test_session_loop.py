@@ -128,7 +128,7 @@ def test_a_clock_that_goes_back_is_a_jump_the_ports_follow(clocked, warned):
 def test_ticks_before_every_input_has_a_value_wait_and_say_which(clocked, warned):
     session, now = clocked
     assert session.feed("joints", joint_state(1)).record is None
-    assert session.tick() is None and session.counters.ticks_waiting_for_inputs == 2
+    assert session.tick() is None
     assert any("waiting for first message on port(s) ['goal']" in r.getMessage() for r in warned)
 
 

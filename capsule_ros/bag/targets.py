@@ -99,7 +99,7 @@ class InProcessTarget:
     """A PolicySession built from the recorded config, in this process. Its clock is the
     recording's log time, less the jumps of the node's clock the recording went on across
     (``clock_jump``: log times never go back), so the session counts what the node counted
-    (dropped and stale inputs, steps waiting for inputs) where the node counted it."""
+    (dropped and stale inputs) where the node counted it."""
 
     kind = "in-process"
     reenacts_deadline_misses = True       # tick(late=True): the session hands out its safe action

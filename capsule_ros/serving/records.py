@@ -75,7 +75,6 @@ class ActionRecord:
     step: int                          # the state's step counter after this tick
     lineage: str
     stamp_ns: int
-    step_seconds: float = 0.0
     fault: StepFault = StepFault.NONE  # why a safe action replaced the policy's output
     published: bool = False            # the deadline watchdog already published it: do not again
 
@@ -142,7 +141,6 @@ class SessionCounters:
     step_errors: int = 0               # steps that raised (safe action published, state put back)
     nonfinite_steps: int = 0           # steps with non-finite outputs (likewise)
     fallback_recomputes: int = 0
-    ticks_waiting_for_inputs: int = 0
     last_fault: str = ""               # the last step error or non-finite output, for logs and status
     clock_jumps: int = 0               # times the session's clock went back (PolicySession.clock_jumped)
     last_clock_jump_ns: int = 0        # by how much, the last time (negative: back)

@@ -247,7 +247,6 @@ class PolicySession:
             if self.state != EpisodeState.RUNNING:
                 return None
             if not self.inputs.ready:
-                self.counters.ticks_waiting_for_inputs += 1
                 self.notices.warn("inputs", f"waiting for first message on port(s) {self.inputs.missing()}")
                 return None
             deadline = self.control.effective_deadline_s() if self.enforce_deadline else None
@@ -255,11 +254,11 @@ class PolicySession:
             self.step = result.step
             out = result.outputs
             if result.fault != StepFault.NONE or out is None:
-                return self._faulted(result.fault, stamp_ns, result.overran, result.seconds, deadline)
+                return self._faulted(result.fault, stamp_ns, result.overran, deadline)
             self._last_applied = out.action
             self._count_stale_ports(now)
             return ActionRecord(out.action, out.chunk, ActionSource.POLICY, self.episode_id, self.step, self.lineage,
-                                stamp_ns, result.seconds)
+                                stamp_ns)
 
     def status(self) -> SessionStatus:
         """A consistent picture taken between steps. Never waits for a service: while one
@@ -297,8 +296,7 @@ class PolicySession:
                 self.ports[name].config = port
 
     def safe_record(self, mode: HoldMode, stamp_ns: Optional[int] = None, *, fault: StepFault = StepFault.NONE,
-                    published: bool = False, step: Optional[int] = None,
-                    seconds: float = 0.0) -> Optional[ActionRecord]:
+                    published: bool = False, step: Optional[int] = None) -> Optional[ActionRecord]:
         """The safe action of ``mode`` as a record (None when silent): zeros, or the last
         on-time policy action held. ``step`` is the state's step it reports (default: now)."""
         if mode == HoldMode.HOLD_SILENT:
@@ -307,7 +305,7 @@ class PolicySession:
         return ActionRecord(np.zeros_like(self._last_applied) if zero else self._last_applied.copy(), None,
                             ActionSource.ZERO if zero else ActionSource.HOLD, self.episode_id,
                             self.step if step is None else step, self.lineage,
-                            self.clock_ns() if stamp_ns is None else stamp_ns, seconds, fault, published)
+                            self.clock_ns() if stamp_ns is None else stamp_ns, fault, published)
 
     # -- verbs that change the episode -----------------------------------------------------------
     def commit(self, label: str = "", persist: bool = False, pin: bool = False) -> Capsule:
@@ -629,10 +627,9 @@ class PolicySession:
                    detail=fallback_reason)
         return ReenterResult(capsule, rollback, bool(fallback_reason), fallback_reason, restore_s, recompute_s)
 
-    def _faulted(self, fault: StepFault, stamp_ns: int, published: bool, seconds: float,
-                 deadline_s: Optional[float]) -> ActionRecord:
+    def _faulted(self, fault: StepFault, stamp_ns: int, published: bool, deadline_s: Optional[float]) -> ActionRecord:
         """A tick whose step faulted: its safe action, and a warning saying why."""
-        record = self._fault_record(fault, stamp_ns, published=published, seconds=seconds)
+        record = self._fault_record(fault, stamp_ns, published=published)
         detail = (f"missed its {deadline_s * 1e3:.1f} ms deadline" if fault == StepFault.LATE and deadline_s
                   else "missed its deadline" if fault == StepFault.LATE else self.counters.last_fault)
         self.notices.warn(f"fault.{fault.value}", f"step {record.step + 1} {detail}: published the safe action "
