@@ -23,8 +23,9 @@ from harness import ClientNode, Driver, start_policy_node, wait_for
 from runtime_fixtures import default_config, feed, observations
 
 from capsule_ros.errors import ErrorCode, FingerprintMismatch
-from capsule_ros.serving.factory import build_session, load_deployment
-from capsule_ros.serving.regenerate import BackgroundRegeneration
+from capsule_ros.serving.factory import build_session
+from capsule_ros.updates.background import BackgroundRegeneration
+from capsule_ros.updates.deployment import load_deployment
 
 REPO = Path(__file__).resolve().parents[1]
 V1_FIXTURE = next((REPO / "test" / "fixtures" / "capsules").glob("*.capsule"))

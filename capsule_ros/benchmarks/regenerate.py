@@ -34,9 +34,12 @@ from capsule_ros.benchmarks.reenter import QUICK as REFERENCE_QUICK
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.store import Capsule
 from capsule_ros.serving.config import ServingConfig
-from capsule_ros.serving.factory import build_policy, build_session, load_deployment, port_bindings
+from capsule_ros.serving.factory import build_policy, build_session, port_bindings
 from capsule_ros.serving.process import settle_after_start
-from capsule_ros.serving.regenerate import BackgroundRegeneration, Deployment, Regeneration, check
+from capsule_ros.updates.assessment import check
+from capsule_ros.updates.background import BackgroundRegeneration
+from capsule_ros.updates.deployment import Deployment, load_deployment
+from capsule_ros.updates.regeneration import Regeneration, Status
 
 ROUNDS = 3
 TARGET_TICK_RATIO = 1.5           # p99 with a background regeneration / without
@@ -103,7 +106,7 @@ def _one_policy(name: str, config: ServingConfig, steps: int, device: torch.devi
         outcome = regeneration.run()[0]
     finally:
         deployment.close()
-    assert outcome.status == "regenerated", outcome
+    assert outcome.status == Status.REGENERATED, outcome
     rate = config.control.rate_hz
     return {"policy": name, "steps": steps, "arena_bytes": arena, "recipe_bytes": info.nbytes,
             "recipe_rows": info.rows, "row_bytes": info.row_bytes, "recipe_bytes_per_step": info.nbytes / steps,
@@ -137,7 +140,7 @@ def _check_1000(config: ServingConfig, device: torch.device, tmp: Path, count: i
         check_s = time.perf_counter() - start
     finally:
         deployment.close()
-    assert report["invalidated"] == count and report["lost"] == 0, report
+    assert report.invalidated == count and report.lost == 0, report
     return {"capsules": count, "deployment_load_s": load_s, "check_s": check_s, "per_capsule_ms": check_s / count * 1e3}
 
 

@@ -84,6 +84,7 @@ from capsule_ros.serving.records import (
     clock_jump_delta,
 )
 from capsule_ros.serving.session import PolicySession
+from capsule_ros.updates.watch import ModelUpdateWatch
 
 LOG = logging.getLogger(__name__)
 TRANSITION_BOUNDARY_S = 5.0     # how long deactivate / cleanup wait for a service to leave the session
@@ -121,6 +122,7 @@ class PolicyNode(LifecycleNode):
         self.session: Optional[PolicySession] = None
         self.transition_error: Optional[BaseException] = None     # why the last transition failed
         self._prepared: Optional[PreparedServing] = None
+        self._watch: Optional[ModelUpdateWatch] = None       # the capsule directory's model updates (configure)
         self._settled = False
         self._streams = StreamKeeper()             # one CUDA stream across activations (StreamKeeper says why)
         self._raise_transition_errors = False
@@ -212,10 +214,11 @@ class PolicyNode(LifecycleNode):
     def _configure(self) -> None:
         config = ServingConfig.from_params(parameter_values(self), source="ROS parameters")
         prepared = prepare_serving(config, node_name=self.get_fully_qualified_name())
+        watch = ModelUpdateWatch.of(prepared)            # stale capsules counted by cause (headers only)
         if prepared.directory is not None and prepared.directory.recovered:
             self.get_logger().warning(f"moved {len(prepared.directory.recovered)} unfinished capsule save(s) "
                                       f"aside: {[str(p) for p in prepared.directory.recovered]}")
-        self.config, self._prepared = config, prepared
+        self.config, self._prepared, self._watch = config, prepared, watch
         self.facade.config, self.facade.lifecycle_state = config, "inactive"
         self.get_logger().info(f"configured: policy {config.policy.kind}, ports {list(config.ports)}, "
                                f"fingerprint {prepared.fingerprint[:12]}")
@@ -225,7 +228,9 @@ class PolicyNode(LifecycleNode):
         assert config is not None
         if self.session is None:
             assert self._prepared is not None
-            session = start_session(self._prepared, on_event=self._on_event, streams=self._streams)
+            session = start_session(self._prepared, on_event=self._on_event, streams=self._streams, watch=self._watch)
+            if self._watch is not None:
+                self._watch.start(self._prepared.config)     # capsules.regenerate_stale: in the background
             # an auto inference delay is fixed now: the recorded and reported config carries the number
             config = self.config = dataclasses.replace(config, control=session.control)
             session.clock_ns = lambda: self.get_clock().now().nanoseconds
@@ -283,6 +288,7 @@ class PolicyNode(LifecycleNode):
             self._status_timer = None
         self.actions.remove_outputs()
         session, self.session, self._prepared, self.config = self.session, None, None, None
+        self._watch = None                              # closed with the session
         self.facade.session, self.facade.config = None, None
         if self._settled:
             unsettle()                                  # start-up's objects can be collected again

@@ -6,8 +6,8 @@ from typing import Any, Tuple
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
 from capsule_ros.capsules.store import Tier
+from capsule_ros.capsules.validity import UNSPLIT
 from capsule_ros.msg import PortStatus, RuntimeStatus
-from capsule_ros.serving.invalidation import UNSPLIT
 from capsule_ros.serving.records import EpisodeState, PortPicture
 from capsule_ros.serving.session import PolicySession
 

@@ -78,7 +78,7 @@ from capsule_ros.serving.records import (
 from capsule_ros.serving.stepping import GuardedStep
 
 if TYPE_CHECKING:
-    from capsule_ros.serving.regenerate import CapsuleFiles
+    from capsule_ros.serving.capsule_set import DirectoryWatch
 
 LOG = logging.getLogger(__name__)
 MAX_LABEL = 256
@@ -102,7 +102,7 @@ class PolicySession:
                  directory: Optional[CapsuleDirectory] = None, ports: Optional[Mapping[str, PortConfig]] = None,
                  prefix: Sequence[int] = (), on_event: Optional[Callable[[EventRecord], None]] = None,
                  clock_ns: Callable[[], int] = time.time_ns, enforce_deadline: bool = True,
-                 files: Optional[CapsuleFiles] = None):
+                 files: Optional[DirectoryWatch] = None):
         self.runtime = runtime
         self.store = store
         self.control = control
