@@ -166,3 +166,12 @@ def test_test_modules_import_helpers_from_the_harness_not_from_each_other():
     found = [f"{path.name}:{line} imports {module}" for path in sorted(tests.glob("*.py"))
              for line, module in imports(path) if module.split(".")[0].startswith("test_")]
     assert found == []
+
+
+def test_model_updates_make_no_json():
+    """capsule_ros/updates/ hands out typed reports and outcomes (also over the background
+    child's pipe); JSON is made only at the edge, by the commands in capsule_ros/cli/."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for module, path in modules()
+             if layer_of(module)[1] == "capsule_ros.updates"
+             for line, target in imports(path) if target.split(".")[0] == "json"]
+    assert found == []

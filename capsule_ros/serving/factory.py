@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -22,8 +22,8 @@ from capsule_ros.runtime.fingerprint import FingerprintParts
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.capsule_set import DirectoryWatch
 from capsule_ros.serving.config import ControlConfig, ServingConfig
+from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.recompute import check_log_size
-from capsule_ros.serving.records import EventRecord
 from capsule_ros.serving.session import PolicySession
 
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "policies"
@@ -142,30 +142,29 @@ def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, nod
     return PreparedServing(config, policy, fingerprint, directory, parts)
 
 
-def start_session(prepared: PreparedServing, *, on_event: Optional[Callable[[EventRecord], None]] = None,
+def start_session(prepared: PreparedServing, *, options: Optional[SessionOptions] = None,
                   streams: Optional[StreamKeeper] = None, watch: Optional[DirectoryWatch] = None) -> PolicySession:
     """The runtime on its device (arena, graph capture, warm-up), the capsule store and the
     session over them (the node's lifecycle ``activate``); episode 1 starts when
-    ``control.autostart``. ``streams``: pass the same keeper to every activation of one
-    owner (``StreamKeeper`` says why). ``watch``: the model updates of the capsule
-    directory the session's status shows (the node's: ``capsule_ros.updates.watch``)."""
+    ``control.autostart``. ``options``: how the session is driven (its clock, events...).
+    ``streams``: pass the same keeper to every activation of one owner (``StreamKeeper``
+    says why). ``watch``: the model updates of the capsule directory the session's status
+    shows (the node's: ``capsule_ros.updates.watch``)."""
     config = prepared.config
     runtime = PolicyRuntime(prepared.policy, config.runtime, inputs=port_bindings(config), streams=streams,
                             chunking=chunking_options(config), _fingerprint=prepared.fingerprint,
                             _parts=prepared.parts)
     store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
     session = PolicySession(runtime, store, resolved_control(config.control, runtime), directory=prepared.directory,
-                            ports=config.ports, prefix=config.policy.prefix, on_event=on_event,
-                            files=watch)
+                            ports=config.ports, prefix=config.policy.prefix, watch=watch, options=options)
     if config.control.autostart:
-        session.reset()
+        session.verbs.reset()
     session.warm_up()
     return session
 
 
-def build_session(config: ServingConfig, *, weights: Optional[str] = None,
-                  on_event: Optional[Callable[[EventRecord], None]] = None, node_name: str = "capsule_policy",
-                  directory: Optional[CapsuleDirectory] = None) -> PolicySession:
+def build_session(config: ServingConfig, *, weights: Optional[str] = None, options: Optional[SessionOptions] = None,
+                  node_name: str = "capsule_policy", directory: Optional[CapsuleDirectory] = None) -> PolicySession:
     """Configure and start in one call (the demo, replays, benchmarks)."""
     return start_session(prepare_serving(config, weights=weights, node_name=node_name, directory=directory),
-                         on_event=on_event)
+                         options=options)
