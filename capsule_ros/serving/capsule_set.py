@@ -3,9 +3,10 @@ list, save, load and drop that leave the live state alone.
 
 A part, not an actor: every method says whether it runs under the session's boundary
 (the caller holds it) or outside it (file work), and none takes the boundary itself or
-calls back into the session. ``PolicySession`` (the episode state machine) composes them
-with its boundary, its events and its interrupt capsule, so the session module shows
-what runs under the lock. File I/O happens outside it (``capsule_ros.serving.files``).
+calls back into the session. The episode state machine (``capsule_ros.serving.machine``)
+uses it under the boundary, with its events and its interrupt capsule; the session's
+verbs (``capsule_ros.serving.session``) call its file work outside the boundary. File I/O
+happens outside it (``capsule_ros.serving.files``).
 """
 from __future__ import annotations
 

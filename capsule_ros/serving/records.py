@@ -147,7 +147,7 @@ class SessionCounters:
     nonfinite_steps: int = 0           # steps with non-finite outputs (likewise)
     fallback_recomputes: int = 0
     last_fault: str = ""               # the last step error or non-finite output, for logs and status
-    clock_jumps: int = 0               # times the session's clock went back (PolicySession.clock_jumped)
+    clock_jumps: int = 0               # times the session's clock went back (SessionLoop.clock_jumped)
     last_clock_jump_ns: int = 0        # by how much, the last time (negative: back)
 
 
