@@ -207,7 +207,7 @@ class ControlLoop:
 
     def _faulted(self, fault: StepFault, stamp_ns: int, published: bool, deadline_s: Optional[float]) -> ActionRecord:
         """A tick whose step faulted: its safe action, and a warning saying why."""
-        record = self.fault_record(fault, stamp_ns, published=published)
+        record = self._fault_record(fault, stamp_ns, published=published)
         detail = (f"missed its {deadline_s * 1e3:.1f} ms deadline" if fault == StepFault.LATE and deadline_s
                   else "missed its deadline" if fault == StepFault.LATE else self.counters.last_fault)
         self.notices.warn(f"fault.{fault.value}", f"step {record.step + 1} {detail}: published the safe action "
@@ -227,9 +227,9 @@ class ControlLoop:
         kept), so a recording does not depend on which of the two published it."""
         on_safe_action = self._options.on_safe_action
         if on_safe_action is not None:
-            on_safe_action(self.fault_record(StepFault.LATE, self.now(), published=True, step=self._episode.step + 1))
+            on_safe_action(self._fault_record(StepFault.LATE, self.now(), published=True, step=self._episode.step + 1))
 
-    def fault_record(self, fault: StepFault, stamp_ns: int, **kwargs: Any) -> ActionRecord:
+    def _fault_record(self, fault: StepFault, stamp_ns: int, **kwargs: Any) -> ActionRecord:
         """The configured safe action (``control.deadline_action``: never silent) for a fault."""
         mode = HoldMode.HOLD_ZERO if self._control.deadline_action == "zero" else HoldMode.HOLD_LAST
         record = self.safe_record(mode, stamp_ns, fault=fault, **kwargs)

@@ -102,8 +102,9 @@ class LedgerEntry:
 
 @dataclass(frozen=True)
 class RebuildJob:
-    """A rebuild begun under the lock (``begin_rebuild``), run outside it: where to start (an initial root, or a
-    capsule's bytes), the recipes to replay, and what the rebuilt capsule will be."""
+    """A rebuild begun under the lock (``begin_rebuild``), run outside it: where to start
+    (an initial root, or a capsule's bytes), the recipes to replay, and what the rebuilt
+    capsule will be."""
 
     capsule_id: str
     episode_id: int
