@@ -411,3 +411,60 @@ class ClockedBagPlayer:
 
 def _stamp_ns(stamp: Any) -> int:
     return int(stamp.sec) * 1_000_000_000 + int(stamp.nanosec)
+
+
+def retag(path: Path, edit_header=None, recipe: Optional[bytes] = None) -> None:
+    """Rewrite a plain capsule file as anyone can (its tags carry no secret): the header
+    object changed by ``edit_header`` (a function of the dict), the recipe section's
+    bytes replaced by ``recipe``, then the header digest and every chunk tag computed
+    again. Written from the byte table of docs/capsule-format.md, not with the package's
+    writer (which refuses what it would not write)."""
+    import hashlib
+    import json
+    import struct
+    blob = path.read_bytes()
+    magic, version, flags, json_len = struct.unpack_from("<8sHHI", blob)
+    assert flags == 0 and version == 2, "retag rewrites plain version 2 files"
+    header = json.loads(blob[16:16 + json_len])
+    chunk = header["chunk_bytes"]
+    offset = 16 + json_len + 32
+
+    def section(nbytes: int) -> bytes:
+        nonlocal offset
+        out = bytearray()
+        while len(out) < nbytes:
+            n = min(chunk, nbytes - len(out))
+            out += blob[offset:offset + n]
+            offset += n + 32
+        return bytes(out)
+    recipe_info = header.get("recipe")
+    old_recipe = section(recipe_info["nbytes"] if recipe_info else 0)
+    state = section(header["nbytes"])
+    if edit_header is not None:
+        edit_header(header)
+    body = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    prefix = struct.pack("<8sHHI", magic, version, flags, len(body)) + body
+    digest = hashlib.sha256(prefix).digest()
+    out = bytearray(prefix + digest)
+    for number, data in ((1, old_recipe if recipe is None else recipe), (0, state)):
+        count = -(-len(data) // chunk)
+        for index in range(count):
+            piece = data[index * chunk:(index + 1) * chunk]
+            aad = digest + struct.pack("<BQB", number, index, 1 if index == count - 1 else 0)
+            out += piece + hashlib.sha256(aad + piece).digest()
+    path.write_bytes(bytes(out))
+
+
+def recipe_section(path: Path) -> bytes:
+    """The recipe section's bytes of a plain capsule file (its tags stripped)."""
+    import json
+    import struct
+    blob = path.read_bytes()
+    json_len = struct.unpack_from("<8sHHI", blob)[3]
+    header = json.loads(blob[16:16 + json_len])
+    nbytes, chunk, offset, out = header["recipe"]["nbytes"], header["chunk_bytes"], 16 + json_len + 32, bytearray()
+    while len(out) < nbytes:
+        n = min(chunk, nbytes - len(out))
+        out += blob[offset:offset + n]
+        offset += n + 32
+    return bytes(out)

@@ -375,3 +375,26 @@ def test_a_policy_kinds_own_writable_setting_applies_at_configure():
 
     gain = next(OwnKind.settings())
     assert applies("policy.own.gain", gain) == CONFIGURE and applies("control.gain", gain) == LIVE
+
+
+def test_diagnostics_name_the_drops_since_the_last_report_by_port_and_cause():
+    """/diagnostics says what the log's throttled warnings say: which port dropped how
+    many messages for which cause since the last report (and nothing once they stop)."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    from capsule_ros.msg import PortStatus, RuntimeStatus
+    from capsule_ros.ros.status import DiagnosticsBuilder
+    builder = DiagnosticsBuilder("capsule_policy")
+
+    def report(joints_nonfinite: int, joints_shape: int, goal_type: int) -> DiagnosticStatus:
+        ports = [PortStatus(name="joints", dropped_nonfinite=joints_nonfinite, dropped_shape=joints_shape),
+                 PortStatus(name="goal", dropped_type=goal_type)]
+        status = RuntimeStatus(ports=ports, dropped_inputs=joints_nonfinite + joints_shape + goal_type)
+        return builder.build(status, status.header.stamp).status[0]
+    first = report(3, 0, 0)
+    assert first.level == DiagnosticStatus.WARN and "joints: 3 nonfinite" in first.message, first.message
+    second = report(40, 2, 1)
+    assert second.level == DiagnosticStatus.WARN, second.message
+    assert "40 dropped input(s) (joints: 2 shape, 37 nonfinite; goal: 1 type)" in second.message, second.message
+    quiet = report(40, 2, 1)
+    assert quiet.level == DiagnosticStatus.OK and "dropped" not in quiet.message, quiet.message

@@ -77,7 +77,31 @@ def test_dropped_and_undecodable_messages_are_counted_and_warned_once_per_period
     assert counters.dropped["nonfinite"] == 3 and counters.dropped["type"] == 1
     assert session.parts.loop.ports["goal"].counters.dropped["type"] == 1
     warnings = [r.getMessage() for r in warned if "dropped a message" in r.getMessage()]
-    assert len(warnings) == 2, warnings          # one per port within the period, not one per message
+    assert len(warnings) == 3, warnings          # one per port and cause within the period, not one per message
+
+
+def test_a_port_that_keeps_sending_garbage_is_warned_about_every_period_with_the_count(clocked, warned):
+    """Drops are throttled the ROS way, per port and cause: a WARN at most once per period
+    with the count since the last one, so the log shows a sensor that keeps failing."""
+    session, now, _ = clocked
+    notices = session.parts.loop.notices
+    seconds = [100.0]
+    notices.clock = lambda: seconds[0]               # the throttle's monotonic clock, set by the test
+    nan = joint_state(1, values=(float("nan"), 0.0, 0.0, 0.0))
+
+    def drops() -> list:
+        return [r.getMessage() for r in warned if "port joints: dropped" in r.getMessage()]
+    for _ in range(4):
+        session.loop.feed("joints", nan)
+    session.loop.feed("joints", None)                 # another cause: not hidden by the first
+    assert len(drops()) == 2 and "(nonfinite)" in drops()[0] and "(type)" in drops()[1], drops()
+    for _ in range(4):
+        seconds[0] += notices.period_s / 2
+        session.loop.feed("joints", nan)
+    assert len(drops()) == 4, drops()             # two periods passed: two more warnings, each with its count
+    assert "dropped 5 messages (nonfinite) since the last warning" in drops()[2], drops()
+    assert "dropped 2 messages (nonfinite) since the last warning" in drops()[3], drops()
+    assert session.parts.loop.ports["joints"].counters.dropped["nonfinite"] == 8
 
 
 def test_a_stale_port_counts_a_stale_step_on_the_sessions_clock(clocked):

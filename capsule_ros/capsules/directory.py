@@ -42,6 +42,7 @@ from capsule_ros.capsules.fileformat import (
     read_capsule,
     read_header,
     read_recipe,
+    state_digest,
     write_capsule,
 )
 from capsule_ros.capsules.ids import check_capsule_id
@@ -230,6 +231,11 @@ class CapsuleDirectory:
         if data is None or header.recipe is None:
             return header, None
         return header, Recipe.from_bytes(header.recipe, data, f"capsule file {str(path)!r}: recipe")
+
+    def state_digest(self, header: CapsuleHeader, data: Any) -> str:
+        """The ``state_digest`` that the file of ``header`` in this directory holds for state
+        bytes ``data`` when they are its state (keyed by the KEK when the file is encrypted)."""
+        return state_digest(header.salt, data, self._kek if header.encrypted else None)
 
     def describe(self, capsule_id: str) -> Capsule:
         """A capsule's metadata from its file's header (payload None, path set; chunks not read)."""

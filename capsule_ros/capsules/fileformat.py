@@ -25,7 +25,10 @@ allocated.
 
 The recipe section (``capsule_ros.capsules.recipe``) comes first so that a file whose
 state chunks are damaged or cut off still yields its verified recipe (``read_recipe``):
-what the recompute fallback rebuilds the state from. Restoring a capsule skips it.
+what the recompute fallback rebuilds the state from. Restoring a capsule skips it. A header
+with a stored recipe carries ``state_digest``, the digest of the state bytes (keyed in an
+encrypted file: ``state_hasher``), which a rebuild from the recipe must reach: it binds the
+recipe to this capsule's state, as the recipe's root episode and step bind it to the header.
 
 Encryption: each capsule gets a random 32-byte data key, wrapped with AES-GCM by the
 key-encryption key (KEK) under a random nonce with AAD binding the capsule id and
@@ -105,7 +108,8 @@ MAX_PAYLOAD_BYTES = 1 << 48               # what the writer accepts; readers pas
 _WRAP_AAD_PREFIX = b"capsule-ros/v1/data-key\x00"
 _BUFFER_KEYS = ("name", "shape", "dtype", "kind", "offset", "nbytes")
 _OPTIONAL_KEYS = ("numerics", "chunk")    # written when set; files from before them read as ""  / None
-_V2_KEYS = ("fingerprint_parts", "recipe")     # version 2 only, each written when set
+_V2_KEYS = ("fingerprint_parts", "recipe", "state_digest")     # version 2 only, each written when set
+_STATE_DIGEST_LABEL = b"capsule-ros/v2/state-digest\x00"
 MAX_NUMERICS_CHARS = 32
 _KINDS = frozenset(k.value for k in BufferKind)
 
@@ -170,6 +174,7 @@ class CapsuleHeader:
     chunk: Optional[ChunkMark] = None     # a chunking policy's schedule mark (key "chunk", absent otherwise)
     fingerprint_parts: Optional[FingerprintParts] = None   # version 2: the fingerprint's components
     recipe: Optional[RecipeInfo] = None   # version 2: how the state was made (absent: no recipe kept)
+    state_digest: str = ""                # version 2, with a stored recipe: ``state_digest`` of the state ('' = none)
     version: int = FORMAT_VERSION         # of the file it was read from (not a header key: the prefix's)
 
     def __post_init__(self) -> None:
@@ -234,6 +239,8 @@ class CapsuleHeader:
             out["fingerprint_parts"] = self.fingerprint_parts.to_json()
         if self.recipe is not None:
             out["recipe"] = self.recipe.to_json()
+        if self.state_digest:
+            out["state_digest"] = self.state_digest
         return out
 
     def file_bytes(self) -> int:
@@ -337,10 +344,11 @@ def parse_header(obj: Any, *, encrypted: bool, max_bytes: int, error: ErrorType 
         raise error(f"numerics = {quote(numerics)}: must be a level name such as 'avx2' or 'native-avx512'")
     chunk = ChunkMark.from_json(obj["chunk"], "", error) if "chunk" in obj else None
     parts = FingerprintParts.from_json(obj["fingerprint_parts"], error) if "fingerprint_parts" in obj else None
-    recipe = RecipeInfo.from_json(obj["recipe"], error, step=step) if "recipe" in obj else None
+    recipe = RecipeInfo.from_json(obj["recipe"], error, step=step, episode=episode_id) if "recipe" in obj else None
+    digest = get_hex(obj, "state_digest", DIGEST_BYTES, error).hex() if "state_digest" in obj else ""
     return CapsuleHeader(capsule_id, label, parent_id, episode_id, step, stamp_ns, nbytes, fingerprint,
                          tuple(schema), chunk_bytes, salt, wrapped_key, key_nonce, numerics, chunk, parts, recipe,
-                         version)
+                         digest, version)
 
 
 # -- keys and tags ---------------------------------------------------------------------------------
@@ -379,6 +387,25 @@ def _chunk_nonce(section: int, index: int) -> bytes:
     return struct.pack("<QI", index, section)
 
 
+def state_hasher(salt: bytes, kek: Optional[bytes]) -> Any:
+    """What computes a header's ``state_digest`` (``update`` with the state's bytes, in
+    order, then ``hexdigest``): SHA-256 of the state in a plain file; in an encrypted one
+    (``kek`` given) HMAC-SHA256 of the file's salt and the state under a key derived from
+    the KEK, so that the clear-text header lets no one confirm a guess of the state."""
+    if kek is None:
+        return hashlib.sha256()
+    key = hmac.new(_check_key(kek), _STATE_DIGEST_LABEL, hashlib.sha256).digest()
+    return hmac.new(key, salt, hashlib.sha256)
+
+
+def state_digest(salt: bytes, data: Any, kek: Optional[bytes] = None) -> str:
+    """The ``state_digest`` of state bytes ``data`` (bytes-like or a host uint8 tensor) for
+    a file of ``salt``, encrypted under ``kek`` (None: plain); see ``state_hasher``."""
+    hasher = state_hasher(salt, kek)
+    hasher.update(_byte_view(data))
+    return str(hasher.hexdigest())
+
+
 def _plain_tag(aad: bytes, chunk: memoryview) -> bytes:
     h = hashlib.sha256(aad)
     h.update(chunk)
@@ -413,7 +440,8 @@ def write_capsule(fileobj: BinaryIO, header: CapsuleHeader, payload: Any, kek: O
     """Write one capsule (format ``FORMAT_VERSION``) to a binary file object; encrypted iff
     ``kek`` is given.
 
-    The header is validated as strictly as a reader would (InvalidArgument otherwise), and
+    The header is validated as strictly as a reader would (InvalidArgument otherwise), its
+    ``state_digest`` is the payload's when it stores a regenerable recipe (else none), and
     ``payload`` (bytes-like or host uint8 tensor) must hold exactly ``header.nbytes`` bytes,
     ``recipe`` exactly ``header.recipe.nbytes`` (the binary part of a regenerable recipe,
     ``Recipe.to_bytes``; nothing otherwise).
@@ -436,6 +464,8 @@ def write_capsule(fileobj: BinaryIO, header: CapsuleHeader, payload: Any, kek: O
     if len(recipe_data) != header.recipe_bytes:
         raise InvalidArgument(f"recipe of capsule {header.capsule_id!r} is {len(recipe_data)} bytes; "
                               f"its header says {header.recipe_bytes}")
+    regenerable = header.recipe is not None and header.recipe.regenerable    # a rebuild from it must reach the digest
+    header = replace(header, state_digest=state_digest(header.salt, data, kek) if regenerable else "")
     aead = None
     if kek is not None:
         data_key, key_nonce = os.urandom(KEY_BYTES), os.urandom(NONCE_BYTES)
@@ -669,14 +699,20 @@ def read_capsule(path: PathLike, *, kek: Optional[bytes] = None, max_bytes: int,
 
 
 def verify_capsule(path: PathLike, *, kek: Optional[bytes] = None, max_bytes: int) -> CapsuleHeader:
-    """Verify every byte of a capsule file (its recipe too), streaming (memory: one chunk);
-    returns its header."""
+    """Verify every byte of a capsule file (its recipe too, and the state against the
+    header's ``state_digest`` when it has one), streaming (memory: one chunk); returns its
+    header."""
     with _opened(path, max_bytes) as (f, header, digest):
         cipher = _data_cipher(header, kek, path)
-        for section in (RECIPE_SECTION, STATE_SECTION):
-            for _ in _verified_chunks(f, header, digest, cipher, path, section):
-                pass
+        for _ in _verified_chunks(f, header, digest, cipher, path, RECIPE_SECTION):
+            pass
+        state = state_hasher(header.salt, kek if header.encrypted else None)
+        for _, plain in _verified_chunks(f, header, digest, cipher, path, STATE_SECTION):
+            state.update(plain)
         _end_of_file(f, path)
+    if header.state_digest and not hmac.compare_digest(state.hexdigest(), header.state_digest):
+        raise CorruptCapsule(f"capsule file {str(path)!r}: its state does not have its header's state digest "
+                             "(the file was put together from other files' parts)")
     return header
 
 
@@ -718,4 +754,5 @@ def load_kek(path: PathLike) -> bytes:
 
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "BufferRecord", "CapsuleHeader", "canonical_json", "parse_header",
-           "write_capsule", "read_capsule", "read_header", "read_recipe", "verify_capsule", "load_kek"]
+           "write_capsule", "read_capsule", "read_header", "read_recipe", "verify_capsule", "load_kek",
+           "state_digest"]

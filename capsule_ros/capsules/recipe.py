@@ -191,9 +191,11 @@ class RecipeInfo:
                 "inputs": [i.to_json() for i in self.inputs], "nbytes": self.nbytes}
 
     @classmethod
-    def from_json(cls, obj: Any, error: ErrorType = CorruptCapsule, *, step: Optional[int] = None) -> RecipeInfo:
-        """Validated strictly (``error`` otherwise); ``step``: the capsule's own step, which
-        a regenerable recipe must reach."""
+    def from_json(cls, obj: Any, error: ErrorType = CorruptCapsule, *, step: Optional[int] = None,
+                  episode: Optional[int] = None) -> RecipeInfo:
+        """Validated strictly (``error`` otherwise); ``step`` and ``episode``: the capsule's
+        own, which a regenerable recipe must reach and its root must name (a recipe makes
+        its root's state relabelled to the root's episode, and the capsule's episode is that)."""
         where = "recipe."
         check_keys(obj, _INFO_KEYS, error, where)
         regenerable = get_typed(obj, "regenerable", bool, error, where)
@@ -218,6 +220,9 @@ class RecipeInfo:
             raise error(f"{where}a recipe that is not regenerable must say why (reason is empty)")
         if regenerable and step is not None and info.step != step:
             raise error(f"{where}base_step {base_step} + steps {steps} = {info.step}: the capsule is at step {step}")
+        if root is not None and episode is not None and root.episode != episode:
+            raise error(f"{where}root: {root.describe()}, but the capsule is of episode {episode}: the recipe "
+                        "makes another episode's state")
         nbytes = get_int(obj, "nbytes", 0, U64 - 1, error, where)
         if nbytes != info.nbytes:
             raise error(f"{where}nbytes = {nbytes}: its counts make {info.nbytes}")

@@ -3,7 +3,7 @@ picture the session takes between steps): the node adds what is its own (its lif
 state, the actions it published, the stamp). ``test_session_parts.py`` holds it to that."""
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Dict, List, Tuple
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
@@ -14,6 +14,8 @@ from capsule_ros.serving.records import EpisodeState, PortPicture, SessionStatus
 
 # The stale_<cause> fields of RuntimeStatus, one per cause an invalidation can have.
 STALE_CAUSES = ("weights", "architecture", "layout", "ports", "kernel", "build", UNSPLIT)
+# The dropped_<cause> fields of PortStatus, one per cause a port drops a message for.
+DROP_CAUSES = ("shape", "type", "nonfinite", "out_of_order", "future")
 
 
 def runtime_status(s: SessionStatus, stamp: Any) -> RuntimeStatus:
@@ -62,12 +64,29 @@ def port_status(port: PortPicture) -> PortStatus:
 
 class DiagnosticsBuilder:
     """DiagnosticArray with a level that reflects what changed since the last report:
-    ERROR on new deadline misses or failed / non-finite steps, WARN on new dropped inputs,
-    stale ports or jumps of the node's clock."""
+    ERROR on new deadline misses or failed / non-finite steps, WARN on new dropped inputs
+    (by port and cause, as the log's throttled warnings count them), stale ports or jumps
+    of the node's clock."""
 
     def __init__(self, node_name: str):
         self.node_name = node_name
         self._last: Tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+        self._drops: Dict[Tuple[str, str], int] = {}      # (port, cause) -> dropped, as of the last report
+
+    def _new_drops(self, status: RuntimeStatus) -> str:
+        """The drops since the last report by port and cause ("joints: 37 nonfinite, 2 shape")."""
+        parts: List[str] = []
+        for port in status.ports:
+            causes = []
+            for cause in DROP_CAUSES:
+                count = getattr(port, f"dropped_{cause}")
+                new = count - self._drops.get((port.name, cause), 0)
+                self._drops[(port.name, cause)] = count
+                if new > 0:
+                    causes.append(f"{new} {cause}")
+            if causes:
+                parts.append(f"{port.name}: {', '.join(causes)}")
+        return "; ".join(parts)
 
     def build(self, status: RuntimeStatus, stamp: Any) -> DiagnosticArray:
         stale = sum(p.stale_steps for p in status.ports)
@@ -75,6 +94,7 @@ class DiagnosticsBuilder:
                status.clock_jumps)
         misses, faults, drops, stales, jumps = (a - b for a, b in zip(now, self._last, strict=True))
         self._last = now
+        dropped = self._new_drops(status)
         if faults:
             level, text = DiagnosticStatus.ERROR, f"{faults} failed or non-finite step(s) since the last report: " \
                                                   f"{status.last_fault}"
@@ -82,7 +102,8 @@ class DiagnosticsBuilder:
             level, text = DiagnosticStatus.ERROR, f"{misses} deadline miss(es) since the last report"
         elif drops or stales:
             level = DiagnosticStatus.WARN
-            text = f"{drops} dropped input(s), {stales} stale step(s) since the last report"
+            text = (f"{drops} dropped input(s)" + (f" ({dropped})" if dropped else "")
+                    + f", {stales} stale step(s) since the last report")
         elif jumps:
             level = DiagnosticStatus.WARN
             text = f"the clock jumped {jumps} time(s) since the last report (last {status.last_clock_jump_s:+.3f} s)"

@@ -81,11 +81,11 @@ class CapsuleSet:
         out = sorted(capsules.values(), key=lambda c: c.stamp_ns, reverse=True)
         return [c for c in out if c.episode_id == episode] if episode is not None else out
 
-    def recipe_chain(self, capsule_id: str) -> Optional[RecipeChain]:
+    def recipe_chain(self, capsule_id: str) -> RecipeChain:
         """The capsule file's recipe, followed back to a state this runtime can have
-        (``resolve_chain``); None without a capsule directory."""
+        (``resolve_chain``), or why there is none."""
         if self.directory is None:
-            return None
+            return RecipeChain(reason="no capsule directory is configured (capsules.directory)")
         return resolve_chain(self.directory, capsule_id, self.store.fingerprint, self.reader.schema,
                              self.directory.max_file_bytes, self.reader.in_memory)
 

@@ -100,7 +100,7 @@ class ControlLoop:
         try:
             self.inputs.receive(port, msg, now_ns, int(tolerance * 1e6) if tolerance > 0 else None)
         except PortDrop as drop:
-            self.notices.warn(f"drop.{port}", f"port {port}: dropped a message ({drop.reason}): {drop}")
+            self.notices.warn(f"drop.{port}.{drop.reason}", lambda count: _dropped(port, drop, count))
             return drop
         return None
 
@@ -235,3 +235,10 @@ class ControlLoop:
         record = self.safe_record(mode, stamp_ns, fault=fault, **kwargs)
         assert record is not None          # only HOLD_SILENT gives none
         return record
+
+
+def _dropped(port: str, drop: PortDrop, count: int) -> str:
+    """The warning of ``count`` drops of one port and cause since the last such warning."""
+    if count == 1:
+        return f"port {port}: dropped a message ({drop.reason}): {drop}"
+    return f"port {port}: dropped {count} messages ({drop.reason}) since the last warning of it; the latest: {drop}"

@@ -146,7 +146,7 @@ class EpisodeMachine:
         capsule = self._recompute.adopt(capsule_id, job, cause, seconds)
         self._loop.counters.fallback_recomputes += 1
         self._store.restore(capsule.id, self._runtime)
-        return self._resumed(capsule, str(cause), 0.0, seconds)
+        return self._resumed(capsule, str(cause), 0.0, seconds, job.source)
 
     def fork_live(self, label: str) -> Capsule:
         self.require(EpisodeState.RUNNING, EpisodeState.INTERRUPTED, verb="fork the live state")
@@ -207,7 +207,8 @@ class EpisodeMachine:
         self._recompute.remember(capsule)
         return capsule
 
-    def _resumed(self, capsule: Capsule, fallback_reason: str, restore_s: float, recompute_s: float) -> ReenterResult:
+    def _resumed(self, capsule: Capsule, fallback_reason: str, restore_s: float, recompute_s: float,
+                 fallback_source: str = "") -> ReenterResult:
         """After the live state became ``capsule``'s: log, state, event."""
         episode = self._episode
         rollback = capsule.episode_id == episode.episode_id and capsule.step < episode.step
@@ -218,8 +219,9 @@ class EpisodeMachine:
         episode.next_episode = max(episode.next_episode, capsule.episode_id + 1)
         episode.state = EpisodeState.RUNNING
         self._events.emit(EventKind.REENTER, capsule, rollback=rollback, fallback=bool(fallback_reason),
-                          detail=fallback_reason)
-        return ReenterResult(capsule, rollback, bool(fallback_reason), fallback_reason, restore_s, recompute_s)
+                          detail=f"rebuilt from {fallback_source}: {fallback_reason}" if fallback_reason else "")
+        return ReenterResult(capsule, rollback, bool(fallback_reason), fallback_reason, restore_s, recompute_s,
+                             fallback_source)
 
     def _release_interrupt_capsule(self) -> None:
         episode = self._episode

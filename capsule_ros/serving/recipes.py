@@ -11,8 +11,9 @@ the caller owns (a replica, or a regeneration runtime).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -133,10 +134,31 @@ def replay(runtime: PolicyRuntime, recipe: Recipe, rows: Optional[np.ndarray] = 
 
 
 @dataclass(frozen=True)
+class StateCheck:
+    """What a rebuild from a capsule file's recipe must make: the state whose digest the
+    file's header holds (``state_digest``; computed as that file's are, keyed when it is
+    encrypted). A recipe re-tagged into another capsule's file, or altered, makes other
+    bytes, and the rebuild is refused rather than adopted under the capsule's id."""
+
+    capsule_id: str
+    digest: str
+    digest_of: Callable[[Any], str]
+
+    def mismatch(self, runtime: PolicyRuntime) -> Optional[str]:
+        """Why ``runtime``'s state is not the capsule's (None: it is)."""
+        if self.digest_of(runtime.arena.storage.detach().to("cpu")) == self.digest:
+            return None
+        return (f"the state rebuilt from its recipe is not the capsule's: its digest differs from the state digest "
+                f"in the header of {self.capsule_id} (the recipe belongs to another capsule, or was altered)")
+
+
+@dataclass(frozen=True)
 class RecipeChain:
     """How to make a capsule's state again from files: a start (an initial root, the bytes
     of a capsule's verified file, or the id of a capsule in memory), then the recipes to
-    replay in order (the last one makes the capsule). ``reason``: why there is none."""
+    replay in order (the last one makes the capsule). ``reason``: why there is none.
+    ``check``: the state the rebuild must reach (None: the file has no state digest, being
+    written before files had one)."""
 
     start: Union[RecipeRoot, torch.Tensor, str, None] = None
     stages: Tuple[Recipe, ...] = ()
@@ -146,6 +168,7 @@ class RecipeChain:
     episode_id: int = 0
     step: int = 0
     visited: Tuple[str, ...] = field(default=())
+    check: Optional[StateCheck] = None
 
     @property
     def steps(self) -> int:
@@ -157,8 +180,10 @@ def resolve_chain(directory: CapsuleDirectory, capsule_id: str, fingerprint: str
     """Outside the boundary: follow a capsule's recipe (from its file) back to a state that
     can be had under ``fingerprint``: an episode's initial state, a capsule in memory
     (``in_memory``), or a capsule whose file verifies; a root whose file does not is made
-    again from its own recipe (at most ``MAX_CHAIN_DEPTH`` deep, never in a circle). Never
-    across fingerprints: a recipe of another graph is for ``capsule-ros regenerate``."""
+    again from its own recipe (at most ``MAX_CHAIN_DEPTH`` deep, never in a circle). Each
+    link must hold together: a root capsule's file is at the step its follower's recipe
+    starts from (the one in memory is checked when its bytes are taken). Never across
+    fingerprints: a recipe of another graph is for ``capsule-ros regenerate``."""
     stages: List[Recipe] = []
     visited: List[str] = []
     current = capsule_id
@@ -170,6 +195,9 @@ def resolve_chain(directory: CapsuleDirectory, capsule_id: str, fingerprint: str
         except CapsuleRosError as exc:
             return RecipeChain(reason=f"the recipe of {current} cannot be read ({exc})")
         first = first or header
+        if stages and header.step != stages[0].info.base_step:
+            return RecipeChain(reason=f"the recipe of {visited[-2]} starts from {current} at step "
+                                      f"{stages[0].info.base_step}, and {current} is at step {header.step}")
         if header.fingerprint != fingerprint:
             return RecipeChain(reason=f"{current} was made by graph {header.fingerprint[:12]}, this runtime is "
                                       f"{fingerprint[:12]}: a recipe is replayed across graphs only by "
@@ -182,8 +210,10 @@ def resolve_chain(directory: CapsuleDirectory, capsule_id: str, fingerprint: str
         stages.insert(0, recipe)
         root = recipe.info.root
         assert root is not None
+        check = (StateCheck(first.capsule_id, first.state_digest, functools.partial(directory.state_digest, first))
+                 if first.state_digest else None)
         chain = RecipeChain(None, tuple(stages), "", first.label, first.parent_id, first.episode_id, first.step,
-                            tuple(visited))
+                            tuple(visited), check)
         if root.kind == INITIAL:
             return dataclasses.replace(chain, start=root)
         if root.fingerprint != fingerprint:
@@ -196,7 +226,11 @@ def resolve_chain(directory: CapsuleDirectory, capsule_id: str, fingerprint: str
         if in_memory(root.capsule_id):
             return dataclasses.replace(chain, start=root.capsule_id)
         try:
-            _, data = directory.load(root.capsule_id, expected_fingerprint=fingerprint, expected_schema=schema)
-            return dataclasses.replace(chain, start=data)
+            held, data = directory.load(root.capsule_id, expected_fingerprint=fingerprint, expected_schema=schema)
         except CapsuleRosError:
             current = root.capsule_id                 # its bytes are lost too: follow its own recipe
+            continue
+        if held.step != recipe.info.base_step:
+            return RecipeChain(reason=f"the recipe of {current} starts from {root.capsule_id} at step "
+                                      f"{recipe.info.base_step}, and {root.capsule_id} is at step {held.step}")
+        return dataclasses.replace(chain, start=data)

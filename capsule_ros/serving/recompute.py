@@ -46,7 +46,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -65,7 +65,7 @@ from capsule_ros.errors import (
 )
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.inputlog import InputLog
-from capsule_ros.serving.recipes import RecipeChain, recipe_inputs, replay, start_from
+from capsule_ros.serving.recipes import RecipeChain, RecipeMismatch, StateCheck, recipe_inputs, replay, start_from
 
 LOG = logging.getLogger(__name__)
 ROWS_PER_COPY = 1024          # rows copied per call outside the boundary: the loop's thread gets the
@@ -115,7 +115,8 @@ class RebuildJob:
     label: str
     parent_id: str
     room: Optional[Reservation]              # room in the store for the rebuilt capsule
-    source: str                              # "the input log" or "its recipe"
+    source: str                              # the way it takes: "the input log", or its file's recipe and why not the log
+    check: Optional[StateCheck] = None       # from a recipe: the state the rebuild must reach (None: not recorded)
 
     @property
     def steps(self) -> int:
@@ -153,6 +154,7 @@ class Recompute:
         self.root_id = ""
         self.origin: Optional[RecipeRoot] = None      # what the log root's state was made from
         self._ledger: Dict[str, LedgerEntry] = {}
+        self._dropped: Set[str] = set()           # made here, then dropped from memory and disk
         self._replica: Optional[PolicyRuntime] = None     # made on first use
         self._replica_lock = threading.Lock()
 
@@ -167,13 +169,13 @@ class Recompute:
 
     def knows(self, capsule_id: str) -> bool:
         """Whether the input log can rebuild the capsule now (a hint outside the lock: ``begin_rebuild`` decides)."""
-        entry = self._ledger.get(capsule_id)
-        return entry is not None and self.log.capacity > 0 and self.log.covers(
-            entry.episode_id, entry.step, entry.generation) is None
+        return self._log_cannot(capsule_id) is None
 
     def forget(self, capsule_id: str) -> None:
-        """The capsule is gone for good: nothing may bring it back."""
-        self._ledger.pop(capsule_id, None)
+        """The capsule was dropped, and no file of it is kept: nothing may bring it back
+        (and a re-enter says it was dropped)."""
+        if self._ledger.pop(capsule_id, None) is not None:
+            self._dropped.add(capsule_id)
 
     def start(self, root: Capsule, origin: Optional[RecipeRoot] = None) -> None:
         """A new log root: the log restarts at ``root``'s state (held while it is the root).
@@ -283,46 +285,65 @@ class Recompute:
 
     # -- the fallback ----------------------------------------------------------------------------
     def begin_rebuild(self, capsule_id: str, cause: CapsuleRosError,
-                      chain: Optional[RecipeChain] = None) -> RebuildJob:
+                      chain: Optional[RecipeChain] = None) -> Optional[RebuildJob]:
         """Under the lock: a job to rebuild the capsule from the input log, else from
         ``chain`` (its file's recipe, resolved outside the lock); else re-raise ``cause``
-        with the reasons."""
+        with the reasons. None when the log cannot (its root left memory since ``knows``)
+        and ``chain`` was not read: read it and call again."""
+        reason = self._log_cannot(capsule_id)
         entry = self._ledger.get(capsule_id)
-        reason = ("this process did not make the capsule, so it has no input log for it" if entry is None
-                  else self._log_reason(entry))
-        root = self.store.find(self.root_id)
-        if reason is None and (root is None or root.payload is None):
-            reason = f"the log root {self.root_id!r} is no longer in memory"
         if reason is None and entry is not None:
             known = self.store.find(capsule_id)
             with self.store.lend(self.root_id) as loan:
                 root_bytes = loan.copy()
             return RebuildJob(capsule_id, entry.episode_id, entry.step, root_bytes,
-                               (self._log_recipe(self._log_recipe_info(entry.step)),), entry,
-                               "rebuilt by recompute", self.root_id, self._room_for(known), "the input log")
-        if chain is not None and not chain.reason:
+                              (self._log_recipe(self._log_recipe_info(entry.step)),), entry,
+                              "rebuilt by recompute", self.root_id, self._room_for(known), "the input log")
+        if chain is None:
+            return None
+        if not chain.reason:
             start = chain.start
             if isinstance(start, str):               # a root in memory: its bytes now (it may have left meanwhile)
                 held = self.store.find(start)
                 if held is None or held.payload is None:
                     raise type(cause)(f"{cause}; no recompute fallback: {reason}; and the root {start} of its "
                                       "recipe left memory") from cause
+                if held.step != chain.stages[0].info.base_step:
+                    raise type(cause)(f"{cause}; no recompute fallback: {reason}; and from its file: its recipe "
+                                      f"starts from {start} at step {chain.stages[0].info.base_step}, and {start} "
+                                      f"is at step {held.step}") from cause
                 with self.store.lend(start) as loan:
                     start = loan.copy()
             assert start is not None
+            unchecked = "" if chain.check is not None else (
+                "; its file has no state digest (written before files had one), so the rebuilt state is not "
+                "compared with the capsule's bytes")
             return RebuildJob(capsule_id, chain.episode_id, chain.step, start, chain.stages, None, chain.label,
-                               chain.parent_id, self._room_for(self.store.find(capsule_id)), "its recipe")
-        if chain is not None:
-            reason = f"{reason}; and from its file: {chain.reason}"
-        raise type(cause)(f"{cause}; no recompute fallback: {reason}") from cause
+                              chain.parent_id, self._room_for(self.store.find(capsule_id)),
+                              f"its file's recipe (the input log could not: {reason}{unchecked})", chain.check)
+        raise type(cause)(f"{cause}; no recompute fallback: {reason}; and from its file: {chain.reason}") from cause
+
+    def _log_cannot(self, capsule_id: str) -> Optional[str]:
+        """Why the input log cannot rebuild the capsule now (None: it can)."""
+        entry = self._ledger.get(capsule_id)
+        if entry is None:
+            return ("this process dropped it (drop_capsule) and kept no file of it: a dropped capsule stays dropped"
+                    if capsule_id in self._dropped else
+                    "this process did not make the capsule, so it has no input log for it")
+        reason = self._log_reason(entry)
+        root = self.store.find(self.root_id)
+        if reason is None and (root is None or root.payload is None):
+            reason = f"the log root {self.root_id!r} is no longer in memory"
+        return reason
 
     def _room_for(self, known: Optional[Capsule]) -> Optional[Reservation]:
         return self.store.reserve() if known is None or known.payload is None else None
 
     def rebuild(self, job: RebuildJob) -> float:
         """Outside the lock: make the state again on the replica; the seconds it took.
-        Raises CorruptCapsule (RecipeMismatch) when the replay does not follow the recipe or
-        does not reach the capsule's step."""
+        Raises CorruptCapsule (RecipeMismatch) when the replay does not follow the recipe,
+        does not reach the capsule's step, or (from a file's recipe) does not make the state
+        its header's digest names."""
         start = time.perf_counter()
         with self._replica_lock:
             replica = self._replica_runtime()
@@ -330,8 +351,11 @@ class Recompute:
             for stage in job.stages:
                 replay(replica, stage, expect_actions=True)
             rebuilt_step = replica.read_outputs().step
+            mismatch = job.check.mismatch(replica) if job.check is not None else None
         if rebuilt_step != job.step:
             raise CorruptCapsule(f"recompute reached step {rebuilt_step}, expected {job.step}")
+        if mismatch is not None:
+            raise RecipeMismatch(mismatch)
         return time.perf_counter() - start
 
     def adopt(self, capsule_id: str, job: RebuildJob, cause: CapsuleRosError, seconds: float) -> Capsule:

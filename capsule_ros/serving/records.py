@@ -136,6 +136,8 @@ class ReenterResult:
     fallback_reason: str
     restore_seconds: float
     recompute_seconds: float
+    fallback_source: str = ""        # with fallback: the way it was rebuilt ("the input log", or its file's
+                                     # recipe and why the log could not)
 
 
 @dataclass

@@ -339,6 +339,11 @@ class SessionVerbs:
         chain = None if self._recompute.knows(capsule_id) else self._capsules.recipe_chain(capsule_id)
         with self._boundary.held():
             job = self._recompute.begin_rebuild(capsule_id, cause, chain)   # re-raises ``cause`` when neither can
+        if job is None:                  # the log's root left memory since ``knows``: the file's recipe, then
+            chain = self._capsules.recipe_chain(capsule_id)
+            with self._boundary.held():
+                job = self._recompute.begin_rebuild(capsule_id, cause, chain)
+        assert job is not None
         try:
             seconds = self._recompute.rebuild(job)
             with self._boundary.held():                         # Busy, or suspended meanwhile: WrongState

@@ -77,7 +77,7 @@ def _reenter(result: Any, request: Mapping[str, Any]) -> str:
         return "resumed the interrupted episode where it stopped"
     verb = "rolled back to" if result.rollback else "re-entered"
     return f"{verb} {capsule.id} (episode {capsule.episode_id}, step {capsule.step})" + (
-        f" by recomputation: {result.fallback_reason}" if result.fallback else "")
+        f" by recomputation from {result.fallback_source}: {result.fallback_reason}" if result.fallback else "")
 
 
 def _fork(capsule: Any, request: Mapping[str, Any]) -> str:
