@@ -143,3 +143,25 @@ def test_a_capsule_dropped_from_memory_and_disk_is_not_found_as_dropped(tmp_path
         session.verbs.reenter(capsule.id)
     message = str(info.value)
     assert "dropped" in message and "did not make" not in message, message
+
+
+def test_a_file_from_before_state_digests_is_rebuilt_and_says_its_state_was_not_compared(tmp_path):
+    """A version 2 file written before headers carried ``state_digest`` (the key removed
+    here) still has its recipe rebuilt, with the header's episode and step and every
+    recorded action checked; the answer says the bytes could not be compared."""
+    config = default_config(tmp_path)
+    first = build_session(config)
+    feed(first, observations(9, seed=12))
+    capsule = first.verbs.commit("old", persist=True)
+    first.release()
+    path = first.parts.directory.path_of(capsule.id)
+    original = state_bytes(path)
+    assert first.parts.directory.header(capsule.id).state_digest
+    retag(path, lambda header: header.pop("state_digest"))
+    assert not first.parts.directory.header(capsule.id).state_digest
+    damage_state(path)
+
+    second = build_session(config)
+    result = second.verbs.reenter(capsule.id)
+    assert result.fallback and "no state digest" in result.fallback_source, result.fallback_source
+    assert bytes(second.parts.runtime.arena.storage.numpy()) == original
