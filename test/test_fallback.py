@@ -246,3 +246,24 @@ def test_recompute_cost_against_restore(tmp_path):
           f"{cold.recompute_seconds * 1e3:.1f} ms")
     for (_, *_a, r1, _w1), (_, *_b, r2, _w2) in zip(rows, rows[1:], strict=False):
         assert r2 > r1, "recompute cost should grow with k"
+
+
+def test_the_input_logs_pages_are_mapped_by_a_helper_while_the_log_is_written():
+    """The input log's memory is mapped ahead of use by a helper thread (activation does
+    not wait for a camera policy's gigabyte of log); what the loop writes meanwhile is
+    kept, and the rest reads as zeros. 256 MiB of rows written from the first moment."""
+    import threading
+
+    from capsule_ros.serving.inputlog import InputLog
+    log = InputLog(64, 4 << 20, action_dim=3)
+    log.start(episode_id=1, base_step=0)
+    rows = [np.full(4 << 20, i + 1, dtype=np.uint8) for i in range(4)]
+    for step in range(64):
+        log.append(step, rows[step % 4] if step % 2 == 0 else None, np.full(3, step, np.float32))
+    for helper in [t for t in threading.enumerate() if t.name == "capsule-ros-input-log"]:
+        helper.join(60)
+    logged = log.rows(64)
+    assert all(int(logged[step].min()) == int(logged[step].max()) == (step % 4) + 1 for step in range(0, 64, 2))
+    assert not logged[1::2].any(), "a row of a step that read no inputs is not zero"
+    assert log.reads(64).tolist() == [step % 2 == 0 for step in range(64)]
+    assert log.actions(64)[:, 0].tolist() == list(range(64))

@@ -193,3 +193,53 @@ def test_demotion_and_eviction_follow_last_use_exactly_through_a_long_random_his
     assert store.counters.demotions > 20 and store.counters.evictions > 20
     in_memory = {id(c.payload) for c in store.list() if c.payload is not None}
     assert len(in_memory) <= 7                                       # the 3 + 4 slabs hold every capsule in memory
+
+
+def test_a_small_state_in_a_large_budget_costs_start_up_nothing_per_slab():
+    """The slab count follows budget / state size (a 3 KiB recurrent state in the default
+    budgets is ~440,000 slabs); making the pools must not grow with it: no Python object
+    per slab at construction (measured with tracemalloc, which sees every tensor object
+    the pools would make), and the slabs handed out later are views of one allocation
+    per pool, so snapshots still allocate nothing."""
+    import tracemalloc
+
+    import torch
+
+    from capsule_ros.capsules.config import CapsuleStoreConfig
+    from capsule_ros.capsules.store import CapsuleStore
+    from capsule_ros.runtime.arena import ArenaLayout, BufferKind, StateArena, buffer_specs
+
+    layout = ArenaLayout(buffer_specs([("h", (768,), torch.float32, BufferKind.RECURRENT)]))      # 3 KiB
+    config = CapsuleStoreConfig(directory="")                        # the default budgets: 256 + 1024 MiB
+    tracemalloc.start()
+    try:
+        store = CapsuleStore(layout.nbytes, "f" * 64, torch.device("cpu"), config)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    capacity = store.stats().capacity
+    assert capacity[Tier.DEVICE] + capacity[Tier.HOST] > 400_000, capacity
+    assert peak < 1 << 20, f"making the pools traced {peak:,} bytes of Python objects"
+
+    class Owner:                                     # the slice of a runtime the store copies from
+        fingerprint, stream, numerics = "f" * 64, None, ""
+
+        def __init__(self):
+            self.layout, self.arena = layout, StateArena(layout, torch.device("cpu"))
+
+        def chunk_mark(self):
+            return None
+    owner = Owner()
+    capsules = []
+    for i in range(50):
+        owner.arena.storage.fill_(i)
+        capsules.append(store.snapshot(owner, episode_id=1, step=i))
+    storages = {c.payload.slab.untyped_storage().data_ptr() for c in capsules}
+    offsets = sorted(c.payload.slab.data_ptr() for c in capsules)
+    assert len(storages) == 1, "slabs were allocated one by one"
+    assert all(b - a >= layout.nbytes for a, b in zip(offsets, offsets[1:], strict=False)), "slabs overlap"
+    assert all(int(c.payload.slab[0]) == i for i, c in enumerate(capsules))
+    free, first = store.stats().free_slabs[Tier.DEVICE], capsules[0].payload.slab.data_ptr()
+    store.drop(capsules[0].id)
+    assert store.stats().free_slabs[Tier.DEVICE] == free + 1
+    assert store.snapshot(owner, episode_id=1, step=99).payload.slab.data_ptr() == first     # reused, not made

@@ -147,9 +147,9 @@ def write_act_checkpoint(directory: Path, quick: bool = False, seed: int = 0,
     return directory
 
 
-def serving_config(checkpoint: Path) -> ServingConfig:
-    """config/policy.yaml serving the checkpoint (ACT or Diffusion): joint positions and an
-    rgb8 camera, as the guide (docs/lerobot.md) configures them."""
+def serving_params(checkpoint: Path) -> Dict[str, Any]:
+    """config/policy.yaml's parameters serving the checkpoint (ACT or Diffusion): joint
+    positions and an rgb8 camera, as the guide (docs/lerobot.md) configures them."""
     from capsule_ros.config import load_params_file
     config = json.loads((checkpoint / "config.json").read_text())
     joints = config["input_features"][STATE]["shape"][0]
@@ -167,7 +167,12 @@ def serving_config(checkpoint: Path) -> ServingConfig:
                         kind: {"pretrained_model": str(checkpoint),
                                "features": [f"{key}:{port}" for key, port in PORTS.items()]}}
     params["capsules"]["directory"] = ""
-    return ServingConfig.from_params(params)
+    return params
+
+
+def serving_config(checkpoint: Path) -> ServingConfig:
+    """``serving_params`` as a configuration."""
+    return ServingConfig.from_params(serving_params(checkpoint))
 
 
 def checkpoint_summary(checkpoint: Path) -> Dict[str, Any]:

@@ -16,11 +16,11 @@ capsule's bytes lent to a reader outside the caller's lock, ``lend``). ``adopt``
 capsule read from its file in, ``hold`` is the session's own pin. Queries: ``get``,
 ``find``, ``list``, ``in`` and ``stats``. ``test/test_store.py`` keeps the face this size.
 
-Slabs come from fixed pools sized by byte budgets at construction, so the hot verbs
-(snapshot, restore) never allocate. Forks share their source's bytes (capsules are
-immutable), so a fork costs no copy. When a pool is full, the least-recently-used
-unpinned payload is demoted DEVICE -> HOST, and on HOST dropped from memory (it stays
-reachable when persisted) or evicted.
+Slabs come from fixed pools sized by byte budgets at construction (one allocation per
+pool, whatever the slab count), so the hot verbs (snapshot, restore) never allocate.
+Forks share their source's bytes (capsules are immutable), so a fork costs no copy. When
+a pool is full, the least-recently-used unpinned payload is demoted DEVICE -> HOST, and
+on HOST dropped from memory (it stays reachable when persisted) or evicted.
 
 On CUDA all copies run on a dedicated high-priority copy stream and are ordered against
 the runtime's compute stream with events, never with a host synchronisation: a
@@ -52,7 +52,7 @@ from capsule_ros.capsules.ids import check_capsule_id, new_capsule_id
 from capsule_ros.capsules.recipe import RecipeInfo
 from capsule_ros.errors import Busy, FingerprintMismatch, InvalidArgument, NotFound, ResourceExhausted
 from capsule_ros.metrics import LatencyWindow
-from capsule_ros.runtime.arena import ArenaLayout, BufferKind, StateArena
+from capsule_ros.runtime.arena import ALIGNMENT, ArenaLayout, BufferKind, StateArena
 from capsule_ros.runtime.chunkmark import ChunkMark
 
 LOG = logging.getLogger(__name__)
@@ -137,18 +137,31 @@ class Capsule:
 
 
 class SlabPool:
-    """Fixed-size slabs of one tier, allocated up front (no allocation on the hot path)."""
+    """Fixed-size slabs of one tier, carved from one allocation of the tier's byte budget
+    made at construction: no allocation on the hot path, and start-up costs one allocation
+    whatever the slab count (a 3 KiB recurrent state in the default budgets is about
+    440,000 slabs: one tensor each took seconds to make). A slab is a view of that block,
+    made the first time it is handed out (a Python object, no memory) and reused after."""
 
     def __init__(self, tier: Tier, slab_bytes: int, budget_bytes: int, device: torch.device, pin: bool):
         self.tier = tier
         self.slab_bytes = slab_bytes
-        count = int(budget_bytes // slab_bytes) if slab_bytes else 0
-        self._free: List[torch.Tensor] = [
-            torch.empty(slab_bytes, dtype=torch.uint8, device=device, pin_memory=pin) for _ in range(count)]
+        self._stride = -(-slab_bytes // ALIGNMENT) * ALIGNMENT     # each slab starts aligned, as an arena does
+        count = int(budget_bytes // self._stride) if slab_bytes else 0
+        self._block: Optional[torch.Tensor] = (torch.empty(count * self._stride, dtype=torch.uint8, device=device,
+                                                           pin_memory=pin) if count else None)
+        self._made = 0                               # slabs of the block handed out at least once
+        self._free: List[torch.Tensor] = []          # slabs given back
         self.capacity = count
 
     def acquire(self) -> Optional[torch.Tensor]:
-        return self._free.pop() if self._free else None
+        if self._free:
+            return self._free.pop()
+        if self._made == self.capacity or self._block is None:
+            return None
+        start = self._made * self._stride
+        self._made += 1
+        return self._block[start:start + self.slab_bytes]
 
     def release(self, slab: torch.Tensor) -> None:
         self._free.append(slab)
@@ -160,12 +173,14 @@ class SlabPool:
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.capacity - self._made
 
     def close(self) -> None:
-        """Drop every free slab (the store drops the capsules' slabs first)."""
+        """Drop the block (the store drops the capsules' slabs first; a slab still lent
+        keeps it alive until its loan ends)."""
         self._free.clear()
-        self.capacity = 0
+        self._block = None
+        self.capacity = self._made = 0
 
 
 class Reservation:

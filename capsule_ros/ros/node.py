@@ -238,7 +238,8 @@ class PolicyNode(LifecycleNode):
             # the watchdog: a step over its deadline publishes the safe action at once
             options = SessionOptions(clock_ns=self._now_ns, on_event=self._on_event,
                                      on_safe_action=self._publish_action)
-            session = start_session(self._prepared, options=options, streams=self._streams, watch=self._watch)
+            session = start_session(self._prepared, options=options, streams=self._streams, watch=self._watch,
+                                    warm_up=False)            # below, once the heap is settled
             if self._watch is not None:
                 self._watch.start(self._prepared.config)     # capsules.regenerate_stale: in the background
             # an auto inference delay is fixed now: the recorded and reported config carries the number

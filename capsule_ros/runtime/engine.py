@@ -120,7 +120,13 @@ def configure_torch(config: RuntimeConfig, device: torch.device) -> str:
         if device.type == "cuda":
             # cuBLAS needs a fixed workspace for deterministic results; must precede its init.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        if config.compile_enabled(device):
+            torch.use_deterministic_algorithms(True)      # also TorchInductor's flag: its compile needs it
+        else:
+            # the same switch without importing TorchInductor to set its flag, which
+            # ``use_deterministic_algorithms`` does (3 s of a CPU node's start-up; nothing
+            # compiles here)
+            torch._C._set_deterministic_algorithms(True, warn_only=False)
         # Deterministic mode also fills every new temporary with NaN to expose reads of
         # uninitialised memory: a debugging aid that costs one kernel per temporary.
         torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]

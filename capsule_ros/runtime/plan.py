@@ -84,9 +84,11 @@ class GraphPlan:
         return on_stream(self.stream)
 
     def _warm_up(self, fn) -> None:
-        """Run ``fn`` ``warmup_steps`` times (the caller restores the arena)."""
+        """Run ``fn`` ``warmup_steps`` times before a capture, once otherwise (it runs at
+        all: an eager plan has nothing to warm up for, and a camera policy's extra runs
+        were seconds of a CPU node's start-up); the caller restores the arena."""
         with torch.inference_mode(), self._stream_ctx():
-            for _ in range(self.warmup_steps):
+            for _ in range(self.warmup_steps if self.use_graphs else 1):
                 fn()
         if self.stream is not None:
             self.stream.synchronize()

@@ -143,13 +143,16 @@ def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, nod
 
 
 def start_session(prepared: PreparedServing, *, options: Optional[SessionOptions] = None,
-                  streams: Optional[StreamKeeper] = None, watch: Optional[DirectoryWatch] = None) -> PolicySession:
+                  streams: Optional[StreamKeeper] = None, watch: Optional[DirectoryWatch] = None,
+                  warm_up: bool = True) -> PolicySession:
     """The runtime on its device (arena, graph capture, warm-up), the capsule store and the
     session over them (the node's lifecycle ``activate``); episode 1 starts when
     ``control.autostart``. ``options``: how the session is driven (its clock, events...).
     ``streams``: pass the same keeper to every activation of one owner (``StreamKeeper``
     says why). ``watch``: the model updates of the capsule directory the session's status
-    shows (the node's: ``capsule_ros.updates.watch``)."""
+    shows (the node's: ``capsule_ros.updates.watch``). ``warm_up`` False: the caller runs
+    ``PolicySession.warm_up`` itself right before stepping starts (the node does, after it
+    settles its heap; twice cost a camera policy two more steps of its start-up)."""
     config = prepared.config
     runtime = PolicyRuntime(prepared.policy, config.runtime, inputs=port_bindings(config), streams=streams,
                             chunking=chunking_options(config), _fingerprint=prepared.fingerprint,
@@ -159,7 +162,8 @@ def start_session(prepared: PreparedServing, *, options: Optional[SessionOptions
                             ports=config.ports, prefix=config.policy.prefix, watch=watch, options=options)
     if config.control.autostart:
         session.verbs.reset()
-    session.warm_up()
+    if warm_up:
+        session.warm_up()
     return session
 
 

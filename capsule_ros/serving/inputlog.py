@@ -2,8 +2,8 @@
 capsule's recipe is cut from.
 
 Each step's staged inputs (the whole input region: a few bytes, or a camera frame) are
-copied into ``capacity`` rows allocated and touched up front, so logging never allocates
-or faults a page in; beside each row, whether the step read its inputs at all (a chunking
+copied into ``capacity`` rows allocated up front and mapped ahead of use (``prefaulted``),
+so logging never allocates or faults a page in; beside each row, whether the step read its inputs at all (a chunking
 policy's consume steps read none: no row is copied for them) and the action it produced
 (for a recipe's actions). Entry ``i``
 holds the inputs of the step taken from state step ``base_step + i`` of the current
@@ -12,17 +12,62 @@ every truncation so it can tell whether a capsule's prefix is still the logged o
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import ctypes
+import logging
+import mmap
+import threading
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
+LOG = logging.getLogger(__name__)
+MADV_POPULATE_WRITE = 23          # Linux 5.14+: fault pages in as a write would, leaving their contents alone
+POPULATE_CHUNK_BYTES = 32 << 20   # per madvise call of the helper thread
+SMALL_BYTES = 1 << 20             # smaller arrays are simply written through at once
 
-def _touched(shape: Tuple[int, ...], dtype) -> np.ndarray:
-    """A zeroed array whose pages are all mapped now. ``np.zeros`` maps a page at its first
-    write, so an episode's first pass through a camera policy's log paid the kernel's
-    first-touch faults inside the control step
-    (docs/benchmarks.md, "The input log's first touch"); the session's start pays them."""
-    array = np.empty(shape, dtype=dtype)
+
+def _madvise() -> Any:
+    """libc's madvise through ctypes, which releases the interpreter lock during the call."""
+    function = ctypes.CDLL(None, use_errno=True).madvise
+    function.argtypes, function.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    return function
+
+
+def _populate(region: mmap.mmap, address: int, start: int, nbytes: int, madvise: Any) -> None:
+    """The helper thread: fault ``region``'s pages in, a chunk per call (``region`` kept
+    alive until it is done)."""
+    for offset in range(start, nbytes, POPULATE_CHUNK_BYTES):
+        if madvise(address + offset, min(POPULATE_CHUNK_BYTES, nbytes - offset), MADV_POPULATE_WRITE) != 0:
+            LOG.debug("input log: madvise(MADV_POPULATE_WRITE) failed (errno %d)", ctypes.get_errno())
+            return
+    del region
+
+
+def prefaulted(shape: Tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A zeroed array whose pages are mapped ahead of any write to them, without holding up
+    the caller. A fresh array's pages are mapped at their first write, and a camera
+    policy's first pass through its log paid those faults inside the control step
+    (docs/benchmarks.md, "The input log's first touch"); writing the whole log at start
+    moved them into activation, a few seconds for a camera policy's log. Here a helper
+    thread asks the kernel to map them (``MADV_POPULATE_WRITE``, contents untouched, so it
+    may run while the log is written) and activation does not wait; where the kernel has no
+    such call (before Linux 5.14) the array is written through at once, as before."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes >= SMALL_BYTES:
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)    # zero pages
+        array = np.frombuffer(region, dtype=dtype).reshape(shape)
+        address = array.ctypes.data
+        try:
+            madvise = _madvise()
+            if madvise(address, mmap.PAGESIZE, MADV_POPULATE_WRITE) == 0:        # the kernel has it
+                threading.Thread(target=_populate, args=(region, address, 0, nbytes, madvise),
+                                 name="capsule-ros-input-log", daemon=True).start()
+                return array
+        except (AttributeError, OSError):          # no libc madvise here
+            pass
+    else:
+        array = np.empty(shape, dtype=dtype)
     array.fill(0)
     return array
 
@@ -32,9 +77,9 @@ class InputLog:
 
     def __init__(self, capacity: int, row_bytes: int, action_dim: int = 0):
         self.capacity = capacity
-        self._rows = _touched((capacity, row_bytes), np.uint8)
-        self._reads = _touched((capacity,), bool)
-        self._actions = _touched((capacity, action_dim), np.float32)
+        self._rows = prefaulted((capacity, row_bytes), np.uint8)
+        self._reads = prefaulted((capacity,), bool)
+        self._actions = prefaulted((capacity, action_dim), np.float32)
         self.episode_id = -1
         self.base_step = 0
         self.length = 0

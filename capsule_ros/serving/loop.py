@@ -17,6 +17,7 @@ the deadline, while the late step still runs.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
@@ -100,7 +101,7 @@ class ControlLoop:
         try:
             self.inputs.receive(port, msg, now_ns, int(tolerance * 1e6) if tolerance > 0 else None)
         except PortDrop as drop:
-            self.notices.warn(f"drop.{port}.{drop.reason}", lambda count: _dropped(port, drop, count))
+            self.notices.warn(f"drop.{port}.{drop.reason}", functools.partial(_dropped, port, drop))
             return drop
         return None
 

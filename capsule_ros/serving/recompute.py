@@ -115,7 +115,7 @@ class RebuildJob:
     label: str
     parent_id: str
     room: Optional[Reservation]              # room in the store for the rebuilt capsule
-    source: str                              # the way it takes: "the input log", or its file's recipe and why not the log
+    source: str                              # "the input log", or its file's recipe and why not the log
     check: Optional[StateCheck] = None       # from a recipe: the state the rebuild must reach (None: not recorded)
 
     @property

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,9 +40,9 @@ class FeatureNorm(nn.Module):
         else:
             low_name, high_name = STATS_OF_MODE[self.mode]
             low, spread = norm.stats[low_name], norm.stats[high_name]
-            try:
-                torch.broadcast_shapes(low.shape, spread.shape, tuple(shape))
-            except RuntimeError:
+            try:      # numpy's: torch.broadcast_shapes imports torch._refs and sympy (1.5 s of start-up)
+                np.broadcast_shapes(tuple(low.shape), tuple(spread.shape), tuple(shape))
+            except ValueError:
                 raise ConfigError(f"normalisation statistics of {norm.key!r} have shapes {list(low.shape)} and "
                                   f"{list(spread.shape)}; they do not broadcast to the feature {list(shape)}") from None
             if self.mode == "MEAN_STD":

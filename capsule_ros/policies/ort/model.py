@@ -1,10 +1,11 @@
 """An ONNX model file as ``policy.kind: onnx`` reads it, before any session exists.
 
-``read_model`` opens the file with the ``onnx`` package (external data files beside it
-included) and returns an ``OnnxModel``: the graph, the digest of every byte ONNX Runtime
-will read (the model file, then each external data file it names, in order; a moved
-file keeps its digest, a changed weight does not), the inputs and outputs with their
-shapes made concrete, and the control-flow nodes a CUDA graph cannot take.
+``read_model`` parses the file with ONNX's protobuf messages (``proto``: without the
+``onnx`` package's slow import; external data files beside it included) and returns an
+``OnnxModel``: the graph, the digest of every byte ONNX Runtime will read (the model
+file, then each external data file it names, in order; a moved file keeps its digest, a
+changed weight does not), the inputs and outputs with their shapes made concrete, and the
+control-flow nodes a CUDA graph cannot take.
 
 Shapes. Every input and output is bound to a fixed-size arena buffer, so each dimension
 must be known before serving: a number in the model, or a named (symbolic) dimension
@@ -22,6 +23,7 @@ from typing import Dict, Iterator, List, Mapping, Tuple
 import torch
 
 from capsule_ros.errors import ConfigError
+from capsule_ros.policies.ort.proto import external_location, parse_model
 
 CONTROL_FLOW = ("If", "Loop", "Scan")
 # ONNX TensorProto element types the arena can hold
@@ -75,13 +77,11 @@ class OnnxModel:
 
 def _external_files(proto) -> List[str]:
     """The external data files the initializers name, in order of first use."""
-    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
     seen: List[str] = []
     for tensor in _initializers(proto.graph):
-        if uses_external_data(tensor):
-            location = ExternalDataInfo(tensor).location
-            if location not in seen:
-                seen.append(location)
+        location = external_location(tensor)
+        if location and location not in seen:
+            seen.append(location)
     return seen
 
 
@@ -144,13 +144,12 @@ def _tensor(value, dims: Mapping[str, int], where: str, role: str) -> TensorInfo
 
 def read_model(path: Path, dims: Mapping[str, int], where: str) -> OnnxModel:
     """The model at ``path`` (see the module docstring); OnnxModelError naming ``where``."""
-    import onnx
     path = Path(path).expanduser()
     if not path.is_file():
         raise OnnxModelError(f"{where}: no such file {path}")
     data = path.read_bytes()
     try:
-        proto = onnx.load_model_from_string(data)
+        proto = parse_model(data)
     except Exception as exc:  # noqa: BLE001 - any parse failure: say so in one line
         raise OnnxModelError(f"{where}: not an ONNX model ({type(exc).__name__}: {exc})") from None
     digest = hashlib.sha256()

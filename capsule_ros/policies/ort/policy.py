@@ -396,14 +396,14 @@ def decide_in_place(policy_model: OnnxModel, roles: ModelRoles, settings: Sessio
     from dataclasses import replace
     from pathlib import Path
 
-    import onnx
+    from capsule_ros.policies.ort.proto import parse_model
     ort = _ort()
     with tempfile.TemporaryDirectory() as tmp:
         options = settings.options(ort)
         options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
         try:
             ort.InferenceSession(str(policy_model.path), sess_options=options, providers=["CPUExecutionProvider"])
-            graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
+            graph = parse_model(Path(options.optimized_model_filepath).read_bytes()).graph
         except Exception as exc:  # noqa: BLE001 - no analysis: every state is copied (always correct)
             LOG.info("%s: state outputs are copied (ONNX Runtime's optimised graph could not be read: %s)",
                      policy_model.where, exc)

@@ -1,0 +1,311 @@
+"""`capsule-ros bench startup`: launch to first action of ``policy_node``, beside the time
+to load the same model the plain way and get one action from it, side by side in one run.
+
+Cases (``--cases``, default all): ``default`` (config/policy.yaml, the shipped weights),
+``onnx`` (config/onnx_quadruped.yaml serving an Isaac Lab-style recurrent policy.onnx:
+LSTM 256, about 3 KiB of state, with the default capsule budgets, 256 + 1024 MiB, so
+about 440,000 capsule slots), ``act`` (the ACT checkpoint of ``bench step --policy act``:
+ALOHA shapes, a 480 x 640 camera) and ``diffusion`` (Diffusion Policy's default U-Net, a
+240 x 320 camera, 10 inference steps); ``--quick``: small networks and cameras.
+
+- ``served``: the installed ``policy_node`` launched as a process with the case's
+  parameters (autostart: configure and activate); this process publishes one message on
+  every port once the node subscribes (the trigger port last), again every 100 ms, and
+  times the launch to the first action on ``~/action``. The node's own log gives the
+  phases: launch to ``configured`` (imports, rclpy, the policy built and its weights
+  read) and to ``serving`` (activate: arena, capsule pools, state check, rehearsal).
+- ``plain``: a fresh Python process (``startup_plain.py``) that loads the same model
+  (ONNX Runtime only for the ONNX model; the kind's own model code and weights in plain
+  torch for the others: no arena, runtime, capsules or ROS) and computes one action,
+  timed from its launch to its output.
+- ``import torch``: a process that only imports torch, for the reader (an ONNX policy is
+  served over a torch arena; its plain side never imports torch).
+
+Target: served <= ``BUDGET_S`` + plain + graph capture (none on a CPU: the step runs
+eagerly), per case, on medians. The sides alternate in ``ROUNDS`` rounds so that a busy
+machine slows them alike; the spread (min..max) and the load average before and after
+are recorded. CPU only: it launches policy_node (ROS), which the GPU machine lacks.
+"""
+from __future__ import annotations
+
+import array
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import yaml
+
+from capsule_ros.benchmarks.common import config_path, emit, environment, print_table, resolve_device
+from capsule_ros.config import load_params_file
+
+BUDGET_S = 1.5
+ROUNDS = 5
+CASES = ("default", "onnx", "act", "diffusion")
+PLAIN = Path(__file__).with_name("startup_plain.py")
+FIRST_ACTION_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Case:
+    name: str
+    summary: str
+    params: Dict[str, Any]          # the node's parameters, whole
+    plain: List[str]                # startup_plain.py's arguments
+
+
+def _case(name: str, tmp: Path, quick: bool) -> Case:
+    """Write the case's model into ``tmp`` and describe both sides."""
+    from capsule_ros.capsules.config import CapsuleStoreConfig
+    params: Dict[str, Any]
+    if name == "default":
+        params = load_params_file(config_path("policy.yaml"))
+        summary = "config/policy.yaml, shipped weights"
+    elif name == "onnx":
+        from capsule_ros.benchmarks.onnx_step import FULL, QUICK, write_lstm_policy
+        shape = QUICK if quick else FULL
+        model = write_lstm_policy(tmp / "policy.onnx", shape.hidden, shape.mlp)
+        params = load_params_file(config_path("onnx_quadruped.yaml"))
+        params["policy"]["onnx"]["model"] = str(model)
+        defaults = CapsuleStoreConfig()            # the budgets a user who sets none gets
+        params["capsules"].update(device_budget_mb=defaults.device_budget_mb, host_budget_mb=defaults.host_budget_mb)
+        summary = f"onnx_quadruped.yaml, LSTM {shape.hidden} + MLP {list(shape.mlp)}, default capsule budgets"
+    elif name in ("act", "diffusion"):
+        from capsule_ros.benchmarks.lerobot_act import serving_params, write_act_checkpoint
+        from capsule_ros.benchmarks.lerobot_diffusion import write_diffusion_checkpoint
+        if name == "act":
+            checkpoint = write_act_checkpoint(tmp / "act", quick=quick)
+        else:
+            checkpoint = write_diffusion_checkpoint(tmp / "diffusion", (96, 128) if quick else (240, 320), quick=quick)
+        params = serving_params(checkpoint)
+        config = json.loads((checkpoint / "config.json").read_text())
+        camera = config["input_features"]["observation.images.top"]["shape"][1:]
+        summary = f"{config['type']}, {config['vision_backbone']}, camera {camera[0]} x {camera[1]}"
+    else:
+        raise SystemExit(f"capsule-ros bench startup: --cases {name}: the cases are {', '.join(CASES)}")
+    params["capsules"]["directory"] = str(tmp / f"{name}-capsules")
+    params["runtime"]["device"] = "cpu"
+    if name == "onnx":
+        plain = ["onnx", params["policy"]["onnx"]["model"]]
+    else:
+        (tmp / f"{name}.json").write_text(json.dumps(params))
+        plain = ["torch", str(tmp / f"{name}.json")]
+    return Case(name, summary, params, plain)
+
+
+# -- the plain side ---------------------------------------------------------------------------------
+def time_plain(case: Case) -> float:
+    """Seconds from launching the plain process to its first action."""
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, str(PLAIN), *case.plain], capture_output=True, text=True,
+                         timeout=FIRST_ACTION_TIMEOUT_S, env=_env())
+    seconds = time.monotonic() - start
+    if out.returncode != 0 or "first action" not in out.stdout:
+        raise SystemExit(f"the plain {case.name} load failed ({out.returncode}):\n{out.stderr[-2000:]}")
+    return seconds
+
+
+def time_torch_import() -> float:
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, env=_env())
+    return time.monotonic() - start
+
+
+def _env() -> Dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+# -- the served side --------------------------------------------------------------------------------
+def port_message(port: Any, stamp: Any) -> Any:
+    """A message that fills ``port`` (a PortConfig) with zeros: its type, its fields
+    (sequences sized by its names or shape), joint names, an image of its shape and
+    encoding; ``stamp`` in its header."""
+    from rosidl_runtime_py.utilities import get_message
+    msg = get_message(port.type)()
+    if hasattr(msg, "header"):
+        msg.header.stamp = stamp
+    if port.type.endswith("/Image"):
+        height, width, channels = port.shape
+        msg.height, msg.width, msg.encoding = height, width, port.encodings[0]
+        msg.step = width * channels
+        msg.data = bytes(height * width * channels)
+        return msg
+    if port.names:
+        msg.name = list(port.names)
+    per_field = len(port.names) if port.names else int(np.prod(port.shape)) // max(len(port.fields), 1)
+    for path in port.fields:
+        *parents, leaf = path.split(".")
+        owner = msg
+        for part in parents:
+            owner = getattr(owner, part)
+        if isinstance(getattr(owner, leaf), (list, array.array, np.ndarray)):
+            setattr(owner, leaf, [0.0] * per_field)
+    return msg
+
+
+class Feeder:
+    """Publishes every port of a node's parameters and waits for its first action."""
+
+    def __init__(self, node: Any, namespace: str, params: Dict[str, Any]):
+        from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+        from capsule_ros.msg import Action
+        from capsule_ros.serving.config import ServingConfig
+        config = ServingConfig.from_params(params)
+        self.node = node
+        trigger = config.control.trigger_port
+        names = sorted(config.ports, key=lambda name: name == trigger)       # the trigger port last
+        qos = QoSProfile(depth=2, reliability=ReliabilityPolicy.RELIABLE)
+        self.ports = [(config.ports[name], node.create_publisher(
+            _message_class(config.ports[name].type), _topic(namespace, config.ports[name].topic), qos))
+            for name in names]
+        self.first: Optional[float] = None
+        self._got = threading.Event()
+        node.create_subscription(Action, f"{namespace}/capsule_policy/action", self._on_action, 10)
+
+    def _on_action(self, _msg: Any) -> None:
+        if self.first is None:
+            self.first = time.monotonic()
+            self._got.set()
+
+    def run(self, until: float, alive) -> Optional[float]:
+        """Publish once the node subscribes, every 100 ms, until its first action (its
+        monotonic time) or ``until``; None when the node died or never acted."""
+        while time.monotonic() < until and not self._got.is_set():
+            if not alive():
+                return None
+            if all(pub.get_subscription_count() > 0 for _, pub in self.ports):
+                stamp = self.node.get_clock().now().to_msg()
+                for port, pub in self.ports:
+                    pub.publish(port_message(port, stamp))
+                self._got.wait(0.1)
+            else:
+                self._got.wait(0.005)
+        return self.first
+
+
+def _message_class(type_name: str) -> Any:
+    from rosidl_runtime_py.utilities import get_message
+    return get_message(type_name)
+
+
+def _topic(namespace: str, topic: str) -> str:
+    return topic if topic.startswith("/") else f"{namespace}/{topic}"
+
+
+LOG_TIME = re.compile(r"\[(\d+\.\d+)\] \[[^\]]*\]: (.*)")
+
+
+def log_phases(log: str, launched_wall: float) -> Dict[str, Any]:
+    """Seconds from the launch to the node's ``configured`` and ``serving`` lines, and its
+    capsule pools' slab counts (from its log)."""
+    phases: Dict[str, Any] = {}
+    for line in log.splitlines():
+        found = LOG_TIME.search(line)
+        if not found:
+            continue
+        stamp, text = float(found.group(1)), found.group(2)
+        if text.startswith("configured:"):
+            phases["configured_s"] = stamp - launched_wall
+        elif text.startswith("serving on"):
+            phases["serving_s"] = stamp - launched_wall
+        pools = re.search(r"capsule pools: (\d+) device slab\(s\), (\d+) host slab\(s\)", text)
+        if pools:
+            phases["slabs"] = int(pools.group(1)) + int(pools.group(2))
+    return phases
+
+
+def time_served(case: Case, client: Any, tmp: Path, round_no: int) -> Dict[str, Any]:
+    """Launch policy_node with the case's parameters: seconds to its first action, and the
+    phases of its log."""
+    from capsule_ros.ros.processes import start_policy_node
+    namespace = f"/bench_startup_{case.name}_{round_no}"
+    params_file = tmp / f"{case.name}-params.yaml"
+    params_file.write_text(yaml.safe_dump({"/**": {"ros__parameters": case.params}}))
+    feeder = Feeder(client.node, namespace, case.params)
+    launched_wall, launched = time.time(), time.monotonic()
+    proc = start_policy_node(tmp, {}, namespace=namespace, params_file=params_file, tag=f"{case.name}-{round_no}")
+    try:
+        first = feeder.run(launched + FIRST_ACTION_TIMEOUT_S, proc.alive)
+    finally:
+        code = proc.stop()
+    if first is None:
+        raise SystemExit(f"policy_node ({case.name}) gave no action (exit {code}):\n{proc.log()[-3000:]}")
+    return {"served_s": first - launched, **log_phases(proc.log(), launched_wall)}
+
+
+# -- the run ----------------------------------------------------------------------------------------
+def _spread(values: Sequence[float]) -> Dict[str, float]:
+    a = np.asarray(values, dtype=np.float64)
+    return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max())}
+
+
+def run(cases: Sequence[str] = CASES, quick: bool = False, rounds: int = ROUNDS) -> dict:
+    import rclpy
+
+    from capsule_ros.ros.spinning import SpunNode
+    device = resolve_device("cpu")
+    tmp = Path(tempfile.mkdtemp(prefix="capsule-bench-startup-"))
+    prepared = [_case(name, tmp, quick) for name in cases]
+    load_before = list(os.getloadavg())
+    samples: Dict[str, Dict[str, List[float]]] = {c.name: {} for c in prepared}
+    torch_import: List[float] = []
+    rclpy.init()
+    client = SpunNode(rclpy, "bench_startup_client")
+    try:
+        for round_no in range(rounds):
+            torch_import.append(time_torch_import())
+            for case in prepared:
+                for side in ("plain", "served") if round_no % 2 == 0 else ("served", "plain"):
+                    got = ({"plain_s": time_plain(case)} if side == "plain"
+                           else time_served(case, client, tmp, round_no))
+                    for key, value in got.items():
+                        samples[case.name].setdefault(key, []).append(value)
+    finally:
+        client.close()
+        rclpy.try_shutdown()
+    result: Dict[str, Any] = {"bench": "startup", **environment(device), "quick": quick, "rounds": rounds,
+                              "load_average_before": load_before, "load_average_after": list(os.getloadavg()),
+                              "budget_s": BUDGET_S, "import_torch_s": _spread(torch_import), "cases": {}}
+    for case in prepared:
+        got = samples[case.name]
+        row: Dict[str, Any] = {"summary": case.summary, "slabs": int(got["slabs"][0]) if got.get("slabs") else 0}
+        for key in ("served_s", "plain_s", "configured_s", "serving_s"):
+            if got.get(key):
+                row[key] = _spread(got[key])
+        row["graph_capture_s"] = 0.0                 # a CPU runs the step eagerly: nothing is captured
+        row["target_s"] = BUDGET_S + row["plain_s"]["median"] + row["graph_capture_s"]
+        row["met"] = bool(row["served_s"]["median"] <= row["target_s"])
+        result["cases"][case.name] = row
+    result["met"] = all(row["met"] for row in result["cases"].values())
+    return result
+
+
+def table(result: dict) -> None:
+    def cell(spread: Optional[Dict[str, float]]) -> str:
+        return f"{spread['median']:.2f} ({spread['min']:.2f}..{spread['max']:.2f})" if spread else "-"
+    rows = []
+    for name, row in result["cases"].items():
+        rows.append([name, cell(row["served_s"]), cell(row.get("configured_s")), cell(row.get("serving_s")),
+                     cell(row["plain_s"]), f"{row['target_s']:.2f}", "yes" if row["met"] else "NO", row["slabs"]])
+    print_table(f"launch to first action, s: median (min..max) of {result['rounds']} rounds; import torch alone "
+                f"{cell(result['import_torch_s'])} s; load {result['load_average_before'][0]:.1f} -> "
+                f"{result['load_average_after'][0]:.1f}",
+                ["case", "policy_node", "to configured", "to serving", "plain load", "target", "met", "slabs"], rows)
+
+
+def main(args) -> int:
+    if args.device not in ("auto", "cpu"):
+        raise SystemExit("capsule-ros bench startup: CPU only (it launches policy_node, and the GPU machine has "
+                         "no ROS)")
+    cases = [c.strip() for c in (args.cases or ",".join(CASES)).split(",") if c.strip()]
+    emit(run(cases, args.quick, 2 if args.quick else ROUNDS), args.json, table)
+    return 0
