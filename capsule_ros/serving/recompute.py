@@ -154,7 +154,7 @@ class Recompute:
         self.root_id = ""
         self.origin: Optional[RecipeRoot] = None      # what the log root's state was made from
         self._ledger: Dict[str, LedgerEntry] = {}
-        self._dropped: Set[str] = set()           # made here, then dropped from memory and disk
+        self._dropped: Set[str] = set()           # dropped, with no file of it kept
         self._replica: Optional[PolicyRuntime] = None     # made on first use
         self._replica_lock = threading.Lock()
 
@@ -174,8 +174,8 @@ class Recompute:
     def forget(self, capsule_id: str) -> None:
         """The capsule was dropped, and no file of it is kept: nothing may bring it back
         (and a re-enter says it was dropped)."""
-        if self._ledger.pop(capsule_id, None) is not None:
-            self._dropped.add(capsule_id)
+        self._ledger.pop(capsule_id, None)
+        self._dropped.add(capsule_id)
 
     def start(self, root: Capsule, origin: Optional[RecipeRoot] = None) -> None:
         """A new log root: the log restarts at ``root``'s state (held while it is the root).
@@ -385,12 +385,14 @@ class Recompute:
             job.room.release()
 
     def close(self) -> None:
-        """Release the replica runtime (if one was made) and forget the log and ledger."""
+        """Release the replica runtime (if one was made) and forget the log, the ledger and
+        the drops."""
         with self._replica_lock:
             if self._replica is not None:
                 self._replica.close()
                 self._replica = None
         self._ledger.clear()
+        self._dropped.clear()
 
     def _replica_runtime(self) -> PolicyRuntime:
         if self._replica is None:

@@ -334,15 +334,15 @@ class SessionVerbs:
                 return self._machine.reenter(source)
         except UNRESTORABLE as exc:
             cause = exc
-        # the recompute fallback: the file's recipe read outside the boundary when the input log
-        # cannot rebuild it, its job begun under the boundary, replayed outside it, adopted under it again
-        chain = None if self._recompute.knows(capsule_id) else self._capsules.recipe_chain(capsule_id)
-        with self._boundary.held():
-            job = self._recompute.begin_rebuild(capsule_id, cause, chain)   # re-raises ``cause`` when neither can
-        if job is None:                  # the log's root left memory since ``knows``: the file's recipe, then
-            chain = self._capsules.recipe_chain(capsule_id)
+        # the recompute fallback: the file's recipe read outside the boundary when the input log cannot rebuild
+        # it (again when the log's root left since ``knows``), the job begun under the boundary (re-raising
+        # ``cause`` when neither can), replayed outside it, adopted under it again
+        for log_can in (self._recompute.knows(capsule_id), False):
+            chain = None if log_can else self._capsules.recipe_chain(capsule_id)
             with self._boundary.held():
                 job = self._recompute.begin_rebuild(capsule_id, cause, chain)
+            if job is not None:
+                break
         assert job is not None
         try:
             seconds = self._recompute.rebuild(job)

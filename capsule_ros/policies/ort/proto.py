@@ -1,8 +1,8 @@
 """ONNX's protobuf messages (``ModelProto``...) without the ``onnx`` package's import.
 
 ``import onnx`` imports its helpers, which import ``ml_dtypes`` (a C extension registering
-numpy dtypes): about 0.5 s on a quiet machine here, 2 s on a loaded one, most of a small
-ONNX policy's start-up beyond torch's own import (docs/benchmarks.md, "Start-up"). The
+numpy dtypes): seconds of a small ONNX policy's start-up on a loaded machine, beyond
+torch's own import (docs/benchmarks.md, "Start-up (`capsule-ros bench startup`)"). The
 kind only parses a model and reads fields of its graph, which the generated protobuf module
 ``onnx/onnx_ml_pb2.py`` alone can do: it is loaded from the installed ``onnx`` package's
 directory without running the package's ``__init__`` (it imports only ``google.protobuf``,
