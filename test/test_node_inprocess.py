@@ -299,7 +299,7 @@ CONFIGURE_EFFECTS = [
     ("control.input_log_steps", 0, lambda n: n.session.recompute.log.capacity == 0),
     ("control.input_log_max_mb", 4096.0, lambda n: n.config.control.input_log_max_mb == 4096.0),
     ("runtime.seed", 7, lambda n: n.session.runtime.config.seed == 7),
-    ("runtime.debug_checks", True, lambda n: n.session.runtime.plan.debug_checks is True),
+    ("runtime.debug_checks", True, lambda n: n.session.runtime.graphs.debug_checks is True),
     ("policy.prefix", [], lambda n: n.session.prefix == ()),
 ]
 
