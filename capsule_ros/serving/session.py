@@ -413,6 +413,7 @@ class PolicySession:
                 capsule = self.capsules.in_store(source)
                 seconds = self.store.restore(capsule.id, self.runtime,
                                              count_as=Tier.DISK if source.data is not None else None).seconds
+                self.runtime.after_restore(capsule.mark)
                 return self._resume(capsule, "", seconds, 0.0)
         except UNRESTORABLE as exc:
             cause = exc
@@ -427,6 +428,7 @@ class PolicySession:
                 capsule = self.recompute.adopt(capsule_id, plan, cause, seconds)
                 self.counters.fallback_recomputes += 1
                 self.store.restore(capsule.id, self.runtime)
+                self.runtime.after_restore(capsule.mark)
                 return self._resume(capsule, str(cause), 0.0, seconds)
         except BaseException:
             # its room must go back, whatever the wait (a no-op once adopted); after a
@@ -544,6 +546,7 @@ class PolicySession:
             with self.boundary.held():
                 for kinds in _runs_without(only):
                     self.store.restore(live.id, self.runtime, kinds=kinds)
+                    self.runtime.after_restore(live.mark, kinds)
             return result
         finally:
             with self.boundary.blocking():
@@ -581,6 +584,7 @@ class PolicySession:
             room = self.store.reserve()
         else:          # from memory, or straight from its file's bytes (not kept in a pool)
             room = self.store.restore(source.capsule, self.runtime, data=source.data, reserve=True).room
+            self.runtime.after_restore(source.capsule.mark)
         episode = self._next_episode
         self._next_episode += 1
         if capsule is None:
@@ -607,7 +611,9 @@ class PolicySession:
         interrupt without one."""
         if self.interrupt_capsule_id:          # held: always in memory
             capsule = self.store.get(self.interrupt_capsule_id)
-            return self._resume(capsule, "", self.store.restore(capsule.id, self.runtime).seconds, 0.0)
+            seconds = self.store.restore(capsule.id, self.runtime).seconds
+            self.runtime.after_restore(capsule.mark)
+            return self._resume(capsule, "", seconds, 0.0)
         if self.state != EpisodeState.INTERRUPTED:
             raise WrongState(f"reenter without a capsule id needs an interrupt capsule "
                              f"(episode is {self.state.name})")
