@@ -54,6 +54,7 @@ import torch
 from capsule_ros.capsules.recipe import Recipe, RecipeInfo, RecipeRoot
 from capsule_ros.capsules.store import Capsule, CapsuleStore, Reservation
 from capsule_ros.errors import CapsuleRosError, ConfigError, CorruptCapsule
+from capsule_ros.runtime.builder import replica_of
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.inputlog import InputLog
 from capsule_ros.serving.recipes import RecipeChain, recipe_inputs, replay, start_from
@@ -357,5 +358,5 @@ class Recompute:
 
     def _replica_runtime(self) -> PolicyRuntime:
         if self._replica is None:
-            self._replica = self.runtime.replica()
+            self._replica = replica_of(self.runtime)
         return self._replica

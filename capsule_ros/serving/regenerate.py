@@ -51,11 +51,14 @@ from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.fileformat import CapsuleHeader
 from capsule_ros.capsules.recipe import CAPSULE, INITIAL, Recipe, RecipeInfo, RecipeInput, RecipeRoot
 from capsule_ros.capsules.store import Capsule
+from capsule_ros.chunking.mark import ChunkingMark
+from capsule_ros.chunking.mode import mode_for
 from capsule_ros.errors import CapsuleRosError, InvalidArgument
 from capsule_ros.runtime.arena import ArenaLayout, BufferKind
-from capsule_ros.runtime.chunkmark import ChunkMark
-from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, runtime_identity
-from capsule_ros.runtime.fingerprint import FingerprintParts
+from capsule_ros.runtime.builder import build_policy_runtime, runtime_identity
+from capsule_ros.runtime.engine import PolicyRuntime
+from capsule_ros.runtime.fingerprint import FingerprintParts, RuntimeIdentity
+from capsule_ros.runtime.marks import ModeMark
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.invalidation import Survey, Verdict, judge
@@ -97,8 +100,8 @@ class Deployment:
     @classmethod
     def of_policy(cls, config: ServingConfig, policy: StatefulPolicy, bindings: Mapping[str, object]) -> Deployment:
         """A deployment of a policy built with its weights (``capsule_ros.serving.factory.load_deployment``)."""
-        fingerprint, parts = runtime_identity(policy, config.runtime, bindings)
-        return cls(config, policy, fingerprint, parts, bindings)
+        identity = runtime_identity(policy, config.runtime, bindings)
+        return cls(config, policy, identity.fingerprint, identity.parts, bindings)
 
     @classmethod
     def of_runtime(cls, config: ServingConfig, runtime: PolicyRuntime) -> Deployment:
@@ -110,23 +113,22 @@ class Deployment:
     def supports_prefill(self) -> bool:
         return bool(self.policy.supports_prefill)
 
-    def runtime_for(self, chunk: Optional[ChunkMark]) -> PolicyRuntime:
+    def runtime_for(self, mark: Optional[ModeMark]) -> PolicyRuntime:
+        """The runtime a capsule with ``mark`` is replayed on (an ``auto`` delay: the one
+        its chunking mark recorded)."""
         if self._given is not None:
             return self._given
-        control = self.config.control
-        delay: Optional[int] = None
-        if self.policy.cadence() is not None and control.chunking == "async":
-            delay = int(control.inference_delay_steps) if control.inference_delay_steps != "auto" else (
-                chunk.delay if chunk is not None else None)
-            if delay is None:
+        settings = self.config.control.chunking_settings(worker="inline")
+        if self.policy.cadence() is not None and settings.timing == "async" and settings.delay is None:
+            if mark is None:
                 raise BadArguments("control.inference_delay_steps is auto and the capsule records no chunk delay: "
                                    "set the delay in the parameter file")
-        if delay not in self._runtimes:
-            options = ChunkingOptions(control.chunking, delay, control.execution_horizon, control.rate_hz, "inline")
-            self._runtimes[delay] = PolicyRuntime(self.policy, self.config.runtime, inputs=self.bindings,
-                                                  chunking=options, _fingerprint=self.fingerprint,
-                                                  _parts=self.parts)
-        return self._runtimes[delay]
+            settings = dataclasses.replace(settings, delay=ChunkingMark.parse(mark).delay)
+        if settings.delay not in self._runtimes:
+            self._runtimes[settings.delay] = build_policy_runtime(
+                self.policy, self.config.runtime, mode=mode_for(self.policy, settings), inputs=self.bindings,
+                identity=RuntimeIdentity(self.fingerprint, self.parts))
+        return self._runtimes[settings.delay]
 
     def close(self) -> None:
         for runtime in self._runtimes.values():
@@ -289,7 +291,7 @@ def check(directory: CapsuleDirectory, deployment: Deployment,
     todo = [a for a in items if a.action == REGENERATE]
     how = "given"
     if steps_per_second is None and todo:
-        steps_per_second = measure_steps_per_second(deployment.runtime_for(todo[0].header.chunk
+        steps_per_second = measure_steps_per_second(deployment.runtime_for(todo[0].header.mark
                                                                            if todo[0].header else None))
         how = "measured on this machine: steps of the new policy, as a regeneration replays them"
     state_bytes = deployment.layout.nbytes
@@ -329,7 +331,7 @@ class Regenerated:
     recipe: Recipe
     drift: float                         # max |new action - recorded action| along the recipe
     first_over: Optional[int]            # the first step whose drift passed the bound (None: none did)
-    chunk: Optional[ChunkMark]
+    mark: Optional[ModeMark]
     numerics: str
 
 
@@ -341,7 +343,7 @@ def regenerate_capsule(deployment: Deployment, header: CapsuleHeader, recipe: Re
     RecipeMismatch (CorruptCapsule) when the new policy cannot follow the recipe."""
     info = recipe.info
     assert info.root is not None
-    runtime = deployment.runtime_for(header.chunk)
+    runtime = deployment.runtime_for(header.mark)
     start_from(runtime, info.root if root_state is None else root_state)
     rows = rows_for(recipe, runtime)
     actions = replay(runtime, recipe, rows, progress=progress)
@@ -359,7 +361,7 @@ def regenerate_capsule(deployment: Deployment, header: CapsuleHeader, recipe: Re
         root = RecipeRoot.capsule(root.capsule_id, deployment.fingerprint, root.episode)
     new_info = RecipeInfo(True, "", root, info.base_step, info.steps, info.rows, deployment.row_bytes,
                           runtime.policy.action_dim, deployment.inputs)
-    return Regenerated(data, Recipe(new_info, recipe.reads, rows, actions), drift, first_over, runtime.chunk_mark(),
+    return Regenerated(data, Recipe(new_info, recipe.reads, rows, actions), drift, first_over, runtime.mark(),
                        runtime.numerics)
 
 
@@ -453,7 +455,7 @@ class Regeneration:
             made = regenerate_capsule(self.deployment, header, recipe, root_state, self.max_drift, steps_done)
             capsule = Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
                               int(made.data.numel()), self.deployment.fingerprint, header.stamp_ns,
-                              numerics=made.numerics, chunk=made.chunk)
+                              numerics=made.numerics, mark=made.mark)
             self.out.save(capsule, made.data, self.deployment.schema, recipe=made.recipe, parts=self.deployment.parts)
         except CapsuleRosError as exc:
             return Outcome(item.capsule_id, "skipped", f"{type(exc).__name__}: {exc}", item.steps,
