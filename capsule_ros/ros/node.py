@@ -71,9 +71,10 @@ from capsule_ros.ros.publishing import ActionOutput, NodeRecording
 from capsule_ros.ros.run_policy import RunPolicyServer
 from capsule_ros.ros.spinning import Offload
 from capsule_ros.ros.status import DiagnosticsBuilder, runtime_status
-from capsule_ros.runtime.engine import StreamKeeper, release_device_memory
+from capsule_ros.runtime.engine import release_device_memory
+from capsule_ros.runtime.streams import StreamKeeper
 from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
-from capsule_ros.serving.factory import PreparedServing, prepare_serving, start_session
+from capsule_ros.serving.factory import PreparedServing, prepare_serving, settle_mode, start_session
 from capsule_ros.serving.outputs import OutputAdapter, point_spacing
 from capsule_ros.serving.process import settle_after_start, unsettle
 from capsule_ros.serving.records import (
@@ -225,9 +226,11 @@ class PolicyNode(LifecycleNode):
         assert config is not None
         if self.session is None:
             assert self._prepared is not None
-            session = start_session(self._prepared, on_event=self._on_event, streams=self._streams)
-            # an auto inference delay is fixed now: the recorded and reported config carries the number
-            config = self.config = dataclasses.replace(config, control=session.control)
+            # an auto inference delay is measured now, before the runtime is built: the recorded
+            # and reported config carries the number
+            prepared = settle_mode(self._prepared, streams=self._streams)
+            config = self.config = prepared.config
+            session = start_session(prepared, on_event=self._on_event, streams=self._streams)
             session.clock_ns = lambda: self.get_clock().now().nanoseconds
             action_dim = session.runtime.policy.action_dim
             self.actions.add_outputs([OutputAdapter(name, output, action_dim, control_period(config.control))
@@ -251,7 +254,7 @@ class PolicyNode(LifecycleNode):
         self._configure_loop(config.control)
         self.facade.active, self.facade.lifecycle_state = True, "active"
         self.get_logger().info(
-            f"serving on {session.runtime.device} ({'CUDA graph' if session.runtime.plan.captured else 'eager'}),"
+            f"serving on {session.runtime.device} ({'CUDA graph' if session.runtime.graphs.captured else 'eager'}),"
             f" {config.control.mode} mode, episode {session.episode_id} {session.state.name}")
 
     def _deactivate(self) -> None:

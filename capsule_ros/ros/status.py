@@ -6,6 +6,7 @@ from typing import Any, Tuple
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
 from capsule_ros.capsules.store import Tier
+from capsule_ros.chunking.mode import ChunkingMode
 from capsule_ros.msg import PortStatus, RuntimeStatus
 from capsule_ros.serving.invalidation import UNSPLIT
 from capsule_ros.serving.records import EpisodeState, PortPicture
@@ -22,7 +23,7 @@ def runtime_status(session: PolicySession, stamp: Any) -> RuntimeStatus:
     msg = RuntimeStatus(
         episode_state=int(s.state), episode_id=int(s.episode_id), step=int(s.step),
         lineage=s.lineage, device=str(session.runtime.device), fingerprint=session.runtime.fingerprint,
-        graph_captured=session.runtime.plan.captured, steps_run=s.counters.steps,
+        graph_captured=session.runtime.graphs.captured, steps_run=s.counters.steps,
         step_p50_ms=s.step_ms[50], step_p95_ms=s.step_ms[95], step_p99_ms=s.step_ms[99],
         restore_p50_ms=s.restore_ms[50], restore_p95_ms=s.restore_ms[95], restore_p99_ms=s.restore_ms[99],
         capsules_device=s.capsules[Tier.DEVICE], capsules_host=s.capsules[Tier.HOST],
@@ -45,10 +46,10 @@ def runtime_status(session: PolicySession, stamp: Any) -> RuntimeStatus:
         setattr(msg, f"stale_{cause}", stale.by_cause.get(cause, 0))
     msg.regenerated, msg.regeneration_failed, msg.regeneration_left = stale.regenerated, stale.failed, stale.left
     msg.recipes_regenerable, msg.recipe_bytes = stale.files_regenerable, stale.recipe_bytes
-    executor = session.runtime.executor
-    if executor is not None:
-        msg.chunking, msg.inference_delay_steps = executor.schedule.mode.value, executor.schedule.delay
-        msg.execution_horizon, msg.chunk_refills = executor.schedule.horizon, executor.counters.refills
+    mode = session.runtime.mode
+    if isinstance(mode, ChunkingMode):
+        msg.chunking, msg.inference_delay_steps = mode.schedule.timing.value, mode.schedule.delay
+        msg.execution_horizon, msg.chunk_refills = mode.schedule.execution_horizon, mode.counters.refills
     msg.header.stamp = stamp
     return msg
 
