@@ -12,12 +12,14 @@
   caller tells the runtime (``after_restore``), and the actions after it are the
   original's;
 - the chunk schedule, an ``auto`` delay included, is settled before the runtime is built,
-  and what the session records is that schedule's.
+  and what the session records is that schedule's;
+- a plan may read the chunk it replaces (real-time chunking's extension point).
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from pathlib import Path
 from typing import List, Set
 
@@ -28,14 +30,25 @@ from runtime_fixtures import gru_config, make_policy, observations, run
 
 from capsule_ros.capsules.store import CapsuleStore
 from capsule_ros.chunking.mark import ChunkingMark
-from capsule_ros.chunking.mode import Chunking, ChunkingMode
+from capsule_ros.chunking.mode import Chunking, ChunkingMode, mode_for
+from capsule_ros.chunking.reference import chunked_step
+from capsule_ros.chunking.schedule import ChunkingSettings
 from capsule_ros.errors import CorruptCapsule
-from capsule_ros.runtime.arena import BufferSpec
+from capsule_ros.runtime.arena import BufferKind, BufferSpec
 from capsule_ros.runtime.builder import build_policy_runtime
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.graphs import GraphAddressError
 from capsule_ros.runtime.mode import STEP_PROGRAM, ExecutionMode, ModeContext
-from capsule_ros.runtime.policy import ACTION, StatefulPolicy
+from capsule_ros.runtime.policy import (
+    ACTION,
+    CHUNK_ACTIONS,
+    CHUNK_CURSOR,
+    STEP,
+    ChunkCadence,
+    StatefulPolicy,
+    chunk_specs,
+    standard_specs,
+)
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_runtime, prepare_serving, settle_mode, start_session
 
@@ -196,3 +209,113 @@ def test_scratch_buffers_are_no_state(tmp_path):
     assert not set(runtime.arena.scratch_views) & {slot.spec.name for slot in runtime.layout}
     sync = build_runtime(gru(tmp_path))
     assert sync.fingerprint == runtime.fingerprint          # the schedule is not part of the graph's identity
+
+
+# -- the extension point for real-time chunking: a plan that reads the chunk it replaces ------------------
+
+class _Continuer(StatefulPolicy):
+    """A plan that continues the previous chunk (real-time chunking's leftover rows): it reads
+    ``chunk.actions`` and ``chunk.cursor`` (named in ``reads``) and writes, for each row i,
+    the previous chunk's row ``cursor + i`` (the last one held) plus the observation."""
+
+    action_dim, chunk_horizon, length = 2, 2, 6
+
+    def __init__(self, continues: bool = True):
+        super().__init__()
+        self.continues = continues
+
+    def cadence(self) -> ChunkCadence:
+        reads = ("x", CHUNK_ACTIONS, CHUNK_CURSOR) if self.continues else ("x",)
+        return ChunkCadence(length=self.length, horizon=3, reads=reads)
+
+    def state_spec(self) -> List[BufferSpec]:
+        x = BufferSpec("x", (2,), torch.float32, BufferKind.INPUT)
+        chunk = chunk_specs(self.length, 2, [])
+        reads = [x, *chunk[:2]] if self.continues else [x]
+        return [x, *standard_specs(2, self.chunk_horizon), *chunk_specs(self.length, 2, reads)]
+
+    def init_state(self, state, *, episode, seed):
+        for name, view in state.items():
+            if name != "x":
+                view.zero_()
+
+    def plan(self, state, chunk):
+        rows = torch.arange(self.length, device=chunk.device)
+        if self.continues:          # read all of the old chunk before writing the new one (sync: the same buffer)
+            rows_then = torch.clamp(state[CHUNK_CURSOR] + rows, max=self.length - 1)
+            previous = state[CHUNK_ACTIONS].index_select(0, rows_then)
+        else:
+            previous = torch.zeros_like(chunk)
+        chunk.copy_(previous + state["x"][None, :] * (1.0 + rows[:, None]))
+
+    def emit(self, state, action, upcoming):
+        state[ACTION].copy_(action)
+        state["chunk"].copy_(upcoming)
+        state[STEP].add_(1)
+
+    def step(self, state):
+        chunked_step(self, state, 3)
+
+    def architecture(self):
+        return {"policy": "continuer", "continues": self.continues}
+
+
+def continued(policy: _Continuer, settings: ChunkingSettings, slow_plans: bool = False) -> bytes:
+    runtime = build_policy_runtime(policy, RuntimeConfig(), mode=mode_for(policy, settings))
+    if slow_plans:              # the live cursor moves on while the worker plans: it must plan from its copy
+        plan = runtime.mode.worker.run_plan
+        runtime.mode.worker.run_plan = lambda: (time.sleep(0.02), plan())
+    out = []
+    for x in np.random.default_rng(7).normal(size=(24, 2)).astype(np.float32):
+        runtime.staging["x"][:] = x
+        runtime.load_inputs()
+        runtime.step()
+        out.append(runtime.read_outputs().action.tobytes())
+    runtime.close()
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("timing", ["sync", "async"])
+def test_a_plan_may_read_the_chunk_it_replaces(timing):
+    """``reads`` may name ``chunk.actions`` and ``chunk.cursor``: an async request copies
+    them with the rest, so the worker (on its own thread, slowed) plans from the request
+    step's chunk and cursor exactly as an inline plan does; and the old chunk does change
+    the actions (the plan really reads it)."""
+    settings = ChunkingSettings(timing, delay=2 if timing == "async" else None, worker="inline")
+    inline = continued(_Continuer(), settings)
+    if timing == "async":
+        assert continued(_Continuer(), dataclasses.replace(settings, worker="auto"), slow_plans=True) == inline
+    assert continued(_Continuer(continues=False), settings) != inline
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("timing", ["sync", "async"])
+def test_cuda_chunking_programs_pass_the_debug_checks_and_a_moved_scratch_is_caught(timing):
+    """With the debug checks on a GPU, every program of the chunking mode (the adopt's read
+    of the refill's chunk from the scratch included) touches only what its runtime owns;
+    the captured graphs give the eager programs' bits, the refill planned on its own stream;
+    a scratch buffer that moved after capture is caught."""
+    settings = ChunkingSettings(timing, delay=2 if timing == "async" else None)
+    policy = _Continuer()
+    graphed = build_policy_runtime(policy, RuntimeConfig(device="cuda", debug_checks=True),
+                                   mode=mode_for(policy, settings, device=torch.device("cuda")))
+    assert graphed.graphs.captured
+    eager = build_policy_runtime(_Continuer(), RuntimeConfig(device="cuda", cuda_graphs=False),
+                                 mode=mode_for(policy, dataclasses.replace(settings, worker="inline"),
+                                               device=torch.device("cuda")))
+    xs = np.random.default_rng(9).normal(size=(24, 2)).astype(np.float32)
+    actions = []
+    for runtime in (graphed, eager):
+        out = []
+        for x in xs:
+            runtime.staging["x"][:] = x
+            runtime.load_inputs()
+            runtime.step()
+            out.append(runtime.read_outputs().action.tobytes())
+        actions.append(out)
+    assert actions[0] == actions[1]
+    graphed.arena.scratch_views["chunk.rows"] = graphed.arena.scratch_views["chunk.rows"].clone()
+    with pytest.raises(GraphAddressError, match="chunk.rows"):
+        graphed.step()

@@ -1,13 +1,13 @@
 """PolicyRuntime: a policy bound to one state arena, its execution mode and its programs.
 
 This is the unit a capsule is bound to (its fingerprint), and the only object that
-touches the arena. It provides mechanism only: write inputs, step, read outputs, reset,
-prefill, undo a step, take a capsule's mark. When to do what is decided above it
-(``capsule_ros.serving``). The core owns no loop and no thread, and is not thread-safe:
-callers serialise. Which program each step runs is its execution mode's
-(``capsule_ros.runtime.mode``: the policy's ``step`` by default; ``capsule_ros.chunking``
-for a chunking policy's network only when a chunk is due); a mode may own threads (the
-chunking mode's refill worker on a CPU), never the core.
+touches the arena (through the programs and the mode it owns). It provides mechanism
+only: write inputs, step, read outputs, reset, prefill, undo a step, take a capsule's
+mark. When to do what is decided above it (``capsule_ros.serving``). The core owns no
+loop and no thread, and is not thread-safe: callers serialise. Which program each step
+runs is its execution mode's (``capsule_ros.runtime.mode``: the policy's ``step`` by
+default; ``capsule_ros.chunking`` for a chunking policy's network only when a chunk is
+due); a mode may own threads (the chunking mode's refill worker on a CPU), never the core.
 
 A runtime is built by ``capsule_ros.runtime.builder.build_policy_runtime``, in named
 phases; the constructor only keeps what the builder made.
@@ -24,7 +24,6 @@ per step (the same copy a snapshot makes; docs/benchmarks.md has the figures).
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
@@ -43,8 +42,6 @@ from capsule_ros.runtime.mode import ExecutionMode, MarkBytes, StepReport
 from capsule_ros.runtime.policy import ACTION, CHUNK, EPISODE, POSITION, STEP, StatefulPolicy
 from capsule_ros.runtime.streams import StreamKeeper, on_stream
 from capsule_ros.runtime.transfer import HostTransfer
-
-LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
