@@ -37,7 +37,9 @@ from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.runtime.streams import StreamKeeper
 from capsule_ros.runtime.transfer import HostTransfer
 
-LOG = logging.getLogger(__name__)
+# The runtime's own logger: its start-up line ("runtime on ...") reads as the runtime's, as it
+# always did (/rosout shows "[runtime.engine]"), whichever module assembles it.
+LOG = logging.getLogger("capsule_ros.runtime.engine")
 
 
 @dataclass(frozen=True)
