@@ -51,7 +51,7 @@ from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.fileformat import CapsuleHeader
 from capsule_ros.capsules.recipe import CAPSULE, INITIAL, Recipe, RecipeInfo, RecipeInput, RecipeRoot
 from capsule_ros.capsules.store import Capsule
-from capsule_ros.errors import CapsuleRosError, InvalidArgument
+from capsule_ros.errors import CapsuleIOError, CapsuleRosError, InvalidArgument, one_line
 from capsule_ros.runtime.arena import ArenaLayout, BufferKind
 from capsule_ros.runtime.chunkmark import ChunkMark
 from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, runtime_identity
@@ -451,13 +451,15 @@ class Regeneration:
             def steps_done(done: int) -> None:
                 self._say(f"    {item.capsule_id}: {done}/{item.steps} steps")
             made = regenerate_capsule(self.deployment, header, recipe, root_state, self.max_drift, steps_done)
-            capsule = Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
-                              int(made.data.numel()), self.deployment.fingerprint, header.stamp_ns,
-                              numerics=made.numerics, chunk=made.chunk)
-            self.out.save(capsule, made.data, self.deployment.schema, recipe=made.recipe, parts=self.deployment.parts)
         except CapsuleRosError as exc:
             return Outcome(item.capsule_id, "skipped", f"{type(exc).__name__}: {exc}", item.steps,
                            seconds=time.perf_counter() - started)
+        capsule = Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
+                          int(made.data.numel()), self.deployment.fingerprint, header.stamp_ns,
+                          numerics=made.numerics, chunk=made.chunk)
+        # outside the try: a write that fails (a full disk, a file size limit) is not this
+        # capsule's to skip; it stops the run
+        self.out.save(capsule, made.data, self.deployment.schema, recipe=made.recipe, parts=self.deployment.parts)
         return Outcome(item.capsule_id, "regenerated", "", item.steps, made.drift, made.first_over,
                        time.perf_counter() - started, made.recipe.info.nbytes)
 
@@ -532,15 +534,16 @@ def regenerate_directory(src: Path, dst: Path, load: Callable[[], Deployment], *
     staging = staging_dir(dst.absolute())
     try:
         source = CapsuleDirectory(src, key_file=key, max_file_bytes=max_file_bytes, read_only=True)
-        out = CapsuleDirectory(staging, key_file=key, chunk_bytes=int(capsules.chunk_mb * 2**20),
-                               max_file_bytes=max_file_bytes)
-        regeneration = Regeneration(source, out, deployment, max_drift, progress)
-        regeneration.run()
-        _fsync_dir(staging)
-        if dst.is_dir():
-            dst.rmdir()                            # empty (checked): the rename puts the whole result there
-        os.rename(staging, dst)
-        _fsync_dir(dst.parent)
+        try:
+            out = CapsuleDirectory(staging, key_file=key, chunk_bytes=int(capsules.chunk_mb * 2**20),
+                                   max_file_bytes=max_file_bytes)
+            regeneration = Regeneration(source, out, deployment, max_drift, progress)
+            regeneration.run()
+            _fsync_dir(staging)
+            os.rename(staging, dst)                # onto an empty DST too: one atomic rename, DST never absent
+            _fsync_dir(dst.parent)
+        except (CapsuleRosError, OSError) as exc:
+            raise CapsuleIOError(f"DST {str(dst)!r} was not written: {one_line(exc)}") from exc
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
