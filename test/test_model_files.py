@@ -143,10 +143,10 @@ CASES: Dict[str, Tuple[Callable[[Path], Tuple[Path, dict]], str, str]] = {
         lambda t: (POLICY_PARAMS, {"policy": {"weights": str(cut(Path(shutil.copy(
             REPO / "capsule_ros" / "policies" / "arm_reach.safetensors", t / "arm.safetensors")), 0.5))},
             "runtime": {"device": "cpu"}}),
-        "arm.safetensors", r"a safetensors file cut short: the file is truncated \(its header describes \d+ bytes, "
-                           r"the file has \d+\)"),
+        "arm.safetensors", r"not a valid safetensors file: it is truncated \(its header describes \d+ bytes, the "
+                           r"file has \d+\)"),
     "lerobot checkpoint weights cut": (
-        lerobot_case, "model.safetensors", r"a safetensors file cut short: the file is truncated"),
+        lerobot_case, "model.safetensors", r"not a valid safetensors file: it is truncated"),
 }
 
 

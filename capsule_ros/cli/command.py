@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, List, NoReturn, Optional, Tuple
 
-from capsule_ros.errors import CapsuleRosError, ConfigError, one_line
+from capsule_ros.errors import CapsuleRosError, one_line
 
 # Typed errors of layers the command line imports only when it runs (ROS): one line too.
 FOREIGN_TYPED = ("capsule_ros.ros.client.ServiceError",)
@@ -32,13 +32,11 @@ def _typed(exc: BaseException) -> bool:
 
 
 def reason(exc: BaseException) -> str:
-    """The one line an error prints after ``capsule-ros COMMAND: ``."""
-    if isinstance(exc, ConfigError) and not isinstance(exc, OSError):
-        return f"invalid configuration: {one_line(exc)}"
+    """The one line an error prints after ``capsule-ros COMMAND: ``: a typed error's own
+    words (they name the argument or file), anything else as an internal error."""
     if _typed(exc):
         return one_line(exc)
-    return (f"internal error ({type(exc).__name__}: {one_line(exc)}); nothing was written; "
-            "CAPSULE_ROS_TRACEBACK=1 prints the traceback")
+    return f"internal error ({type(exc).__name__}: {one_line(exc)}); CAPSULE_ROS_TRACEBACK=1 prints the traceback"
 
 
 class _Parser(argparse.ArgumentParser):

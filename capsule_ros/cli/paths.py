@@ -39,13 +39,14 @@ def _stat(path: Path, what: str) -> os.stat_result:
 
 
 def input_file(path: PathArg, what: str) -> Path:
-    """``path``, a regular file this process can read (followed through symlinks)."""
+    """``path``, a file this process can open for reading (followed through symlinks; not
+    a directory; opened without blocking, so a FIFO planted there cannot hang the command:
+    what a file holds is for its reader to judge)."""
     path = Path(path).expanduser()
     if stat.S_ISDIR(_stat(path, what).st_mode):
         _fail(errno.EISDIR, what, path)
     try:
-        with open(path, "rb"):
-            pass
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
     except OSError as exc:
         raise path_error(exc, what, path) from None
     return path

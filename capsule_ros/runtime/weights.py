@@ -53,23 +53,22 @@ def read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
 
 
 def _not_safetensors(path: Path) -> str:
-    """Why ``path`` does not read as safetensors: a file whose header describes more bytes
-    than it holds was cut short (an interrupted copy); anything else is not safetensors."""
+    """Why ``path`` does not read as safetensors; when its header reads and describes more
+    bytes than the file holds, that it was cut short (an interrupted copy)."""
+    invalid = "not a valid safetensors file"
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             (header_bytes,) = struct.unpack("<Q", f.read(8))
             if 8 + header_bytes > size:
-                return (f"not a safetensors file, or truncated: its header would be {header_bytes} bytes, the file "
-                        f"has {size}")
+                return invalid
             header = json.loads(f.read(header_bytes))
         end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
     except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
-        return "not a valid safetensors file"
+        return invalid
     if 8 + header_bytes + end > size:
-        return (f"a safetensors file cut short: the file is truncated (its header describes {8 + header_bytes + end} "
-                f"bytes, the file has {size})")
-    return "not a valid safetensors file"
+        return f"{invalid}: it is truncated (its header describes {8 + header_bytes + end} bytes, the file has {size})"
+    return invalid
 
 
 SHOWN_NAMES = 5     # names listed per kind of problem in a load error (the rest are counted)

@@ -541,9 +541,9 @@ def regenerate_directory(src: Path, dst: Path, load: Callable[[], Deployment], *
             regeneration.run()
             _fsync_dir(staging)
             os.rename(staging, dst)                # onto an empty DST too: one atomic rename, DST never absent
-            _fsync_dir(dst.parent)
         except (CapsuleRosError, OSError) as exc:
             raise CapsuleIOError(f"DST {str(dst)!r} was not written: {one_line(exc)}") from exc
+        _fsync_dir(dst.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
