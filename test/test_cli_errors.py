@@ -91,7 +91,9 @@ class Outcome:
 
 @dataclasses.dataclass
 class Situation:
-    """How a path is made unusable: files to make, and how the command is run."""
+    """How the command runs so that a path is unusable (the module docstring says what
+    each simulates): without the capabilities that bypass file modes, in a mount namespace
+    of its own with these mounts, under a file size limit, with directories made immutable."""
 
     name: str
     unprivileged: bool = False                          # root without the capabilities that bypass modes
@@ -561,3 +563,17 @@ def test_a_usage_error_exits_with_the_commands_refusal_status(capsys):
     for name in ("check", "regenerate", "replay", "export"):
         assert main([name, "--no-such-option"]) == COMMANDS[name].refused
         assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"capsule-ros {name}: ")
+
+
+@pytest.mark.ros
+def test_demo_ends_in_policy_nodes_own_line_when_it_cannot_start(tmp_path):
+    """A policy_node that refuses to start (here ``--device`` names no device): the demo
+    ends with the node's one-line reason and exit 2, and removes the run directory it made."""
+    out = tmp_path / "runs" / "demo"
+    done = plain().run(["capsule-ros", "demo", "--episodes", "1", "--headless", "--device", "nowhere",
+                        "--out", str(out)], tmp_path, timeout=180)
+    shown = f"exit {done.code}\nstderr:\n{done.stderr[-3000:]}"
+    assert done.code == 2 and not TRACEBACK.search(done.stderr + done.stdout), shown
+    assert re.fullmatch(r"capsule-ros demo: policy_node could not start: policy_node: .*runtime\.device.*'nowhere'.*"
+                        r"\(exit 2\)", done.last_line), shown
+    assert not (tmp_path / "runs").exists()
