@@ -88,9 +88,9 @@ def feed(session, obs: np.ndarray, **tick) -> list:
     """One tick per row of the default policy's inputs (joints: 4, goal: 2); the records."""
     out = []
     for row in obs:
-        session.write_input("joints", row[:4])
-        session.write_input("goal", row[4:])
-        out.append(session.tick(**tick))
+        session.loop.write_input("joints", row[:4])
+        session.loop.write_input("goal", row[4:])
+        out.append(session.loop.tick(**tick))
     return out
 
 

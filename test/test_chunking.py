@@ -70,13 +70,13 @@ def ticks(session, fixture: Fixture, episode: int, steps: range, wait: bool = Tr
     """Ticks on the fixture's inputs, each after the refill in flight (async) is done: no
     takeover is late, whatever the machine's load (the slowed-refill test makes one late)."""
     out = []
-    worker = session.runtime.executor.worker
+    worker = session.parts.runtime.executor.worker
     for t in steps:
         if worker is not None and wait:
             wait_until(worker.ready, 30.0, "the refill in flight", interval=0.001)
         for key, value in fixture.features.items():
-            session.write_input(PORTS[key], value[episode, t])
-        out.append(session.tick())
+            session.loop.write_input(PORTS[key], value[episode, t])
+        out.append(session.loop.tick())
     return out
 
 
@@ -175,22 +175,22 @@ def test_a_capsule_at_every_row_of_a_chunk_restores_byte_exactly_and_replays_bit
         fixtures, tmp_path, chunking, delay):
     fixture = fixtures["act_queue"]
     session = build_session(config(fixture, chunking, delay))
-    schedule = session.runtime.schedule
+    schedule = session.parts.runtime.schedule
     steps = range(4 * schedule.end)
     original = ticks(session, fixture, 0, steps)
     seen_pending = False
     for k in range(2 * schedule.end, 3 * schedule.end + 1):      # a whole chunk cycle, from a mid-episode state
-        session.reset()
+        session.verbs.reset()
         ticks(session, fixture, 0, range(k))
-        capsule = session.commit(label=f"row {k}")
-        snapshot = session.runtime.arena.storage.clone()
+        capsule = session.verbs.commit(label=f"row {k}")
+        snapshot = session.parts.runtime.arena.storage.clone()
         seen_pending |= capsule.chunk.pending
         ticks(session, fixture, 0, range(k, k + 3))               # move on, then come back
-        session.reenter(capsule.id)
-        assert torch.equal(session.runtime.arena.storage, snapshot), f"restore at step {k} not byte-exact"
+        session.verbs.reenter(capsule.id)
+        assert torch.equal(session.parts.runtime.arena.storage, snapshot), f"restore at step {k} not byte-exact"
         again = ticks(session, fixture, 0, range(k, len(steps)))
         assert values(again) == values(original[k:]), f"capsule at step {k} ({capsule.chunk.describe()})"
-        session.drop(capsule.id)
+        session.verbs.drop(capsule.id)
     assert seen_pending == (chunking == "async")                 # some capsules held an in-flight request
 
 
@@ -201,15 +201,15 @@ def test_a_capsule_with_a_refill_in_flight_survives_disk_and_a_fresh_process_run
     params["capsules"]["directory"] = str(tmp_path / "capsules")
     cfg = ServingConfig.from_params(params)
     session = build_session(cfg)
-    schedule = session.runtime.schedule
+    schedule = session.parts.runtime.schedule
     ticks(session, fixture, 2, range(schedule.horizon + 2))          # a request is out
-    capsule = session.commit(label="in flight", persist=True)
+    capsule = session.verbs.commit(label="in flight", persist=True)
     assert capsule.chunk.pending and capsule.chunk.delay == 4
     expected = ticks(session, fixture, 2, range(schedule.horizon + 2, 40))
     other = build_session(cfg)                                           # another runtime, from the file
-    loaded = other.load(capsule.id)
+    loaded = other.verbs.load(capsule.id)
     assert loaded.chunk == capsule.chunk
-    other.reenter(capsule.id)
+    other.verbs.reenter(capsule.id)
     assert values(ticks(other, fixture, 2, range(schedule.horizon + 2, 40))) == values(expected)
 
 
@@ -217,14 +217,14 @@ def test_reset_and_reenter_discard_a_stale_refill(fixtures):
     fixture = fixtures["act_queue"]
     session = build_session(config(fixture, "async", "3"))
     fresh = ticks(session, fixture, 1, range(12))
-    session.reset()
+    session.verbs.reset()
     ticks(session, fixture, 0, range(6))                      # step 5 requested a chunk from episode 0
-    assert session.runtime.executor.pending
-    session.reset()                                              # ... which must not take over here
+    assert session.parts.runtime.executor.pending
+    session.verbs.reset()                                              # ... which must not take over here
     assert values(ticks(session, fixture, 1, range(12))) == values(fresh)
     ticks(session, fixture, 0, range(6))
-    root = session.log_root_id
-    session.reenter(root)                                        # a rollback to the episode's start
+    root = session.parts.recompute.root_id
+    session.verbs.reenter(root)                                        # a rollback to the episode's start
     assert values(ticks(session, fixture, 1, range(12))) == values(fresh)
 
 
@@ -236,11 +236,11 @@ def test_a_slowed_refill_is_a_deadline_event_with_the_safe_action_not_a_divergen
     fixture = fixtures["act_queue"]
     reference = build_session(config(fixture, "async", "2"))
     expected = ticks(reference, fixture, 0, range(30))
-    assert reference.counters.late_refills == 0
-    schedule = reference.runtime.schedule
+    assert reference.parts.loop.counters.late_refills == 0
+    schedule = reference.parts.runtime.schedule
     takeover = schedule.horizon + schedule.delay                 # the first request is at step `horizon`
     session = build_session(config(fixture, "async", "2", deadline_action="zero"))
-    worker = session.runtime.executor.worker
+    worker = session.parts.runtime.executor.worker
     plan, release, held = worker.run_plan, threading.Event(), []
 
     def slow_plan():
@@ -257,11 +257,11 @@ def test_a_slowed_refill_is_a_deadline_event_with_the_safe_action_not_a_divergen
     late = [i for i, r in enumerate(got) if r.fault == StepFault.LATE]
     assert late == [takeover], late
     assert got[takeover].source == ActionSource.ZERO and not got[takeover].values.any()
-    assert session.counters.late_refills == 1 and session.counters.deadline_misses == 1
-    assert "had not finished in time" in session.counters.last_fault
+    assert session.parts.loop.counters.late_refills == 1 and session.parts.loop.counters.deadline_misses == 1
+    assert "had not finished in time" in session.parts.loop.counters.last_fault
     others = [i for i in range(30) if i != takeover]
     assert [got[i].values.tobytes() for i in others] == [expected[i].values.tobytes() for i in others]
-    assert session.runtime.schedule.delay == 2                   # the delay never changes
+    assert session.parts.runtime.schedule.delay == 2                   # the delay never changes
 
 
 # -- what is refused ---------------------------------------------------------------------------------
@@ -291,27 +291,27 @@ def test_capsules_of_another_schedule_or_with_a_forged_cursor_are_refused_and_ch
     params["control"].update(chunking="async", inference_delay_steps="3", deadline_ms=0.0)
     session = build_session(ServingConfig.from_params(params))
     ticks(session, fixture, 0, range(7))
-    capsule = session.commit(label="c", persist=True)
+    capsule = session.verbs.commit(label="c", persist=True)
     params["control"]["inference_delay_steps"] = "2"
     other = build_session(ServingConfig.from_params(params))
     ticks(other, fixture, 0, range(4))
-    live = other.runtime.arena.storage.clone()
+    live = other.parts.runtime.arena.storage.clone()
     with pytest.raises(FingerprintMismatch, match=r"made under control.chunking async with inference delay 3 .* "
                                                   r"this runtime runs async with delay 2"):
-        other.reenter(capsule.id)
-    assert torch.equal(other.runtime.arena.storage, live)
+        other.verbs.reenter(capsule.id)
+    assert torch.equal(other.parts.runtime.arena.storage, live)
     # a forged header: a cursor the bytes do not hold
     directory = CapsuleDirectory(tmp_path / "caps", max_file_bytes=1 << 30)
     header = directory.header(capsule.id)
     assert header.chunk == capsule.chunk
     forged = dataclasses.replace(capsule, chunk=dataclasses.replace(capsule.chunk, cursor=capsule.chunk.cursor + 1))
-    with session.store.lend(capsule.id) as loan:
+    with session.parts.store.lend(capsule.id) as loan:
         mark_data = loan.host_bytes().clone()
     with pytest.raises(CorruptCapsule, match=r"chunk cursor \d+ / pending \d disagree with its metadata"):
-        session.runtime.check_chunk_mark(forged.chunk, mark_data, capsule.id)
+        session.parts.runtime.check_chunk_mark(forged.chunk, mark_data, capsule.id)
     with pytest.raises(CorruptCapsule, match=r"cannot occur under this schedule"):
-        session.runtime.check_chunk_mark(ChunkMark("async", 3, 5, 99, capsule.chunk.pending),
-                                         _with_cursor(session.runtime, mark_data, 99), "x")
+        session.parts.runtime.check_chunk_mark(ChunkMark("async", 3, 5, 99, capsule.chunk.pending),
+                                         _with_cursor(session.parts.runtime, mark_data, 99), "x")
 
 
 def _with_cursor(runtime: PolicyRuntime, data: torch.Tensor, cursor: int) -> torch.Tensor:
@@ -324,13 +324,13 @@ def _with_cursor(runtime: PolicyRuntime, data: torch.Tensor, cursor: int) -> tor
 def test_the_auto_delay_is_measured_once_and_recorded(fixtures):
     fixture = fixtures["diffusion"]
     session = build_session(config(fixture, "async", "auto", rate_hz=5.0))      # room for a slow machine
-    schedule = session.runtime.schedule
-    p99 = max(session.runtime.refill_seconds)
-    assert len(session.runtime.refill_seconds) == ChunkingOptions().auto_runs
+    schedule = session.parts.runtime.schedule
+    p99 = max(session.parts.runtime.refill_seconds)
+    assert len(session.parts.runtime.refill_seconds) == ChunkingOptions().auto_runs
     assert schedule.delay >= 1 and schedule.delay >= p99 * 5.0          # at least the refill's time in steps
-    assert session.control.inference_delay_steps == str(schedule.delay)   # what bags and capsules record
+    assert session.loop.control.inference_delay_steps == str(schedule.delay)   # what bags and capsules record
     ticks(session, fixture, 0, range(3))
-    assert session.commit().chunk.delay == schedule.delay
+    assert session.verbs.commit().chunk.delay == schedule.delay
 
 
 def test_an_auto_delay_the_chunk_cannot_take_is_refused_with_the_measurement(fixtures):
@@ -399,17 +399,17 @@ def test_cuda_capsules_at_every_row_restore_byte_exactly_and_replay_bit_identica
     params["control"].update(chunking=chunking, inference_delay_steps=delay, deadline_ms=0.0)
     params["runtime"]["device"] = "cuda"
     session = build_session(ServingConfig.from_params(params))
-    assert session.runtime.plan.captured
-    end = session.runtime.schedule.end
+    assert session.parts.runtime.plan.captured
+    end = session.parts.runtime.schedule.end
     original = ticks(session, fixture, 0, range(3 * end))
     for k in range(end, 2 * end + 1):
-        session.reset()
+        session.verbs.reset()
         ticks(session, fixture, 0, range(k))
-        capsule = session.commit(label=f"row {k}")
-        snapshot = session.runtime.arena.storage.clone()
+        capsule = session.verbs.commit(label=f"row {k}")
+        snapshot = session.parts.runtime.arena.storage.clone()
         ticks(session, fixture, 0, range(k, k + 2))
-        session.reenter(capsule.id)
+        session.verbs.reenter(capsule.id)
         torch.cuda.synchronize()
-        assert torch.equal(session.runtime.arena.storage, snapshot), k
+        assert torch.equal(session.parts.runtime.arena.storage, snapshot), k
         assert values(ticks(session, fixture, 0, range(k, 3 * end))) == values(original[k:]), k
-        session.drop(capsule.id)
+        session.verbs.drop(capsule.id)

@@ -151,10 +151,10 @@ def test_exported_program_serves_the_eager_modules_actions_bit_for_bit_on_cpu(tm
 def test_capsules_roll_an_exported_program_back_bit_identically(tmp_path, program):
     session = build_session(gru_config(tmp_path, program))
     feed(session, observations(5, 3))
-    capsule = session.commit(label="k")
+    capsule = session.verbs.commit(label="k")
     obs = observations(2 * HORIZON + 5, 4)
     first = [r.values.tobytes() + r.chunk.tobytes() for r in feed(session, obs)]
-    session.reenter(capsule.id)
+    session.verbs.reenter(capsule.id)
     again = [r.values.tobytes() + r.chunk.tobytes() for r in feed(session, obs)]
     assert again == first and len(set(first)) > HORIZON
 

@@ -237,22 +237,22 @@ def test_session_rollback_and_recompute_fallback_are_bit_identical(device, tmp_p
     def feed(rows):
         out = []
         for row in rows:
-            session.write_input("joints", row[:4])
-            session.write_input("goal", row[4:])
-            out.append(session.tick().values)
+            session.loop.write_input("joints", row[:4])
+            session.loop.write_input("goal", row[4:])
+            out.append(session.loop.tick().values)
         return np.stack(out)
 
     feed(obs[:20])
-    capsule = session.commit("k", persist=True)
+    capsule = session.verbs.commit("k", persist=True)
     original = feed(obs[20:])
-    assert session.reenter(capsule.id).rollback
+    assert session.verbs.reenter(capsule.id).rollback
     assert first_divergence(feed(obs[20:]), original) is None
-    session.store.move(capsule.id, Tier.DISK)         # only its file is left ...
+    session.parts.store.move(capsule.id, Tier.DISK)         # only its file is left ...
     path = tmp_path / "capsules" / f"{capsule.id}.capsule"
     blob = bytearray(path.read_bytes())
     blob[-100] ^= 0x10                                  # ... and it is damaged
     path.write_bytes(bytes(blob))
-    result = session.reenter(capsule.id)
+    result = session.verbs.reenter(capsule.id)
     assert result.fallback and result.recompute_seconds > 0 and "checksum" in result.fallback_reason
     assert first_divergence(feed(obs[20:]), original) is None
 
@@ -277,10 +277,10 @@ def test_cleanup_returns_the_gpu_memory(tmp_path):
     def cycle(streams: StreamKeeper) -> int:
         session = start_session(prepare_serving(config), streams=streams)
         for row in observations(5, 31):
-            session.write_input("joints", row[:4])
-            session.write_input("goal", row[4:])
-            assert session.tick() is not None
-        session.commit()
+            session.loop.write_input("joints", row[:4])
+            session.loop.write_input("goal", row[4:])
+            assert session.loop.tick() is not None
+        session.verbs.commit()
         taken = torch.cuda.memory_allocated(device)
         session.release()
         del session

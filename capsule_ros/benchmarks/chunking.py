@@ -152,15 +152,16 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
                  paced: bool) -> Dict[str, Any]:
     """The steps through a session (see the module docstring)."""
     from capsule_ros.serving.factory import build_session
+    from capsule_ros.serving.options import SessionOptions
     base = serving_config(checkpoint)
     control = dataclasses.replace(base.control, mode="timer", rate_hz=rate, deadline_ms=0.0, chunking=chunking,
                                   inference_delay_steps="auto", autostart=True,
                                   input_log_steps=len(obs[STATE]),       # the episode's inputs, as a node logs them
                                   input_log_max_mb=1e7)                  # (rows are touched only when logged)
     runtime = dataclasses.replace(base.runtime, device=str(device), cpu_threads=1, seed=0)
-    session = build_session(dataclasses.replace(base, control=control, runtime=runtime))
-    session.enforce_deadline = paced
-    executor, schedule = session.runtime.executor, session.runtime.schedule
+    session = build_session(dataclasses.replace(base, control=control, runtime=runtime),
+                            options=SessionOptions(enforce_deadline=paced))
+    executor, schedule = session.parts.runtime.executor, session.parts.runtime.schedule
     assert executor is not None and schedule is not None, "a chunking policy"
     start_refills = executor.counters.refills           # start-up (checks, rehearsal) planned some already
     period = 1.0 / rate
@@ -172,9 +173,9 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
         if paced:
             next_at += period
         for port, value in ports.items():
-            session.write_input(port, at(value, t))
+            session.loop.write_input(port, at(value, t))
         start = time.perf_counter()
-        record = session.tick()
+        record = session.loop.tick()
         seconds[t] = time.perf_counter() - start
         assert record is not None
         actions.append(record.values)
@@ -182,19 +183,19 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
             seams.append(t)
         if paced:
             time.sleep(max(0.0, next_at - time.perf_counter()))
-    counters, chunk = session.counters, executor.counters
+    counters, chunk = session.parts.loop.counters, executor.counters
     out = summary(seconds, period, np.stack(actions), seams)
     consume = np.asarray([s for t, s in enumerate(seconds) if t not in set(seams)]) * 1e3
     if paced and device.type == "cuda":
-        out["gpu_wake_floor"] = gpu_wake_floor(session.runtime, period)
+        out["gpu_wake_floor"] = gpu_wake_floor(session.parts.runtime, period)
     out.update(consume_mean_ms=float(consume.mean()) if len(consume) else None,
                consume_p50_ms=float(np.percentile(consume, 50)) if len(consume) else None,
                consume_p99_ms=float(np.percentile(consume, 99)) if len(consume) else None,
                refills=chunk.refills - start_refills, late_refills=counters.late_refills,
                session_deadline_misses=counters.deadline_misses if paced else None,
                schedule=schedule.describe(), delay=schedule.delay,
-               refill_p99_ms=float(np.percentile(session.runtime.refill_seconds, 99) * 1e3)
-               if session.runtime.refill_seconds else None, graphs=session.runtime.plan.captured,
+               refill_p99_ms=float(np.percentile(session.parts.runtime.refill_seconds, 99) * 1e3)
+               if session.parts.runtime.refill_seconds else None, graphs=session.parts.runtime.plan.captured,
                _actions=np.stack(actions))
     session.release()
     return out

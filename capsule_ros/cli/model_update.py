@@ -1,9 +1,12 @@
 """What ``capsule-ros check`` and ``capsule-ros regenerate`` share: the deployment's
-arguments (its parameter file) and opening the source directory, each path checked
-before any work (``capsule_ros.cli.paths``)."""
+arguments (its parameter file), opening the source directory, each path checked before
+any work (``capsule_ros.cli.paths``), and the JSON of a capsule's assessment: the
+commands' reports are typed (``capsule_ros.updates``) and become JSON only here, at the
+edge. Errors become one line and exit status 3 in ``capsule_ros.cli.command``."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -11,6 +14,7 @@ from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.cli.paths import input_dir, input_file
 from capsule_ros.errors import ConfigError
 from capsule_ros.serving.config import ServingConfig
+from capsule_ros.updates.assessment import Assessment
 
 
 def deployment_args(parser: argparse.ArgumentParser) -> None:
@@ -37,3 +41,21 @@ def open_source(path: Path, what: str, config: ServingConfig, key_file: Optional
     return CapsuleDirectory(input_dir(path, what),
                             key_file=config.capsules.key_file if key_file is None else key_file,
                             max_file_bytes=int(config.capsules.max_file_mb * 2**20), read_only=True)
+
+
+def assessment_json(item: Assessment) -> dict:
+    """One capsule's assessment as the commands' JSON reports show it."""
+    header, recipe = item.header, item.recipe
+    return {"id": item.capsule_id, "label": header.label if header else "",
+            "episode": header.episode_id if header else None, "step": header.step if header else None,
+            "valid": item.validity.valid, "causes": list(item.validity.causes), "why": item.validity.describe(),
+            "format_version": header.version if header else None,
+            "recipe": ("none" if recipe is None else "regenerable" if recipe.regenerable else "cut"),
+            "recipe_bytes": recipe.nbytes if recipe is not None else 0,
+            "recipe_note": recipe.describe() if recipe is not None else "no recipe",
+            "action": item.fate.value, "reason": item.reason}
+
+
+def finite_or_inf(value: Optional[float]) -> object:
+    """A drift as JSON carries it: the number, "inf" for one that diverged, or None."""
+    return value if value is None or math.isfinite(value) else "inf"

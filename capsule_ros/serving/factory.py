@@ -1,11 +1,12 @@
-"""Build the policy and its runtime from a ServingConfig."""
+"""Build the policy, its runtime and the session over them from a ServingConfig, in the
+node's two lifecycle phases: ``prepare_serving`` (configure: no device memory yet) and
+``start_session`` (activate); ``build_session`` does both."""
 from __future__ import annotations
 
 import dataclasses
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -19,15 +20,13 @@ from capsule_ros.runtime.chunking import ChunkSchedule, resolve_delay
 from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, StreamKeeper, runtime_identity
 from capsule_ros.runtime.fingerprint import FingerprintParts
 from capsule_ros.runtime.policy import StatefulPolicy
+from capsule_ros.serving.capsule_set import DirectoryWatch
 from capsule_ros.serving.config import ControlConfig, ServingConfig
-from capsule_ros.serving.invalidation import Survey, survey
+from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.recompute import check_log_size
-from capsule_ros.serving.records import EventRecord
-from capsule_ros.serving.regenerate import BackgroundRegeneration, CapsuleFiles, Deployment
 from capsule_ros.serving.session import PolicySession
 
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "policies"
-LOG = logging.getLogger(__name__)
 
 
 def resolve_weights(spec: str) -> Optional[Path]:
@@ -99,12 +98,6 @@ def port_bindings(config: ServingConfig) -> Dict[str, dict]:
     return {name: port.binding() for name, port in config.ports.items()}
 
 
-def load_deployment(config: ServingConfig) -> Deployment:
-    """The deployment of a parameter file for ``capsule-ros check`` / ``regenerate``: its
-    policy built with its weights on the CPU, its identity (``Deployment``)."""
-    return Deployment.of_policy(config, build_policy(config), port_bindings(config))
-
-
 def capsule_directory_path(template: str, node_name: str) -> Path:
     """capsules.directory with ``{node}`` replaced by the node's name ("/robot1/capsule_policy"
     -> "robot1.capsule_policy"): one directory per node, since a directory recovers its
@@ -116,26 +109,25 @@ def capsule_directory_path(template: str, node_name: str) -> Path:
 class PreparedServing:
     """What can be known and checked before any device memory is used (the node's
     lifecycle ``configure``): the validated configuration, the policy with its weights on
-    the CPU, the fingerprint its runtime will have (and its parts), the open capsule
-    directory, and the survey of its files of another fingerprint."""
+    the CPU, the fingerprint its runtime will have (and its parts), and the open capsule
+    directory."""
 
     config: ServingConfig
     policy: StatefulPolicy
     fingerprint: str
     directory: Optional[CapsuleDirectory] = None       # None when capsules.directory is ''
     parts: Optional[FingerprintParts] = None
-    survey: Survey = field(default_factory=Survey)
 
 
 def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, node_name: str = "capsule_policy",
                     directory: Optional[CapsuleDirectory] = None) -> PreparedServing:
     """Build the policy on the CPU (weights read and checked), check what needs the policy
     (the chunk schedule, the reset prefix, the input log's size), compute the fingerprint
-    (and its parts), open the capsule directory (which moves unfinished saves aside) and
-    count its capsules of another fingerprint by cause (headers only; logged when there are
-    any); ``directory``: use this one instead of opening ``capsules.directory`` (a replay's
+    (and its parts) and open the capsule directory (which moves unfinished saves aside);
+    ``directory``: use this one instead of opening ``capsules.directory`` (a replay's
     read-only directory). A bad value raises ConfigError here, before any device memory is
-    used."""
+    used. (The node also surveys the directory's capsules of another fingerprint:
+    ``capsule_ros.updates.watch``.)"""
     policy = build_policy(config, weights)
     check_chunking(policy, config)
     policy.check_prefix(config.policy.prefix)
@@ -147,45 +139,32 @@ def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, nod
                                      key_file=config.capsules.key_file,
                                      chunk_bytes=int(config.capsules.chunk_mb * 2**20),
                                      max_file_bytes=int(config.capsules.max_file_mb * 2**20))
-    found = survey(directory, fingerprint, parts, ArenaLayout(policy.state_spec()).schema())
-    if found.stale:
-        LOG.warning("capsule directory %s: %s (`capsule-ros check` says why; `capsule-ros regenerate` or "
-                    "capsules.regenerate_stale rebuild those with a recipe)", directory.root if directory else "",
-                    found.describe())
-    return PreparedServing(config, policy, fingerprint, directory, parts, found)
+    return PreparedServing(config, policy, fingerprint, directory, parts)
 
 
-def start_session(prepared: PreparedServing, *, on_event: Optional[Callable[[EventRecord], None]] = None,
-                  streams: Optional[StreamKeeper] = None) -> PolicySession:
+def start_session(prepared: PreparedServing, *, options: Optional[SessionOptions] = None,
+                  streams: Optional[StreamKeeper] = None, watch: Optional[DirectoryWatch] = None) -> PolicySession:
     """The runtime on its device (arena, graph capture, warm-up), the capsule store and the
     session over them (the node's lifecycle ``activate``); episode 1 starts when
-    ``control.autostart``. ``streams``: pass the same keeper to every activation of one
-    owner (``StreamKeeper`` says why). With ``capsules.regenerate_stale`` the directory's
-    stale capsules that carry a recipe are regenerated in the background
-    (``BackgroundRegeneration``), started last."""
+    ``control.autostart``. ``options``: how the session is driven (its clock, events...).
+    ``streams``: pass the same keeper to every activation of one owner (``StreamKeeper``
+    says why). ``watch``: the model updates of the capsule directory the session's status
+    shows (the node's: ``capsule_ros.updates.watch``)."""
     config = prepared.config
     runtime = PolicyRuntime(prepared.policy, config.runtime, inputs=port_bindings(config), streams=streams,
                             chunking=chunking_options(config), _fingerprint=prepared.fingerprint,
                             _parts=prepared.parts)
     store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
-    found, background = prepared.survey, None
-    if config.capsules.regenerate_stale and found.stale and prepared.directory is not None:
-        background = BackgroundRegeneration(config, prepared.directory, found.stale_ids, runtime.fingerprint,
-                                            load_deployment)
     session = PolicySession(runtime, store, resolved_control(config.control, runtime), directory=prepared.directory,
-                            ports=config.ports, prefix=config.policy.prefix, on_event=on_event,
-                            files=CapsuleFiles(found, background))
+                            ports=config.ports, prefix=config.policy.prefix, watch=watch, options=options)
     if config.control.autostart:
-        session.reset()
+        session.verbs.reset()
     session.warm_up()
-    if background is not None:
-        background.start()
     return session
 
 
-def build_session(config: ServingConfig, *, weights: Optional[str] = None,
-                  on_event: Optional[Callable[[EventRecord], None]] = None, node_name: str = "capsule_policy",
-                  directory: Optional[CapsuleDirectory] = None) -> PolicySession:
+def build_session(config: ServingConfig, *, weights: Optional[str] = None, options: Optional[SessionOptions] = None,
+                  node_name: str = "capsule_policy", directory: Optional[CapsuleDirectory] = None) -> PolicySession:
     """Configure and start in one call (the demo, replays, benchmarks)."""
     return start_session(prepare_serving(config, weights=weights, node_name=node_name, directory=directory),
-                         on_event=on_event)
+                         options=options)
