@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 from typing import List, Optional
 
 from capsule_ros.cli.command import COMMANDS
