@@ -177,9 +177,9 @@ def world(tmp_path_factory) -> World:
     session = build_session(config)
     obs = observations(30, seed=5)
     feed(session, obs[:10])
-    session.commit("a", persist=True)
+    session.verbs.commit("a", persist=True)
     feed(session, obs[10:30])
-    session.commit("b", persist=True)
+    session.verbs.commit("b", persist=True)
     session.release()
     params = load_params_file(REPO / "config" / "policy.yaml")
     params = deep_merge(params, {"policy": {"weights": str(new)}, "runtime": {"device": "cpu"},
