@@ -89,6 +89,7 @@ from capsule_ros.errors import (
 )
 from capsule_ros.policies.hybrid import HybridPolicy
 from capsule_ros.runtime.arena import BufferKind
+from capsule_ros.runtime.builder import build_policy_runtime
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.serving.config import ControlConfig
 from capsule_ros.serving.files import SaveFailed
@@ -146,7 +147,7 @@ def runtime_for(seed: int) -> PolicyRuntime:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             policy = HybridPolicy(CFG, INPUTS)
-        _RUNTIMES[seed] = PolicyRuntime(policy, RuntimeConfig(device="cpu", cpu_threads=1))
+        _RUNTIMES[seed] = build_policy_runtime(policy, RuntimeConfig(device="cpu", cpu_threads=1))
     runtime = _RUNTIMES[seed]
     runtime.arena.storage.zero_()
     runtime.input_staging.zero_()

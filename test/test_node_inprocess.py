@@ -302,7 +302,7 @@ CONFIGURE_EFFECTS = [
     ("control.input_log_steps", 0, lambda n: n.session.parts.recompute.log.capacity == 0),
     ("control.input_log_max_mb", 4096.0, lambda n: n.config.control.input_log_max_mb == 4096.0),
     ("runtime.seed", 7, lambda n: n.session.parts.runtime.config.seed == 7),
-    ("runtime.debug_checks", True, lambda n: n.session.parts.runtime.plan.debug_checks is True),
+    ("runtime.debug_checks", True, lambda n: n.session.parts.runtime.graphs.debug_checks is True),
     ("policy.prefix", [], lambda n: n.session.parts.machine.prefix == ()),
 ]
 

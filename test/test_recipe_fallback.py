@@ -119,7 +119,7 @@ def test_a_camera_policys_recipe_holds_a_row_per_chunk_and_honours_its_bound(act
     feed_act(session, act, 0, 45)
     capsule = session.verbs.commit("camera", persist=True)
     info = session.parts.directory.header(capsule.id).recipe
-    horizon = session.parts.runtime.schedule.horizon
+    horizon = session.parts.runtime.mode.schedule.execution_horizon
     assert info.regenerable and info.steps == 45 and info.rows == -(-45 // horizon) < 45, info
     assert info.row_bytes >= 48 * 64 * 3 and info.nbytes == -(-45 // 8) + 45 * info.action_dim * 4 + info.rows * \
         info.row_bytes

@@ -30,8 +30,9 @@ from capsule_ros.capsules import directory as directory_module
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.errors import ConfigError, CorruptCapsule, FingerprintMismatch, InvalidArgument, NotFound
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
-from capsule_ros.runtime.plan import PolicyStepError
+from capsule_ros.runtime.builder import build_policy_runtime
+from capsule_ros.runtime.engine import RuntimeConfig
+from capsule_ros.runtime.graphs import PolicyStepError
 from capsule_ros.runtime.policy import StatefulPolicy, standard_specs
 from capsule_ros.serving.factory import build_runtime, build_session
 from capsule_ros.serving.options import SessionOptions
@@ -76,14 +77,14 @@ def test_a_step_that_raises_publishes_the_safe_action_and_is_undone(tmp_path, mo
     session = build_session(default_config(tmp_path / "s", deadline_action="zero"))
     before = feed(session, obs[:4])
     state = state_bytes(session)
-    real_step = session.parts.runtime.plan.step
+    real_step = session.parts.runtime.graphs.step
 
     def half_then_raise(*args, **kwargs):
         real_step()                                   # the state is written ...
         raise RuntimeError("Kernel size can't be greater than actual input size")   # ... then it fails
-    monkeypatch.setattr(session.parts.runtime.plan, "step", half_then_raise)
+    monkeypatch.setattr(session.parts.runtime.graphs, "step", half_then_raise)
     failed = feed(session, obs[4:5])[0]
-    monkeypatch.setattr(session.parts.runtime.plan, "step", real_step)
+    monkeypatch.setattr(session.parts.runtime.graphs, "step", real_step)
     assert failed.fault == StepFault.ERROR and failed.source == ActionSource.ZERO
     assert failed.values.tolist() == [0.0, 0.0] and failed.step == 4
     assert session.parts.loop.counters.step_errors == 1 and "Kernel size" in session.parts.loop.counters.last_fault
@@ -127,9 +128,9 @@ class _NeedsEvenInputs(StatefulPolicy):
 
 
 def test_a_step_that_cannot_run_on_its_inputs_fails_start_up_naming_them():
-    PolicyRuntime(_NeedsEvenInputs(4), RuntimeConfig(device="cpu"))
+    build_policy_runtime(_NeedsEvenInputs(4), RuntimeConfig(device="cpu"))
     with pytest.raises(PolicyStepError, match=r"fails on the configured inputs \(x float32\[3\]\).*shape '\[-1, 2\]'"):
-        PolicyRuntime(_NeedsEvenInputs(3), RuntimeConfig(device="cpu"))
+        build_policy_runtime(_NeedsEvenInputs(3), RuntimeConfig(device="cpu"))
 
 
 # -- deadline misses ---------------------------------------------------------------------------------------
@@ -157,8 +158,9 @@ def test_the_watchdog_publishes_the_last_on_time_action_while_a_step_overruns(tm
     try:
         on_time = feed(session, observations(3, 4))
         assert all(r.source == ActionSource.POLICY for r in on_time) and not published
-        real_step = session.parts.runtime.plan.step
-        monkeypatch.setattr(session.parts.runtime.plan, "step", lambda *a, **kw: (time.sleep(0.1), real_step(*a, **kw)))
+        real_step = session.parts.runtime.graphs.step
+        monkeypatch.setattr(session.parts.runtime.graphs, "step",
+                            lambda *a, **kw: (time.sleep(0.1), real_step(*a, **kw)))
         late = feed(session, observations(2, 5))
     finally:
         session.close()

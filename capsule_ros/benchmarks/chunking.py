@@ -54,13 +54,12 @@ import torch
 from capsule_ros.benchmarks.common import emit, environment, print_table, resolve_device
 from capsule_ros.benchmarks.lerobot_act import CAMERA, PORTS, STATE, serving_config, write_act_checkpoint
 from capsule_ros.benchmarks.lerobot_diffusion import write_diffusion_checkpoint
+from capsule_ros.chunking.mode import TAKEOVERS, ChunkingMode, ChunkProgram
 from capsule_ros.errors import ConfigError
-from capsule_ros.runtime.chunking import Program
 
 REPO = Path(__file__).resolve().parents[2]
 LEROBOT_SCRIPT = REPO / "tools" / "lerobot_bench" / "select_action_loop.py"
 DEFAULT_LEROBOT_PYTHON = REPO / "tools" / "lerobot_bench" / ".venv" / "bin" / "python"
-TAKEOVERS = (Program.REFILL, Program.ADOPT, Program.ADOPT_REQUEST)
 
 
 @dataclass(frozen=True)
@@ -161,9 +160,10 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
     runtime = dataclasses.replace(base.runtime, device=str(device), cpu_threads=1, seed=0)
     session = build_session(dataclasses.replace(base, control=control, runtime=runtime),
                             options=SessionOptions(enforce_deadline=paced))
-    executor, schedule = session.parts.runtime.executor, session.parts.runtime.schedule
-    assert executor is not None and schedule is not None, "a chunking policy"
-    start_refills = executor.counters.refills           # start-up (checks, rehearsal) planned some already
+    mode = session.parts.runtime.mode
+    assert isinstance(mode, ChunkingMode), "a chunking policy"
+    schedule = mode.schedule
+    start_refills = mode.counters.refills           # start-up (checks, rehearsal) planned some already
     period = 1.0 / rate
     steps = len(obs[STATE])
     seconds, actions, seams = np.zeros(steps), [], []
@@ -179,11 +179,11 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
         seconds[t] = time.perf_counter() - start
         assert record is not None
         actions.append(record.values)
-        if executor.last.program in TAKEOVERS:
+        if mode.last.program in TAKEOVERS:
             seams.append(t)
         if paced:
             time.sleep(max(0.0, next_at - time.perf_counter()))
-    counters, chunk = session.parts.loop.counters, executor.counters
+    counters, chunk = session.parts.loop.counters, mode.counters
     out = summary(seconds, period, np.stack(actions), seams)
     consume = np.asarray([s for t, s in enumerate(seconds) if t not in set(seams)]) * 1e3
     if paced and device.type == "cuda":
@@ -194,8 +194,8 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
                refills=chunk.refills - start_refills, late_refills=counters.late_refills,
                session_deadline_misses=counters.deadline_misses if paced else None,
                schedule=schedule.describe(), delay=schedule.delay,
-               refill_p99_ms=float(np.percentile(session.parts.runtime.refill_seconds, 99) * 1e3)
-               if session.parts.runtime.refill_seconds else None, graphs=session.parts.runtime.plan.captured,
+               refill_p99_ms=float(np.percentile(mode.setup.refill_seconds, 99) * 1e3)
+               if mode.setup.refill_seconds else None, graphs=session.parts.runtime.graphs.captured,
                _actions=np.stack(actions))
     session.release()
     return out
@@ -213,7 +213,7 @@ def gpu_wake_floor(runtime, period: float, runs: int = 100) -> Dict[str, Any]:
             if idle_s:
                 time.sleep(idle_s)
             start = time.perf_counter()
-            runtime.plan.step(Program.CONSUME.value)          # its graph copies the outputs to the host too
+            runtime.graphs.step(ChunkProgram.CONSUME.value)          # its graph copies the outputs to the host too
             runtime.synchronize()
             ms.append((time.perf_counter() - start) * 1e3)
         return np.asarray(ms)

@@ -91,14 +91,11 @@ class ArenaHost:
     stream: Optional[torch.cuda.Stream]
     numerics: str = ""
 
-    def chunk_mark(self) -> None:
-        """A bare arena has no chunk schedule (nor anything to check or resume)."""
+    def mark(self) -> None:
+        """A bare arena has no execution mode (no mark to carry, none to check)."""
         return None
 
-    def check_chunk_mark(self, mark: object, data: torch.Tensor, capsule_id: str) -> None:
-        pass
-
-    def resume_chunk_mark(self, mark: object) -> None:
+    def admit(self, mark: object, data: Callable[[], torch.Tensor], capsule_id: str) -> None:
         pass
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from capsule_ros.benchmarks.common import config_path, emit, environment, print_table, resolve_device
-from capsule_ros.runtime.engine import StreamKeeper
+from capsule_ros.runtime.streams import StreamKeeper
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import prepare_serving, start_session
 

@@ -129,7 +129,7 @@ def _check_1000(config: ServingConfig, device: torch.device, tmp: Path, count: i
     many = CapsuleDirectory(tmp / "many", max_file_bytes=1 << 40)
     for k in range(count):
         copy = Capsule(f"e1.s{100}.{k:06x}", f"copy {k}", "", 1, 100, capsule.nbytes, capsule.fingerprint,
-                       capsule.stamp_ns + k, numerics=capsule.numerics, chunk=capsule.chunk)
+                       capsule.stamp_ns + k, numerics=capsule.numerics, mark=capsule.mark)
         many.save(copy, data, schema, recipe=recipe, parts=parts)
     start = time.perf_counter()
     deployment = _perturbed(config, device)

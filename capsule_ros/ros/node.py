@@ -76,9 +76,10 @@ from capsule_ros.ros.publishing import ActionOutput, NodeRecording
 from capsule_ros.ros.run_policy import RunPolicyServer
 from capsule_ros.ros.spinning import Offload
 from capsule_ros.ros.status import DiagnosticsBuilder, runtime_status
-from capsule_ros.runtime.engine import StreamKeeper, release_device_memory
+from capsule_ros.runtime.engine import release_device_memory
+from capsule_ros.runtime.streams import StreamKeeper
 from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
-from capsule_ros.serving.factory import PreparedServing, prepare_serving, start_session
+from capsule_ros.serving.factory import PreparedServing, prepare_serving, settle_mode, start_session
 from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.outputs import OutputAdapter, point_spacing
 from capsule_ros.serving.process import settle_after_start, unsettle
@@ -235,14 +236,16 @@ class PolicyNode(LifecycleNode):
         assert config is not None
         if self.session is None:
             assert self._prepared is not None
+            # an auto inference delay is measured now, before the runtime is built: the recorded
+            # and reported config carries the number
+            prepared = settle_mode(self._prepared, streams=self._streams)
+            config = self.config = prepared.config
             # the watchdog: a step over its deadline publishes the safe action at once
             options = SessionOptions(clock_ns=self._now_ns, on_event=self._on_event,
                                      on_safe_action=self._publish_action)
-            session = start_session(self._prepared, options=options, streams=self._streams, watch=self._watch)
+            session = start_session(prepared, options=options, streams=self._streams, watch=self._watch)
             if self._watch is not None:
-                self._watch.start(self._prepared.config)     # capsules.regenerate_stale: in the background
-            # an auto inference delay is fixed now: the recorded and reported config carries the number
-            config = self.config = dataclasses.replace(config, control=session.loop.control)
+                self._watch.start(config)     # capsules.regenerate_stale: in the background
             served = session.status()
             self._action_dim, self._device = served.action_dim, served.device
             self.actions.add_outputs([OutputAdapter(name, output, served.action_dim, control_period(config.control))

@@ -17,15 +17,17 @@ Standard buffers every policy has (the runtime and the node rely on their names)
 ``step``, ``position``, ``episode``, ``rng`` (meta) and ``action``, ``chunk`` (outputs).
 
 Chunking policies (an action-chunk model such as ACT or Diffusion Policy) declare a
-``ChunkCadence``: the network runs only when a chunk is due, not at every step. Their
-step is split into phases the runtime schedules on the host (``capsule_ros.runtime.chunking``):
+``ChunkCadence``: run in the chunking mode (``capsule_ros.chunking``), their network runs
+only when a chunk is due, not at every step. Their step is split into phases the mode
+schedules on the host:
 
 - ``observe(state)``: what must run at every step (Diffusion's observation history, a
   recurrent update); nothing by default;
 - ``plan(state, chunk)``: the network, reading only the buffers ``cadence().reads``
-  names, writing a fresh chunk ``[length, action_dim]`` into ``chunk``;
+  names (which may include ``chunk.actions`` and ``chunk.cursor``: the chunk it replaces),
+  writing a fresh action chunk ``[length, action_dim]`` into ``chunk``;
 - ``emit(state, action, upcoming)``: the outputs of one step from the chunk row the
-  runtime selected (``action`` [A]) and the rows after it (``upcoming`` [chunk_horizon, A]),
+  mode selected (``action`` [A]) and the rows after it (``upcoming`` [chunk_horizon, A]),
   and the step's own bookkeeping (``advance``: step, position, RNG counter).
 
 The chunk, its cursor and an asynchronous request's copy of ``reads`` live in standard
@@ -64,9 +66,10 @@ State = Mapping[str, torch.Tensor]
 class ChunkCadence:
     """How a chunking policy uses its chunk (see the module docstring).
 
-    ``length``: rows a ``plan`` writes (ACT: chunk_size; Diffusion: the horizon from the
-    current observation step on). ``horizon``: rows executed from each chunk before the
-    next one is due in synchronous mode (LeRobot's ``n_action_steps``). ``reads``: the
+    ``length``: rows a ``plan`` writes (ACT: chunk_size; Diffusion: its trajectory from the
+    current observation step on). ``horizon``: the policy's own execution horizon, rows
+    executed from each chunk before the next one is due unless ``control.execution_horizon``
+    says otherwise (LeRobot's ``n_action_steps``). ``reads``: the
     buffers ``plan`` reads, after ``observe`` (an asynchronous request copies exactly
     these). ``inputs_every_step``: whether ``observe`` reads the input buffers (else the
     inputs are uploaded only on steps that plan or request).
@@ -125,7 +128,8 @@ class StatefulPolicy(nn.Module, abc.ABC):
     @abc.abstractmethod
     def step(self, state: State) -> None:
         """One control step over the static buffers (capturable). A chunking policy's
-        ``step`` is its every-step reference (``chunked_step``); the runtime runs its phases."""
+        ``step`` is its every-step reference (``capsule_ros.chunking.reference.chunked_step``);
+        the chunking mode runs its phases instead."""
 
     # -- chunking (optional) ---------------------------------------------------------------------
     def cadence(self) -> Optional[ChunkCadence]:

@@ -1,6 +1,12 @@
-"""Build the policy, its runtime and the session over them from a ServingConfig, in the
-node's two lifecycle phases: ``prepare_serving`` (configure: no device memory yet) and
-``start_session`` (activate); ``build_session`` does both."""
+"""Build the policy, its execution mode, its runtime and the session over them from a
+ServingConfig.
+
+In the order of the node's lifecycle: ``prepare_serving`` (configure: the policy on the
+CPU, every check that needs no device, the identity), ``settle_mode`` (activate: the
+execution mode, an ``auto`` inference delay measured on the device, and the configuration
+that records it), ``start_session`` (activate: the runtime built in that mode, the store,
+the session); ``build_session`` does all three. Each passes its result down; nothing is
+read back up from a runtime."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,14 +18,18 @@ import torch
 
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.store import CapsuleStore
+from capsule_ros.chunking.mode import Chunking, mode_for
+from capsule_ros.chunking.schedule import RefillTiming, check_settings
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.registry import BuildContext, policy_kind
 from capsule_ros.runtime import numerics
 from capsule_ros.runtime.arena import ArenaLayout, BufferKind, BufferSpec, dtype_from_name
-from capsule_ros.runtime.chunking import ChunkSchedule, resolve_delay
-from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, StreamKeeper, runtime_identity
-from capsule_ros.runtime.fingerprint import FingerprintParts
+from capsule_ros.runtime.builder import build_policy_runtime, place_policy, runtime_identity
+from capsule_ros.runtime.engine import PolicyRuntime
+from capsule_ros.runtime.fingerprint import RuntimeIdentity
+from capsule_ros.runtime.mode import ModeSetup
 from capsule_ros.runtime.policy import StatefulPolicy
+from capsule_ros.runtime.streams import StreamKeeper
 from capsule_ros.serving.capsule_set import DirectoryWatch
 from capsule_ros.serving.config import ControlConfig, ServingConfig
 from capsule_ros.serving.options import SessionOptions
@@ -62,36 +72,42 @@ def build_policy(config: ServingConfig, weights: Optional[str] = None,
     return policy_kind(config.policy.kind).build(context)
 
 
-def build_runtime(config: ServingConfig, weights: Optional[str] = None) -> PolicyRuntime:
-    """The configured policy's runtime; its fingerprint covers what fills each input."""
-    return PolicyRuntime(build_policy(config, weights), config.runtime, inputs=port_bindings(config),
-                         chunking=chunking_options(config))
+def build_runtime(config: ServingConfig, weights: Optional[str] = None, *, worker: str = "auto") -> PolicyRuntime:
+    """The configured policy's runtime, in its configured mode (``worker``: the chunking
+    mode's refill worker); its fingerprint covers what fills each input."""
+    policy, streams = build_policy(config, weights), StreamKeeper()
+    return build_policy_runtime(policy, config.runtime, mode=execution_mode(policy, config, streams=streams,
+                                                                            worker=worker),
+                                inputs=port_bindings(config), streams=streams)
 
 
-def chunking_options(config: ServingConfig, *, worker: str = "auto") -> ChunkingOptions:
-    """The chunk schedule settings of ``control`` (``chunking``, ``inference_delay_steps``,
-    ``execution_horizon``; the rate for an ``auto`` delay)."""
-    control = config.control
-    return ChunkingOptions(control.chunking, resolve_delay(control.inference_delay_steps), control.execution_horizon,
-                           control.rate_hz, worker)
+def execution_mode(policy: StatefulPolicy, config: ServingConfig, *, streams: Optional[StreamKeeper] = None,
+                   worker: str = "auto") -> ModeSetup:
+    """The mode the configured policy runs in, settled before its runtime is built: the
+    every-step mode, or its chunking under ``control`` (an ``auto`` inference delay is
+    measured now, with the policy placed on ``runtime.device``)."""
+    if policy.cadence() is None:
+        return mode_for(policy)
+    placed = place_policy(policy, config.runtime)
+    return mode_for(placed.policy, config.control.chunking_settings(worker), device=placed.device, streams=streams,
+                    use_graphs=config.runtime.cuda_graphs)
 
 
-def resolved_control(control: ControlConfig, runtime: PolicyRuntime) -> ControlConfig:
-    """``control`` with the delay the runtime fixed (``inference_delay_steps: auto`` becomes
-    the measured number): what capsules, bags and a replay must use, never ``auto`` again."""
-    schedule = runtime.schedule
-    if schedule is None or schedule.mode.value != "async" or control.inference_delay_steps != "auto":
+def recorded_control(control: ControlConfig, mode: ModeSetup) -> ControlConfig:
+    """``control`` as capsules, bags and a replay must record it under ``mode``: an
+    ``inference_delay_steps: auto`` becomes the number the mode was settled with."""
+    if not isinstance(mode, Chunking) or mode.schedule.timing != RefillTiming.ASYNC \
+            or control.inference_delay_steps != "auto":
         return control
-    return dataclasses.replace(control, inference_delay_steps=str(schedule.delay))
+    return dataclasses.replace(control, inference_delay_steps=str(mode.schedule.delay))
 
 
 def check_chunking(policy: StatefulPolicy, config: ServingConfig) -> None:
     """Refuse at configure a chunk schedule whose numbers cannot work (ConfigError with the
     numbers); an ``auto`` delay is known, and checked, only at activate."""
     cadence = policy.cadence()
-    options = chunking_options(config)
-    if cadence is not None and (options.mode == "sync" or options.delay is not None):
-        ChunkSchedule.resolve(cadence, options.mode, options.delay or 0, options.horizon)
+    if cadence is not None:
+        check_settings(cadence, config.control.chunking_settings())
 
 
 def port_bindings(config: ServingConfig) -> Dict[str, dict]:
@@ -109,14 +125,19 @@ def capsule_directory_path(template: str, node_name: str) -> Path:
 class PreparedServing:
     """What can be known and checked before any device memory is used (the node's
     lifecycle ``configure``): the validated configuration, the policy with its weights on
-    the CPU, the fingerprint its runtime will have (and its parts), and the open capsule
-    directory."""
+    the CPU, the identity its runtime will have (fingerprint and parts) and the open capsule
+    directory. ``settle_mode`` adds the execution mode (at ``activate``) and the
+    configuration that records it."""
 
     config: ServingConfig
     policy: StatefulPolicy
-    fingerprint: str
+    identity: RuntimeIdentity
     directory: Optional[CapsuleDirectory] = None       # None when capsules.directory is ''
-    parts: Optional[FingerprintParts] = None
+    mode: Optional[ModeSetup] = None                   # None until ``settle_mode``
+
+    @property
+    def fingerprint(self) -> str:
+        return self.identity.fingerprint
 
 
 def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, node_name: str = "capsule_policy",
@@ -133,29 +154,44 @@ def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, nod
     policy.check_prefix(config.policy.prefix)
     in_start, in_end = ArenaLayout(policy.state_spec()).byte_range(BufferKind.INPUT)   # one step's inputs
     check_log_size(config.control.input_log_steps, in_end - in_start, config.control.input_log_max_mb)
-    fingerprint, parts = runtime_identity(policy, config.runtime, port_bindings(config))
+    identity = runtime_identity(policy, config.runtime, port_bindings(config))
     if directory is None and config.capsules.directory:
         directory = CapsuleDirectory(capsule_directory_path(config.capsules.directory, node_name),
                                      key_file=config.capsules.key_file,
                                      chunk_bytes=int(config.capsules.chunk_mb * 2**20),
                                      max_file_bytes=int(config.capsules.max_file_mb * 2**20))
-    return PreparedServing(config, policy, fingerprint, directory, parts)
+    return PreparedServing(config, policy, identity, directory)
+
+
+def settle_mode(prepared: PreparedServing, *, streams: Optional[StreamKeeper] = None) -> PreparedServing:
+    """``prepared`` with its execution mode settled (``execution_mode``: an ``auto``
+    inference delay is measured on the device, so this belongs to ``activate``) and the
+    configuration that records it (``recorded_control``); unchanged when settled already."""
+    if prepared.mode is not None:
+        return prepared
+    config = prepared.config
+    mode = execution_mode(prepared.policy, config, streams=streams)
+    config = dataclasses.replace(config, control=recorded_control(config.control, mode))
+    return dataclasses.replace(prepared, config=config, mode=mode)
 
 
 def start_session(prepared: PreparedServing, *, options: Optional[SessionOptions] = None,
                   streams: Optional[StreamKeeper] = None, watch: Optional[DirectoryWatch] = None) -> PolicySession:
-    """The runtime on its device (arena, graph capture, warm-up), the capsule store and the
-    session over them (the node's lifecycle ``activate``); episode 1 starts when
+    """The runtime on its device (arena, graph capture, warm-up) in the settled mode
+    (``settle_mode``, run here when the caller has not), the capsule store and the session
+    over them (the node's lifecycle ``activate``); episode 1 starts when
     ``control.autostart``. ``options``: how the session is driven (its clock, events...).
     ``streams``: pass the same keeper to every activation of one owner (``StreamKeeper``
     says why). ``watch``: the model updates of the capsule directory the session's status
     shows (the node's: ``capsule_ros.updates.watch``)."""
+    streams = streams or StreamKeeper()         # one keeper for an auto delay's measurement and the runtime
+    prepared = settle_mode(prepared, streams=streams)
     config = prepared.config
-    runtime = PolicyRuntime(prepared.policy, config.runtime, inputs=port_bindings(config), streams=streams,
-                            chunking=chunking_options(config), _fingerprint=prepared.fingerprint,
-                            _parts=prepared.parts)
+    assert prepared.mode is not None
+    runtime = build_policy_runtime(prepared.policy, config.runtime, mode=prepared.mode, inputs=port_bindings(config),
+                                   identity=prepared.identity, streams=streams)
     store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
-    session = PolicySession(runtime, store, resolved_control(config.control, runtime), directory=prepared.directory,
+    session = PolicySession(runtime, store, config.control, directory=prepared.directory,
                             ports=config.ports, prefix=config.policy.prefix, watch=watch, options=options)
     if config.control.autostart:
         session.verbs.reset()

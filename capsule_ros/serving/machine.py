@@ -72,6 +72,7 @@ class EpisodeMachine:
             room = self._store.reserve()
         else:          # from memory, or straight from its file's bytes (not kept in a pool)
             room = self._store.restore(source.capsule, runtime, data=source.data, reserve=True).room
+            runtime.after_restore(source.capsule.mark)
         number = episode.next_episode
         episode.next_episode += 1
         if capsule is None:
@@ -126,7 +127,9 @@ class EpisodeMachine:
         episode = self._episode
         if episode.interrupt_capsule_id:          # held: always in memory
             capsule = self._store.get(episode.interrupt_capsule_id)
-            return self._resumed(capsule, "", self._store.restore(capsule.id, self._runtime).seconds, 0.0)
+            seconds = self._store.restore(capsule.id, self._runtime).seconds
+            self._runtime.after_restore(capsule.mark)
+            return self._resumed(capsule, "", seconds, 0.0)
         if episode.state != EpisodeState.INTERRUPTED:
             raise WrongState(f"reenter without a capsule id needs an interrupt capsule "
                              f"(episode is {episode.state.name})")
@@ -139,6 +142,7 @@ class EpisodeMachine:
         capsule = self._capsules.in_store(source)
         seconds = self._store.restore(capsule.id, self._runtime,
                                       count_as=Tier.DISK if source.data is not None else None).seconds
+        self._runtime.after_restore(capsule.mark)
         return self._resumed(capsule, "", seconds, 0.0)
 
     def adopt(self, capsule_id: str, job: RebuildJob, cause: CapsuleRosError, seconds: float) -> ReenterResult:
@@ -146,6 +150,7 @@ class EpisodeMachine:
         capsule = self._recompute.adopt(capsule_id, job, cause, seconds)
         self._loop.counters.fallback_recomputes += 1
         self._store.restore(capsule.id, self._runtime)
+        self._runtime.after_restore(capsule.mark)
         return self._resumed(capsule, str(cause), 0.0, seconds)
 
     def fork_live(self, label: str) -> Capsule:
@@ -168,8 +173,10 @@ class EpisodeMachine:
 
     def restore_kinds(self, capsule_id: str, only: Sequence[BufferKind]) -> None:
         """Put back every buffer kind but ``only`` from a capsule (an ablation's live state)."""
+        mark = self._store.get(capsule_id).mark
         for kinds in _runs_without(only):
             self._store.restore(capsule_id, self._runtime, kinds=kinds)
+            self._runtime.after_restore(mark, kinds)
 
     def release(self) -> None:
         self._episode.state = EpisodeState.IDLE

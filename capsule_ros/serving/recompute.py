@@ -63,6 +63,7 @@ from capsule_ros.errors import (
     NotFound,
     PermissionDenied,
 )
+from capsule_ros.runtime.builder import replica_of
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.inputlog import InputLog
 from capsule_ros.serving.recipes import RecipeChain, recipe_inputs, replay, start_from
@@ -370,5 +371,5 @@ class Recompute:
 
     def _replica_runtime(self) -> PolicyRuntime:
         if self._replica is None:
-            self._replica = self.runtime.replica()
+            self._replica = replica_of(self.runtime)
         return self._replica

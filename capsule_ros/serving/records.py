@@ -245,15 +245,18 @@ class SessionStatus:
            stale: StalePicture, stamp_ns: int) -> SessionStatus:
         """The picture from its parts' (taken under the boundary)."""
         c = store.counters
-        executor, chunking = runtime.executor, None
-        if executor is not None:
-            schedule = executor.schedule
-            chunking = ChunkingPicture(schedule.mode.value, schedule.delay, schedule.horizon, executor.counters.refills)
+        from capsule_ros.chunking.mode import ChunkingMode  # torch: only where a runtime exists
+
+        mode, chunking = runtime.mode, None
+        if isinstance(mode, ChunkingMode):
+            schedule = mode.schedule
+            chunking = ChunkingPicture(schedule.timing.value, schedule.delay, schedule.execution_horizon,
+                                       mode.counters.refills)
         return cls(state=episode.state, episode_id=episode.episode_id, step=episode.step, lineage=episode.lineage,
                    counters=counters, step_ms=step_ms, restore_ms=store.restore_ms,
                    capsules={int(t): n for t, n in store.capsules.items()},
                    hits={int(t): n for t, n in c.hits.items()},
                    restores=c.restores, misses=c.misses, invalidations=c.invalidations, evictions=c.evictions,
                    demotions=c.demotions, device=str(runtime.device), fingerprint=runtime.fingerprint,
-                   graph_captured=runtime.plan.captured, action_dim=runtime.policy.action_dim,
+                   graph_captured=runtime.graphs.captured, action_dim=runtime.policy.action_dim,
                    chunking=chunking, stamp_ns=stamp_ns, ports=ports, stale=stale)

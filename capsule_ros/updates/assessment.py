@@ -262,7 +262,7 @@ def check(directory: CapsuleDirectory, deployment: Deployment, steps_per_second:
     todo = [a for a in items if a.fate == Fate.REGENERATE]
     how = "given"
     if steps_per_second is None and todo:
-        steps_per_second = measure_steps_per_second(deployment.runtime_for(todo[0].header.chunk
+        steps_per_second = measure_steps_per_second(deployment.runtime_for(todo[0].header.mark
                                                                            if todo[0].header else None))
         how = "measured on this machine: steps of the new policy, as a regeneration replays them"
     state_bytes = deployment.layout.nbytes

@@ -3,13 +3,17 @@ building a runtime (its fingerprint and parts, arena layout and input rows), wit
 built on demand for regenerating capsules under it."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Mapping, Optional, Tuple
 
 from capsule_ros.capsules.recipe import RecipeInput
+from capsule_ros.chunking.mark import ChunkingMark
+from capsule_ros.chunking.mode import mode_for
 from capsule_ros.runtime.arena import ArenaLayout, BufferKind
-from capsule_ros.runtime.chunkmark import ChunkMark
-from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, runtime_identity
-from capsule_ros.runtime.fingerprint import FingerprintParts
+from capsule_ros.runtime.builder import build_policy_runtime, runtime_identity
+from capsule_ros.runtime.engine import PolicyRuntime
+from capsule_ros.runtime.fingerprint import FingerprintParts, RuntimeIdentity
+from capsule_ros.runtime.marks import ModeMark
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_policy, port_bindings
@@ -40,8 +44,8 @@ class Deployment:
     @classmethod
     def of_policy(cls, config: ServingConfig, policy: StatefulPolicy, bindings: Mapping[str, object]) -> Deployment:
         """A deployment of a policy built with its weights (``load_deployment``)."""
-        fingerprint, parts = runtime_identity(policy, config.runtime, bindings)
-        return cls(config, policy, fingerprint, parts, bindings)
+        identity = runtime_identity(policy, config.runtime, bindings)
+        return cls(config, policy, identity.fingerprint, identity.parts, bindings)
 
     @classmethod
     def of_runtime(cls, config: ServingConfig, runtime: PolicyRuntime) -> Deployment:
@@ -53,23 +57,22 @@ class Deployment:
     def supports_prefill(self) -> bool:
         return bool(self.policy.supports_prefill)
 
-    def runtime_for(self, chunk: Optional[ChunkMark]) -> PolicyRuntime:
+    def runtime_for(self, mark: Optional[ModeMark]) -> PolicyRuntime:
+        """The runtime a capsule with ``mark`` is replayed on (an ``auto`` delay: the one
+        its chunking mark recorded)."""
         if self._given is not None:
             return self._given
-        control = self.config.control
-        delay: Optional[int] = None
-        if self.policy.cadence() is not None and control.chunking == "async":
-            delay = int(control.inference_delay_steps) if control.inference_delay_steps != "auto" else (
-                chunk.delay if chunk is not None else None)
-            if delay is None:
+        settings = self.config.control.chunking_settings(worker="inline")
+        if self.policy.cadence() is not None and settings.timing == "async" and settings.delay is None:
+            if mark is None:
                 raise BadArguments("control.inference_delay_steps is auto and the capsule records no chunk delay: "
                                    "set the delay in the parameter file")
-        if delay not in self._runtimes:
-            options = ChunkingOptions(control.chunking, delay, control.execution_horizon, control.rate_hz, "inline")
-            self._runtimes[delay] = PolicyRuntime(self.policy, self.config.runtime, inputs=self.bindings,
-                                                  chunking=options, _fingerprint=self.fingerprint,
-                                                  _parts=self.parts)
-        return self._runtimes[delay]
+            settings = dataclasses.replace(settings, delay=ChunkingMark.parse(mark).delay)
+        if settings.delay not in self._runtimes:
+            self._runtimes[settings.delay] = build_policy_runtime(
+                self.policy, self.config.runtime, mode=mode_for(self.policy, settings), inputs=self.bindings,
+                identity=RuntimeIdentity(self.fingerprint, self.parts))
+        return self._runtimes[settings.delay]
 
     def close(self) -> None:
         for runtime in self._runtimes.values():

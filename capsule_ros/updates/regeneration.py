@@ -28,7 +28,7 @@ from capsule_ros.capsules.fileformat import CapsuleHeader
 from capsule_ros.capsules.recipe import CAPSULE, Recipe, RecipeInfo, RecipeRoot
 from capsule_ros.capsules.store import Capsule
 from capsule_ros.errors import CapsuleRosError
-from capsule_ros.runtime.chunkmark import ChunkMark
+from capsule_ros.runtime.marks import ModeMark
 from capsule_ros.serving.recipes import replay, rows_for, start_from
 from capsule_ros.updates.assessment import Assessment, Fate, assess
 from capsule_ros.updates.deployment import Deployment
@@ -45,7 +45,7 @@ class Regenerated:
     recipe: Recipe
     drift: float                         # max |new action - recorded action| along the recipe
     first_over: Optional[int]            # the first step whose drift passed the bound (None: none did)
-    chunk: Optional[ChunkMark]
+    mark: Optional[ModeMark]
     numerics: str
 
 
@@ -57,7 +57,7 @@ def regenerate_capsule(deployment: Deployment, header: CapsuleHeader, recipe: Re
     RecipeMismatch (CorruptCapsule) when the new policy cannot follow the recipe."""
     info = recipe.info
     assert info.root is not None
-    runtime = deployment.runtime_for(header.chunk)
+    runtime = deployment.runtime_for(header.mark)
     start_from(runtime, info.root if root_state is None else root_state)
     rows = rows_for(recipe, runtime)
     actions = replay(runtime, recipe, rows, progress=progress)
@@ -75,7 +75,7 @@ def regenerate_capsule(deployment: Deployment, header: CapsuleHeader, recipe: Re
         root = RecipeRoot.capsule(root.capsule_id, deployment.fingerprint, root.episode)
     new_info = RecipeInfo(True, "", root, info.base_step, info.steps, info.rows, deployment.row_bytes,
                           runtime.policy.action_dim, deployment.inputs)
-    return Regenerated(data, Recipe(new_info, recipe.reads, rows, actions), drift, first_over, runtime.chunk_mark(),
+    return Regenerated(data, Recipe(new_info, recipe.reads, rows, actions), drift, first_over, runtime.mark(),
                        runtime.numerics)
 
 
@@ -195,7 +195,7 @@ class Regeneration:
                            seconds=time.perf_counter() - started)
         capsule = Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
                           int(made.data.numel()), self.deployment.fingerprint, header.stamp_ns,
-                          numerics=made.numerics, chunk=made.chunk)
+                          numerics=made.numerics, mark=made.mark)
         # outside the try: a write that fails (a full disk, a file size limit) is not this
         # capsule's to skip; it stops the run
         self.out.save(capsule, made.data, self.deployment.schema, recipe=made.recipe, parts=self.deployment.parts)

@@ -43,8 +43,8 @@ class ModelUpdateWatch:
         """The node's configure: count the prepared directory's capsules of another
         fingerprint by cause (headers only; logged when there are any)."""
         directory = prepared.directory
-        found = survey(directory, prepared.fingerprint, prepared.parts,
-                       ArenaLayout(prepared.policy.state_spec()).schema()) if prepared.parts is not None else Survey()
+        found = survey(directory, prepared.fingerprint, prepared.identity.parts,
+                       ArenaLayout(prepared.policy.state_spec()).schema())
         if found.stale:
             LOG.warning("capsule directory %s: %s (`capsule-ros check` says why; `capsule-ros regenerate` or "
                         "capsules.regenerate_stale rebuild those with a recipe)", directory.root if directory else "",
