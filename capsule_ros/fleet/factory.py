@@ -14,10 +14,12 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.store import CapsuleStore
+from capsule_ros.chunking.fleet import fleet_form
+from capsule_ros.errors import ConfigError
 from capsule_ros.fleet.config import FleetConfig, FleetRobot, robots_of
 from capsule_ros.fleet.robot import RobotSession
 from capsule_ros.fleet.session import FleetSession, OnAction
-from capsule_ros.runtime.fleetbuild import build_fleet_runtime, fleet_identity
+from capsule_ros.runtime.fleetbuild import build_fleet_runtime, fleet_identity, resolve_batching
 from capsule_ros.runtime.streams import StreamKeeper
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import PreparedServing, port_bindings, prepare_serving, settle_mode
@@ -56,8 +58,14 @@ def prepare_fleet(config: ServingConfig, fleet: FleetConfig, *, robots: Sequence
     memory is used."""
     settled = robots_of(fleet, robots)
     serving = prepare_serving(config, weights=weights, node_name=node_name, directory=directory)
-    identity = fleet_identity(serving.policy, config.runtime, port_bindings(config), fleet.slot_count,
-                              fleet.batching)
+    batching = resolve_batching(serving.policy, fleet.batching)
+    control = config.control
+    if batching == "vmap" and serving.policy.cadence() is not None and control.chunking == "async" \
+            and control.inference_delay_steps == "auto":
+        raise ConfigError("control.inference_delay_steps = auto with fleet.batching vmap: auto measures one robot's "
+                          "refill, a batched fleet plans all its slots at once; set the delay in steps "
+                          "(capsule-ros bench fleet measures the batched refill)")
+    identity = fleet_identity(serving.policy, config.runtime, port_bindings(config), fleet.slot_count, batching)
     return PreparedFleet(dataclasses.replace(serving, identity=identity), fleet, settled)
 
 
@@ -77,7 +85,8 @@ def start_fleet(prepared: PreparedFleet, *, options: Optional[RobotOptions] = No
         if robot.seed is not None and robot.slot is not None:
             seeds[robot.slot] = robot.seed
     runtime = build_fleet_runtime(serving.policy, config.runtime, slots=fleet_config.slot_count,
-                                  batching=fleet_config.batching, mode=serving.mode, inputs=port_bindings(config),
+                                  batching=fleet_config.batching, mode=fleet_form(serving.mode),
+                                  inputs=port_bindings(config),
                                   identity=serving.identity, seeds=seeds, streams=streams)
     store = CapsuleStore(runtime.arena.stride, runtime.fingerprint, runtime.device, config.capsules)
     fleet = FleetSession(runtime, store, fleet_config.gather_ms / 1e3, on_action)

@@ -102,6 +102,10 @@ class SlotMasks:
         if self.device is not self.host:
             self.device.copy_(self.host, non_blocking=True)
 
+    def row(self, name: str) -> torch.Tensor:
+        """bool ``[S]`` on the device (one value per slot: a batched program's per-slot flag)."""
+        return self.device[self._index[name]]
+
     def column(self, name: str) -> torch.Tensor:
         """bool ``[S, 1]`` on the device (broadcasts over a slot's row)."""
         return self._columns[name]

@@ -41,7 +41,7 @@ from capsule_ros.runtime.fingerprint import RuntimeIdentity
 from capsule_ros.runtime.fleetmode import FleetMode
 from capsule_ros.runtime.graphs import ProgramGraphs
 from capsule_ros.runtime.mode import STEP_PROGRAM, ModeSetup, Program, StepReport
-from capsule_ros.runtime.schema import STATE_KINDS, BufferKind
+from capsule_ros.runtime.schema import ALIGNMENT, STATE_KINDS, BufferKind
 from capsule_ros.runtime.slots import FleetArena
 from capsule_ros.runtime.streams import on_stream
 
@@ -129,14 +129,21 @@ class FleetHost:
     def of(cls, arena: FleetArena) -> FleetHost:
         cuda = arena.device.type == "cuda"
         inputs, outputs = arena.rows_of(BufferKind.INPUT), arena.rows_of(BufferKind.META, BufferKind.OUTPUT)
-        staging = torch.zeros(tuple(inputs.shape), dtype=torch.uint8, pin_memory=cuda)
+        staging = _host_rows(inputs.shape[0], inputs.shape[1], cuda)
         return cls(staging, torch.zeros_like(inputs) if cuda else staging,
-                   torch.zeros(tuple(outputs.shape), dtype=torch.uint8, pin_memory=cuda),
+                   _host_rows(outputs.shape[0], outputs.shape[1], cuda),
                    torch.zeros_like(arena.rows_of(*STATE_KINDS, BufferKind.OUTPUT)))
 
     def owned(self) -> Dict[str, torch.Tensor]:
         return {"fleet staging (host)": self.staging, "fleet staging (device)": self.staging_device,
                 "fleet outputs (host)": self.outputs, "fleet state copy": self.keep}
+
+
+def _host_rows(slots: int, nbytes: int, pinned: bool) -> torch.Tensor:
+    """uint8 ``[slots, nbytes]`` on the host, each row starting at a multiple of ``ALIGNMENT``
+    (a slot's row holds buffers of every dtype, viewed in place)."""
+    stride = -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
+    return torch.zeros(slots, stride, dtype=torch.uint8, pin_memory=pinned)[:, :nbytes]
 
 
 def compose_fleet_programs(programs: Mapping[str, Program], arena: FleetArena, host: FleetHost,

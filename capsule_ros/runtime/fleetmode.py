@@ -11,8 +11,9 @@ not the fleet program's main work (a chunking slot that consumes while another r
 is kept from it by those masks, never by running a sub-batch: the batch shape is always S.
 
 The every-step fleet mode is ``FleetMode`` itself: every slot runs the policy's ``step``.
-A mode above the core gives a fleet form by implementing ``FleetModeSetup``; ``fleet_setup``
-finds it (a mode without one is served by the loop batching).
+A mode above the core gives a fleet form by implementing ``FleetModeSetup``
+(``capsule_ros.chunking.fleet`` for chunking policies); ``fleet_setup`` finds it (a mode
+without one is served by the loop batching).
 """
 from __future__ import annotations
 
