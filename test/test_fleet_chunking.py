@@ -29,9 +29,10 @@ def act(tmp_path_factory) -> Fixture:
     return Fixture.load("act_queue", tmp_path_factory.mktemp("lerobot"))
 
 
-def config(fixture: Fixture, chunking: str, delay: str) -> ServingConfig:
+def config(fixture: Fixture, chunking: str, delay: str, device: str = "cpu") -> ServingConfig:
     params = fixture.serving_params()
     params["control"].update(chunking=chunking, inference_delay_steps=delay, deadline_ms=0.0)
+    params["runtime"]["device"] = device
     return ServingConfig.from_params(params)
 
 
@@ -67,17 +68,20 @@ def robot_actions(fixture: Fixture, cfg: ServingConfig, me: int, seed: int, step
     return np.stack(actions)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("chunking, delay", MODES)
-def test_a_chunking_robots_actions_do_not_depend_on_its_neighbours_schedules_or_its_slot(act, chunking, delay):
-    cfg = config(act, chunking, delay)
+def test_a_chunking_robots_actions_do_not_depend_on_its_neighbours_schedules_or_its_slot(act, chunking, delay,
+                                                                                          device):
+    cfg = config(act, chunking, delay, device)
     first = robot_actions(act, cfg, me=0, seed=1)
     assert robot_actions(act, cfg, me=2, seed=2).tobytes() == first.tobytes()
     assert robot_actions(act, cfg, me=1, seed=3).tobytes() == first.tobytes()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("chunking, delay", MODES)
-def test_a_mid_chunk_capsule_moves_to_another_robot_and_goes_on_bit_identically(act, chunking, delay):
-    fleet = build_fleet(config(act, chunking, delay), FleetConfig(robots=("a", "b"), slots=2))
+def test_a_mid_chunk_capsule_moves_to_another_robot_and_goes_on_bit_identically(act, chunking, delay, device):
+    fleet = build_fleet(config(act, chunking, delay, device), FleetConfig(robots=("a", "b"), slots=2))
     for t in range(7):                              # async: row 7 of a chunk whose refill is in flight
         step(fleet, act, {"a": (0, t), "b": (1, t + 3)})
     capsule = fleet.robot("a").verbs.commit("mid-chunk")

@@ -19,7 +19,9 @@ from capsule_ros.errors import ConfigError
 from capsule_ros.fleet.config import FleetConfig, FleetRobot, robots_of
 from capsule_ros.fleet.robot import RobotSession
 from capsule_ros.fleet.session import FleetSession, OnAction
+from capsule_ros.runtime.builder import runtime_identity
 from capsule_ros.runtime.fleetbuild import build_fleet_runtime, fleet_identity, resolve_batching
+from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.runtime.streams import StreamKeeper
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import PreparedServing, port_bindings, prepare_serving, settle_mode
@@ -51,13 +53,19 @@ class PreparedFleet:
 
 def prepare_fleet(config: ServingConfig, fleet: FleetConfig, *, robots: Sequence[FleetRobot] = (),
                   weights: Optional[str] = None, node_name: str = "capsule_fleet",
-                  directory: Optional[CapsuleDirectory] = None) -> PreparedFleet:
+                  directory: Optional[CapsuleDirectory] = None,
+                  policy: Optional[StatefulPolicy] = None) -> PreparedFleet:
     """``prepare_serving`` for a fleet (one capsule directory for every robot: ``{node}`` is
     the fleet node's name). ``robots``: robots placed in other slots, or with a seed or a
-    control section of their own (``FleetRobot``). Raises ConfigError before any device
-    memory is used."""
+    control section of their own (``FleetRobot``). ``policy``: one the caller built for the
+    configured ports instead of ``policy.kind``'s (benchmarks). Raises ConfigError before
+    any device memory is used."""
     settled = robots_of(fleet, robots)
-    serving = prepare_serving(config, weights=weights, node_name=node_name, directory=directory)
+    if policy is None:
+        serving = prepare_serving(config, weights=weights, node_name=node_name, directory=directory)
+    else:
+        serving = PreparedServing(config, policy, runtime_identity(policy, config.runtime, port_bindings(config)),
+                                  directory)
     batching = resolve_batching(serving.policy, fleet.batching)
     control = config.control
     if batching == "vmap" and serving.policy.cadence() is not None and control.chunking == "async" \
@@ -110,10 +118,10 @@ def start_fleet(prepared: PreparedFleet, *, options: Optional[RobotOptions] = No
 def build_fleet(config: ServingConfig, fleet: FleetConfig, *, robots: Sequence[FleetRobot] = (),
                 weights: Optional[str] = None, options: Optional[RobotOptions] = None,
                 on_action: Optional[OnAction] = None, node_name: str = "capsule_fleet",
-                directory: Optional[CapsuleDirectory] = None) -> FleetSession:
+                directory: Optional[CapsuleDirectory] = None, policy: Optional[StatefulPolicy] = None) -> FleetSession:
     """Configure and start in one call (tests, benchmarks, replays)."""
     return start_fleet(prepare_fleet(config, fleet, robots=robots, weights=weights, node_name=node_name,
-                                     directory=directory), options=options, on_action=on_action)
+                                     directory=directory, policy=policy), options=options, on_action=on_action)
 
 
 def _options_of(options: Optional[RobotOptions], name: str) -> SessionOptions:

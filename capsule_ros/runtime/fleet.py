@@ -115,35 +115,52 @@ class LoopFleet(FleetRuntime):
 
 @dataclass
 class FleetHost:
-    """A batched fleet's buffers beside the arena: every slot's input staging and outputs
-    on the host (pinned on CUDA; a slot's runtime gets its row), the staging's device copy
-    (the host buffer itself on a CPU), and ``keep``, the copy of every slot's state the
-    programs take first (the merge's source, and each slot's step guard copy)."""
+    """A batched fleet's buffers beside the arena. Every slot's input staging and outputs
+    on the host (pinned on CUDA), each slot's row starting at a multiple of ``ALIGNMENT``
+    (its buffers of every dtype are viewed in place; a slot's runtime gets its row), and
+    their device twins (the host buffers themselves on a CPU): host and device buffers are
+    whole contiguous allocations, so that the program moves them with one memory copy each,
+    which a CUDA graph captures (a copy between a strided host view and the device would go
+    through a temporary host buffer that a graph cannot keep). ``keep``: the copy of every
+    slot's state the programs take first (the merge's source, each slot's guard copy)."""
 
-    staging: torch.Tensor          # [S, input bytes] host
-    staging_device: torch.Tensor   # [S, input bytes] device
-    outputs: torch.Tensor          # [S, meta + output bytes] host
+    staging: torch.Tensor          # [S, input row] host (whole)
+    staging_device: torch.Tensor   # [S, input row] device
+    outputs: torch.Tensor          # [S, output row] host (whole)
+    outputs_device: torch.Tensor   # [S, output row] device
+    input_bytes: int               # of a row, the rest is padding
+    output_bytes: int
     keep: torch.Tensor             # [S, state + output bytes] device
 
     @classmethod
     def of(cls, arena: FleetArena) -> FleetHost:
         cuda = arena.device.type == "cuda"
         inputs, outputs = arena.rows_of(BufferKind.INPUT), arena.rows_of(BufferKind.META, BufferKind.OUTPUT)
-        staging = _host_rows(inputs.shape[0], inputs.shape[1], cuda)
-        return cls(staging, torch.zeros_like(inputs) if cuda else staging,
-                   _host_rows(outputs.shape[0], outputs.shape[1], cuda),
-                   torch.zeros_like(arena.rows_of(*STATE_KINDS, BufferKind.OUTPUT)))
+        staging, outputs_host = _rows(inputs, torch.device("cpu"), cuda), _rows(outputs, torch.device("cpu"), cuda)
+        return cls(staging, _rows(inputs, arena.device, False) if cuda else staging,
+                   outputs_host, _rows(outputs, arena.device, False) if cuda else outputs_host,
+                   inputs.shape[1], outputs.shape[1], torch.zeros_like(arena.rows_of(*STATE_KINDS, BufferKind.OUTPUT)))
+
+    def staging_row(self, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s input staging (host), without the padding."""
+        return self.staging[slot, :self.input_bytes]
+
+    def outputs_row(self, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s meta + outputs on the host, without the padding."""
+        return self.outputs[slot, :self.output_bytes]
 
     def owned(self) -> Dict[str, torch.Tensor]:
         return {"fleet staging (host)": self.staging, "fleet staging (device)": self.staging_device,
-                "fleet outputs (host)": self.outputs, "fleet state copy": self.keep}
+                "fleet outputs (host)": self.outputs, "fleet outputs (device)": self.outputs_device,
+                "fleet state copy": self.keep}
 
 
-def _host_rows(slots: int, nbytes: int, pinned: bool) -> torch.Tensor:
-    """uint8 ``[slots, nbytes]`` on the host, each row starting at a multiple of ``ALIGNMENT``
-    (a slot's row holds buffers of every dtype, viewed in place)."""
-    stride = -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
-    return torch.zeros(slots, stride, dtype=torch.uint8, pin_memory=pinned)[:, :nbytes]
+def _rows(like: torch.Tensor, device: torch.device, pinned: bool) -> torch.Tensor:
+    """uint8 ``[S, row]`` on ``device``, one allocation: ``like``'s ``[S, n]`` with each row
+    padded to a multiple of ``ALIGNMENT``."""
+    slots, nbytes = like.shape
+    row = -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
+    return torch.zeros(slots, row, dtype=torch.uint8, device=device, pin_memory=pinned)
 
 
 def compose_fleet_programs(programs: Mapping[str, Program], arena: FleetArena, host: FleetHost,
@@ -155,6 +172,8 @@ def compose_fleet_programs(programs: Mapping[str, Program], arena: FleetArena, h
     state, inputs = arena.rows_of(*STATE_KINDS, BufferKind.OUTPUT), arena.rows_of(BufferKind.INPUT)
     outputs = arena.rows_of(BufferKind.META, BufferKind.OUTPUT)
     ready, upload = masks.column(READY), masks.column(UPLOAD)
+    staged = host.staging_device[:, :host.input_bytes]
+    outputs_out = host.outputs_device[:, :host.output_bytes]
 
     def wrapped(program: Program) -> Program:
         def run() -> None:
@@ -162,10 +181,12 @@ def compose_fleet_programs(programs: Mapping[str, Program], arena: FleetArena, h
             masks.upload()
             if host.staging_device is not host.staging:
                 host.staging_device.copy_(host.staging, non_blocking=True)
-            inputs.copy_(torch.where(upload, host.staging_device, inputs))
+            inputs.copy_(torch.where(upload, staged, inputs))
             program()
             keep_where(ready, state, host.keep)
-            host.outputs.copy_(outputs, non_blocking=True)
+            outputs_out.copy_(outputs)
+            if host.outputs is not host.outputs_device:
+                host.outputs.copy_(host.outputs_device, non_blocking=True)
         return run
     return {name: wrapped(program) for name, program in programs.items()}
 

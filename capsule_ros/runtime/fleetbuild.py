@@ -156,7 +156,8 @@ def _slot_runtime(fleet: BatchedFleet, slot: int, policy: StatefulPolicy, config
                   inputs: Optional[Mapping[str, object]], streams: StreamKeeper) -> SlotRuntime:
     """Slot ``slot``'s runtime: its arena, mode, host rows and guard copy are the fleet's."""
     arena: StateArena = fleet.arena.slot(slot)
-    transfer = HostTransfer(arena, pinned=False, staging=fleet.host.staging[slot], outputs=fleet.host.outputs[slot])
+    transfer = HostTransfer(arena, pinned=False, staging=fleet.host.staging_row(slot),
+                            outputs=fleet.host.outputs_row(slot))
     guard = StepGuard(arena, copy=fleet.host.keep[slot]) if config.guard_steps else None
     runtime = SlotRuntime(fleet, slot, config=config, device=fleet.device, numerics_level=numerics, policy=policy,
                           arena=arena, mode=fleet.fleet_mode.slot_modes[slot], graphs=SlotGraphs(fleet, slot),
