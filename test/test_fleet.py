@@ -382,3 +382,50 @@ def test_verbs_racing_fleet_steps_apply_between_them_and_leave_the_others_action
     assert errors == []
     assert np.stack(got).tobytes() == np.stack(expected).tobytes()
     fleet.release()
+
+
+class RaisesOnBadIndex(StatefulPolicy):
+    """Writes its outputs, then indexes its weights with ``joints[0]``: out of range, the
+    step raises after it has written (for every slot, batched)."""
+
+    action_dim, chunk_horizon = 2, 1
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    def state_spec(self):
+        return [*INPUTS, *standard_specs(2, 1)]
+
+    def init_state(self, state, *, episode, seed):
+        pass
+
+    def step(self, state):
+        state["action"].copy_(state["goal"] * 2)
+        state["step"].add_(1)
+        state["chunk"].copy_(torch.index_select(self.weight, 0, state["joints"][:1].long().clamp(min=0))[None, :1].expand(1, 2))
+
+    def architecture(self):
+        return {"policy": "raises on a bad index"}
+
+
+@pytest.mark.parametrize("batching", ["vmap", "loop"])
+def test_a_fleet_step_that_raises_leaves_every_other_slot_and_the_failed_ones_state_as_before(batching):
+    fleet = build_fleet_runtime(RaisesOnBadIndex(), RuntimeConfig(), slots=3, batching=batching)
+    for slot in range(3):
+        fleet.arena.rows[slot].copy_(torch.from_numpy(np.random.default_rng(slot).integers(0, 256, fleet.arena.stride,
+                                                                                              dtype=np.uint8)))
+        fleet.runtime(slot).staging["joints"][:] = [1, 0, 0, 0]
+        fleet.runtime(slot).staging["goal"][:] = [0.5, 0.25]
+    before = fleet.arena.storage.clone()
+    fleet.runtime(0).staging["joints"][:] = [99, 0, 0, 0]                 # out of range: slot 0's step raises
+    for slot in (0, 2):
+        fleet.runtime(slot).load_inputs()
+    outcomes = fleet.step([0, 2])
+    assert isinstance(outcomes[0], Exception)
+    assert torch.equal(fleet.arena.rows[1], before.view(3, -1)[1]), "a slot that did not step changed"
+    fleet.runtime(0).undo_step()
+    start, end = fleet.runtime(0).layout.byte_range(*STATE_KINDS, BufferKind.OUTPUT)
+    assert torch.equal(fleet.arena.rows[0][start:end], before.view(3, -1)[0][start:end])
+    if batching == "loop":           # the others of the step step on; batched, the one program failed for all
+        assert not isinstance(outcomes[2], Exception)

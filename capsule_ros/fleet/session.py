@@ -27,8 +27,8 @@ from capsule_ros.errors import InvalidArgument
 from capsule_ros.fleet.gather import GatherCounters, TickGather, TickRequest
 from capsule_ros.fleet.robot import RobotSession
 from capsule_ros.metrics import LatencyWindow
-from capsule_ros.runtime.fleet import FleetRuntime
-from capsule_ros.runtime.mode import StepReport
+from capsule_ros.runtime.fleet import FleetRuntime, StepOutcome
+from capsule_ros.serving.loop import Tick
 from capsule_ros.serving.records import ActionRecord, EventKind, EventRecord, HoldMode, SessionStatus
 from capsule_ros.serving.session import release_together, ticking_together
 
@@ -134,14 +134,13 @@ class FleetSession:
         with ticking_together([(self._robots[n].session, requests[n].stamp_ns, requests[n].late)
                                for n in ordered]) as ticks:
             stepping = [self._robots[name].slot for name, tick in zip(ordered, ticks, strict=True) if tick.needs_step]
-            reports: Dict[int, StepReport] = {}
-            error: Optional[BaseException] = None
+            outcomes: Dict[int, StepOutcome] = {}
             if stepping:
                 try:
-                    reports = self.runtime.step(stepping)
+                    outcomes = self.runtime.step(stepping)
                 except Exception as exc:  # noqa: BLE001 - each stepping robot counts it, gets its safe action
-                    error = exc
-            records = {name: tick.finish(reports.get(self._robots[name].slot), error)
+                    outcomes = dict.fromkeys(stepping, exc)
+            records = {name: _finish(tick, outcomes.get(self._robots[name].slot))
                        for name, tick in zip(ordered, ticks, strict=True)}
         if stepping:
             self._latency.record(time.perf_counter() - started)
@@ -190,3 +189,10 @@ class FleetSession:
 
     def _expect(self) -> None:
         self.gather.expect(name for name, robot in self._robots.items() if robot.loop.control.mode == "trigger")
+
+
+def _finish(tick: Tick, outcome: Optional[StepOutcome]) -> Optional[ActionRecord]:
+    """A robot's tick finished with its slot's outcome (a report, an error, or none: it did not step)."""
+    if isinstance(outcome, Exception):
+        return tick.finish(None, outcome)
+    return tick.finish(outcome)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Sequence, Set, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -46,6 +46,7 @@ from capsule_ros.runtime.slots import FleetArena
 from capsule_ros.runtime.streams import on_stream
 
 BATCHINGS = ("auto", "vmap", "loop")
+StepOutcome = Union[StepReport, Exception]     # a slot's step: its report, or what it raised
 
 
 class FleetRuntime(abc.ABC):
@@ -80,10 +81,12 @@ class FleetRuntime(abc.ABC):
         return self.runtimes[slot]
 
     @abc.abstractmethod
-    def step(self, slots: Sequence[int], eager: bool = False) -> Dict[int, StepReport]:
+    def step(self, slots: Sequence[int], eager: bool = False) -> Dict[int, StepOutcome]:
         """One step of ``slots`` (each uploads first, through its runtime's ``load_inputs``);
-        every other slot keeps its bytes. Asynchronous on CUDA: read each slot's outputs
-        with its runtime's ``read_step_outputs``. ``eager``: the captured programs' Python."""
+        every other slot keeps its bytes. Each slot's outcome: its ``StepReport``, or the
+        exception its step raised (its caller undoes it: its guard's copy is this step's).
+        Asynchronous on CUDA: read each slot's outputs with its runtime's
+        ``read_step_outputs``. ``eager``: the captured programs' Python."""
 
     @property
     @abc.abstractmethod
@@ -100,8 +103,14 @@ class LoopFleet(FleetRuntime):
 
     batching = "loop"
 
-    def step(self, slots: Sequence[int], eager: bool = False) -> Dict[int, StepReport]:
-        return {slot: self.runtime(slot).step(eager=eager) for slot in _distinct(slots)}
+    def step(self, slots: Sequence[int], eager: bool = False) -> Dict[int, StepOutcome]:
+        outcomes: Dict[int, StepOutcome] = {}
+        for slot in _distinct(slots):
+            try:
+                outcomes[slot] = self.runtime(slot).step(eager=eager)
+            except Exception as exc:  # noqa: BLE001 - that slot's outcome: the others step on
+                outcomes[slot] = exc
+        return outcomes
 
     @property
     def captured(self) -> bool:
@@ -131,6 +140,7 @@ class FleetHost:
     input_bytes: int               # of a row, the rest is padding
     output_bytes: int
     keep: torch.Tensor             # [S, state + output bytes] device
+    kept: int = 0                  # programs run eagerly that took their copy (a failed one puts it back)
 
     @classmethod
     def of(cls, arena: FleetArena) -> FleetHost:
@@ -178,6 +188,7 @@ def compose_fleet_programs(programs: Mapping[str, Program], arena: FleetArena, h
     def wrapped(program: Program) -> Program:
         def run() -> None:
             host.keep.copy_(state)
+            host.kept += 1                 # Python: counts eager runs only (a graph replay runs none of it)
             masks.upload()
             if host.staging_device is not host.staging:
                 host.staging_device.copy_(host.staging, non_blocking=True)
@@ -216,23 +227,47 @@ class BatchedFleet(FleetRuntime):
         ``load_inputs``)."""
         self._uploads.add(slot)
 
-    def step(self, slots: Sequence[int], eager: bool = False) -> Dict[int, StepReport]:
-        runtimes = {slot: self.runtime(slot) for slot in _distinct(slots)}
-        chosen = {slot: runtime.mode.before_step() for slot, runtime in runtimes.items()}
-        self.launch(chosen, eager)
-        reports = {slot: _slot(runtime).stepped(chosen[slot], eager) for slot, runtime in runtimes.items()}
+    def step(self, slots: Sequence[int], eager: bool = False) -> Dict[int, StepOutcome]:
+        """See ``FleetRuntime.step``. A slot whose mode cannot choose its program (a refill
+        that failed) is left out of the step with that error; when the fleet program itself
+        raises, every slot's state is put back from the copy the program kept first, and
+        each stepping slot's outcome is the error."""
+        outcomes: Dict[int, StepOutcome] = {}
+        chosen: Dict[int, str] = {}
+        for slot in _distinct(slots):
+            try:
+                chosen[slot] = self.runtime(slot).mode.before_step()
+            except Exception as exc:  # noqa: BLE001 - that slot's outcome: the others step on
+                outcomes[slot] = exc
+        if not chosen:
+            return outcomes
+        try:
+            self.launch(chosen, eager)
+        except Exception as exc:  # noqa: BLE001 - every stepping slot's outcome (each undoes its step)
+            return {**outcomes, **dict.fromkeys(chosen, exc)}
+        outcomes.update((slot, _slot(self.runtime(slot)).stepped(program, eager)) for slot, program in chosen.items())
         self.fleet_mode.after_fleet_step(chosen, eager)
-        return reports
+        return outcomes
 
     def launch(self, chosen: Mapping[int, str], eager: bool = False) -> None:
         """Run the fleet program for the slots in ``chosen`` (slot -> its mode's program):
-        the masks written on the host once the previous step no longer reads them."""
+        the masks written on the host once the previous step no longer reads them. When the
+        program raises after its copy of the state (eagerly run Python), every slot gets its
+        state back from that copy before the error goes on: a slot that did not step keeps
+        its bytes even then."""
         if self._launched is not None:
             self._launched.synchronize()
         self.masks.set(READY, chosen)
         self.masks.set(UPLOAD, self._uploads & set(chosen))
         self._uploads.clear()
-        self.graphs.step(self.fleet_mode.program_for(chosen), eager=eager)
+        kept = self.host.kept
+        try:
+            self.graphs.step(self.fleet_mode.program_for(chosen), eager=eager)
+        except BaseException:
+            if self.host.kept != kept:
+                with on_stream(self.stream):
+                    self.arena.rows_of(*STATE_KINDS, BufferKind.OUTPUT).copy_(self.host.keep)
+            raise
         if self.stream is not None:
             self._launched = torch.cuda.Event()
             self._launched.record(self.stream)
@@ -268,8 +303,12 @@ class SlotRuntime(PolicyRuntime):
         return True
 
     def step(self, *, eager: bool = False) -> StepReport:
-        """A fleet step of this slot alone (the other slots keep their bytes)."""
-        return self.fleet.step([self.slot], eager)[self.slot]
+        """A fleet step of this slot alone (the other slots keep their bytes); raises what
+        its step raised."""
+        outcome = self.fleet.step([self.slot], eager)[self.slot]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
     def stepped(self, program: str, eager: bool) -> StepReport:
         """The fleet stepped this slot with ``program``: its outputs are on the host rows."""
