@@ -24,6 +24,8 @@ inputs staged, the step, the outputs read and checked, the accounting):
 
 (N ``policy_node`` processes are a side the node layer adds: ``SIDES``.)
 
+``--steps``: control periods per side and N (default 200; ``--quick``: 50, and S = 4).
+
 Figures per side and N: robot-steps/s (N x ticks / wall time), the time of a control
 period for all N robots (p50 / p99 ms) and, for ``separate``, one robot's step. Ratios:
 fleet and loop aggregate robot-steps/s over separate's. For the fleet at N = S: a robot's
@@ -119,15 +121,20 @@ class Case:
 
 
 def _params(name: str, device: torch.device) -> Dict[str, Any]:
+    """A config file's parameters on ``device``, without a capsule directory, deadlines or
+    port staleness (the benchmark stages inputs directly, as no message arrives)."""
     params = load_params_file(config_path(name))
     params["runtime"]["device"] = str(device)
     params["capsules"]["directory"] = ""
     params["control"].update(deadline_ms=0.0, input_log_steps=64)
+    for port in params["ports"]["names"]:
+        params["ports"][port]["staleness_ms"] = 0.0
     return params
 
 
 def make_case(name: str, device: torch.device, quick: bool, workdir: Path, rng: np.random.Generator,
               slots: int) -> Case:
+    frames: Dict[str, Any]
     if name == "default":
         config = ServingConfig.from_params(_params("policy.yaml", device))
         frames = {"joints": rng.normal(size=(8, 4)).astype(np.float32),
@@ -138,9 +145,11 @@ def make_case(name: str, device: torch.device, quick: bool, workdir: Path, rng: 
         config = serving_config(write_act_checkpoint(workdir / "act", quick=quick))
         config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device=str(device)),
                                      control=dataclasses.replace(config.control, deadline_ms=0.0,
-                                                                 input_log_steps=8))
+                                                                 input_log_steps=8),
+                                     ports={port_name: dataclasses.replace(port, staleness_ms=0.0)
+                                            for port_name, port in config.ports.items()})
         shape = config.ports["top_camera"].shape
-        frames: Dict[str, Any] = {"joints": rng.normal(size=(8, config.ports["joints"].shape[0])).astype(np.float32),
+        frames = {"joints": rng.normal(size=(8, config.ports["joints"].shape[0])).astype(np.float32),
                   "top_camera": rng.integers(0, 256, size=(4, *shape), dtype=np.uint8)}
         horizon = 100                 # the checkpoint's n_action_steps: a chunk lasts 100 steps
         return Case(name, config, None, max(1, horizon // slots), frames)
@@ -285,10 +294,10 @@ def run_case(case: Case, slots: int, ns: Sequence[int], ticks: int) -> Dict[str,
     return out
 
 
-def run(device: torch.device, quick: bool, cases: Sequence[str]) -> Dict[str, Any]:
+def run(device: torch.device, quick: bool, cases: Sequence[str], ticks: Optional[int] = None) -> Dict[str, Any]:
     slots = 4 if quick else 16
     ns = [n for n in (1, 2, 4, 8, 16) if n <= slots]
-    ticks = 20 if quick else 200
+    ticks = ticks or (50 if quick else 200)
     rng = np.random.default_rng(0)
     result: Dict[str, Any] = {"environment": environment(device), "slots": slots, "ns": ns, "ticks": ticks,
                               "cases": {}}
@@ -323,7 +332,7 @@ def main(args) -> int:
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         raise SystemExit(f"capsule-ros bench fleet: --cases {unknown}: cases are {', '.join(CASES)}")
-    emit(run(device, args.quick, cases), args.json, table)
+    emit(run(device, args.quick, cases, args.steps), args.json, table)
     return 0
 
 

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: %(default)s, the example package)")
     bench.add_argument("--cases", help="chunking, fleet: comma-separated cases (chunking default: act100,act10,"
                                        "diffusion,diffusion-small; fleet default: default,act,recurrent)")
-    bench.add_argument("--steps", type=int, help="chunking: steps per side (default 3000; --quick 200)")
+    bench.add_argument("--steps", type=int, help="chunking: steps per side (default 3000; --quick 200); fleet: "
+                                                 "control periods per side and N (default 200; --quick 50)")
     bench.add_argument("--lerobot-python", help="chunking: the Python of LeRobot's environment for its baseline "
                                                 "loop (default tools/lerobot_bench/.venv/bin/python)")
     bench.add_argument("--numerics", default="portable", metavar="LEVEL[,LEVEL...]",
