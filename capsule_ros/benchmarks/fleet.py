@@ -122,10 +122,11 @@ class Case:
 
 def _params(name: str, device: torch.device) -> Dict[str, Any]:
     """A config file's parameters on ``device``, without a capsule directory, deadlines or
-    port staleness (the benchmark stages inputs directly, as no message arrives)."""
+    port staleness (the benchmark stages inputs directly, as no message arrives), and small
+    capsule pools (a commit at a time; the pools are allocated up front, per session)."""
     params = load_params_file(config_path(name))
     params["runtime"]["device"] = str(device)
-    params["capsules"]["directory"] = ""
+    params["capsules"].update(directory="", device_budget_mb=8.0, host_budget_mb=8.0)
     params["control"].update(deadline_ms=0.0, input_log_steps=64)
     for port in params["ports"]["names"]:
         params["ports"][port]["staleness_ms"] = 0.0
@@ -144,6 +145,8 @@ def make_case(name: str, device: torch.device, quick: bool, workdir: Path, rng: 
         from capsule_ros.benchmarks.lerobot_act import serving_config, write_act_checkpoint
         config = serving_config(write_act_checkpoint(workdir / "act", quick=quick))
         config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device=str(device)),
+                                     capsules=dataclasses.replace(config.capsules, device_budget_mb=16.0,
+                                                                  host_budget_mb=16.0),
                                      control=dataclasses.replace(config.control, deadline_ms=0.0,
                                                                  input_log_steps=8),
                                      ports={port_name: dataclasses.replace(port, staleness_ms=0.0)
