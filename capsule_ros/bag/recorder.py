@@ -207,13 +207,15 @@ class NodeRecorder:
     @classmethod
     def start(cls, path: str, directory: str, storage: str, config, action_topic: str, events_topic: str,
               fingerprint: str = "", initial_inputs: int = 0,
-              serialize: Optional[Callable[[Any], bytes]] = None) -> NodeRecorder:
+              serialize: Optional[Callable[[Any], bytes]] = None,
+              fleet: Optional[Dict[str, Any]] = None) -> NodeRecorder:
         """Open a new bag (``path`` "" = ``<directory>/<UTC stamp>``) with a connection per
         port, ``~/action`` and ``~/capsule_events``. ``initial_inputs``: how many sensor
         messages the caller writes first as the inputs' state at the start (the last
-        message of each port; no step was taken on them during the recording)."""
+        message of each port; no step was taken on them during the recording). ``fleet``: a
+        fleet robot's bag (``RecordingMeta.fleet``: ``capsule_ros.fleet.replay.fleet_record``)."""
         meta = dataclasses.replace(RecordingMeta.for_node(config, action_topic, events_topic, fingerprint),
-                                   initial_inputs=initial_inputs)
+                                   initial_inputs=initial_inputs, fleet=dict(fleet or {}))
         storage = storage or "mcap"
         storage_plugin(storage)                   # refuse a bad name before any thread starts
         recorder = cls(Path(path).expanduser() if path else new_bag_path(directory), storage, meta, serialize)

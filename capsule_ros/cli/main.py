@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help=COMMANDS["bench"].description, epilog=COMMANDS["bench"].epilog())
     bench.add_argument("which", choices=("snapshot", "reenter", "step", "services", "loop", "commits", "lifecycle",
-                                         "cancel", "chunking", "regenerate"))
+                                         "cancel", "chunking", "regenerate", "fleet"))
     bench.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on a 2-core CPU")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -69,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--module", default="capsule_gru_policy.export:module",
                        help="step --policy exported: package.module:factory of the module to export "
                             "(default: %(default)s, the example package)")
-    bench.add_argument("--cases", help="chunking: comma-separated cases "
-                                       "(default: act100,act10,diffusion,diffusion-small)")
-    bench.add_argument("--steps", type=int, help="chunking: steps per side (default 3000; --quick 200)")
+    bench.add_argument("--cases", help="chunking, fleet: comma-separated cases (chunking default: act100,act10,"
+                                       "diffusion,diffusion-small; fleet default: default,act,recurrent)")
+    bench.add_argument("--steps", type=int, help="chunking: steps per side (default 3000; --quick 200); fleet: "
+                                                 "control periods per side and N (default 200; --quick 50)")
     bench.add_argument("--lerobot-python", help="chunking: the Python of LeRobot's environment for its baseline "
                                                 "loop (default tools/lerobot_bench/.venv/bin/python)")
     bench.add_argument("--numerics", default="portable", metavar="LEVEL[,LEVEL...]",

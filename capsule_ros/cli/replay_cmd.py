@@ -44,9 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def replay(bag, options):
-    """``capsule_ros.bag.replay.replay_bag`` with the policy_node target for ``--node``."""
+    """``capsule_ros.bag.replay.replay_bag`` with the policy_node target for ``--node`` (and a
+    fleet robot's bag on its fleet's shape: ``capsule_ros.fleet.replay``)."""
     from capsule_ros.bag.errors import ReplaySetupError
-    from capsule_ros.bag.replay import replay_bag
+    from capsule_ros.fleet.replay import replay_fleet_bag as replay_bag
     node_target: Any = None
     if options.node:
         try:
