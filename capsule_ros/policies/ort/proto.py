@@ -2,7 +2,7 @@
 
 ``import onnx`` imports its helpers, which import ``ml_dtypes`` (a C extension registering
 numpy dtypes): seconds of a small ONNX policy's start-up on a loaded machine, beyond
-torch's own import (docs/benchmarks.md, "Start-up (`capsule-ros bench startup`)"). The
+torch's own import (docs/benchmarks.md, "Start-up (capsule-ros bench startup)"). The
 kind only parses a model and reads fields of its graph, which the generated protobuf module
 ``onnx/onnx_ml_pb2.py`` alone can do: it is loaded from the installed ``onnx`` package's
 directory without running the package's ``__init__`` (it imports only ``google.protobuf``,
