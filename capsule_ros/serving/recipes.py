@@ -34,6 +34,11 @@ class RecipeMismatch(CorruptCapsule):
     actions must agree) it acts otherwise than recorded."""
 
 
+class StateDigestMismatch(RecipeMismatch):
+    """A rebuild from a capsule file's recipe that does not make the state its header's
+    ``state_digest`` names (``StateCheck``)."""
+
+
 def layout_inputs(layout: ArenaLayout, bindings: Mapping[str, object]) -> Tuple[RecipeInput, ...]:
     """The input buffers of a layout's input row (offsets within the row), each with the
     digest of what fills it (``bindings``: input name -> its port binding)."""

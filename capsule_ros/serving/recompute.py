@@ -66,7 +66,8 @@ from capsule_ros.errors import (
 from capsule_ros.runtime.builder import replica_of
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.inputlog import InputLog
-from capsule_ros.serving.recipes import RecipeChain, RecipeMismatch, StateCheck, recipe_inputs, replay, start_from
+from capsule_ros.serving.recipes import (RecipeChain, StateCheck, StateDigestMismatch, recipe_inputs, replay,
+                                         start_from)
 
 LOG = logging.getLogger(__name__)
 ROWS_PER_COPY = 1024          # rows copied per call outside the boundary: the loop's thread gets the
@@ -342,9 +343,10 @@ class Recompute:
 
     def rebuild(self, job: RebuildJob) -> float:
         """Outside the lock: make the state again on the replica; the seconds it took.
-        Raises CorruptCapsule (RecipeMismatch) when the replay does not follow the recipe,
-        does not reach the capsule's step, or (from a file's recipe) does not make the state
-        its header's digest names."""
+        Raises CorruptCapsule (RecipeMismatch) when the replay does not follow the recipe or
+        does not reach the capsule's step, and StateDigestMismatch (one) when, from a file's
+        recipe, it does not make the state its header's digest names (the session answers
+        the capsule's own error then, with that reason)."""
         start = time.perf_counter()
         with self._replica_lock:
             replica = self._replica_runtime()
@@ -356,7 +358,7 @@ class Recompute:
         if rebuilt_step != job.step:
             raise CorruptCapsule(f"recompute reached step {rebuilt_step}, expected {job.step}")
         if mismatch is not None:
-            raise RecipeMismatch(mismatch)
+            raise StateDigestMismatch(mismatch)
         return time.perf_counter() - start
 
     def adopt(self, capsule_id: str, job: RebuildJob, cause: CapsuleRosError, seconds: float) -> Capsule:

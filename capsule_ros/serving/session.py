@@ -40,6 +40,7 @@ from capsule_ros.serving.loop import ControlLoop, Fed, Tick
 from capsule_ros.serving.machine import EpisodeMachine
 from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.ports import stamp_ns
+from capsule_ros.serving.recipes import StateDigestMismatch
 from capsule_ros.serving.recompute import UNRESTORABLE, Recompute
 from capsule_ros.serving.records import (
     ActionRecord,
@@ -332,7 +333,10 @@ class SessionVerbs:
                 break
         assert job is not None
         try:
-            seconds = self._recompute.rebuild(job)
+            try:
+                seconds = self._recompute.rebuild(job)
+            except StateDigestMismatch as exc:        # not the capsule's state: its own error, with why
+                raise type(cause)(f"{cause}; no recompute fallback: {exc}") from exc
             with self._boundary.held():                         # Busy, or suspended meanwhile: WrongState
                 return self._machine.adopt(capsule_id, job, cause, seconds)
         except BaseException:
