@@ -66,8 +66,7 @@ from capsule_ros.errors import (
 from capsule_ros.runtime.builder import replica_of
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.inputlog import InputLog
-from capsule_ros.serving.recipes import (RecipeChain, StateCheck, StateDigestMismatch, recipe_inputs, replay,
-                                         start_from)
+from capsule_ros.serving.recipes import RecipeChain, StateCheck, StateDigestMismatch, recipe_inputs, replay, start_from
 
 LOG = logging.getLogger(__name__)
 ROWS_PER_COPY = 1024          # rows copied per call outside the boundary: the loop's thread gets the
