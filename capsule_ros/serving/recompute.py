@@ -340,12 +340,12 @@ class Recompute:
     def _room_for(self, known: Optional[Capsule]) -> Optional[Reservation]:
         return self.store.reserve() if known is None or known.payload is None else None
 
-    def rebuild(self, job: RebuildJob) -> float:
+    def rebuild(self, job: RebuildJob, cause: CapsuleRosError) -> float:
         """Outside the lock: make the state again on the replica; the seconds it took.
         Raises CorruptCapsule (RecipeMismatch) when the replay does not follow the recipe or
-        does not reach the capsule's step, and StateDigestMismatch (one) when, from a file's
-        recipe, it does not make the state its header's digest names (the session answers
-        the capsule's own error then, with that reason)."""
+        does not reach the capsule's step; and ``cause`` (the capsule's own error, its type)
+        with the reason appended when, from a file's recipe, it does not make the state its
+        header's digest names."""
         start = time.perf_counter()
         with self._replica_lock:
             replica = self._replica_runtime()
@@ -357,7 +357,7 @@ class Recompute:
         if rebuilt_step != job.step:
             raise CorruptCapsule(f"recompute reached step {rebuilt_step}, expected {job.step}")
         if mismatch is not None:
-            raise StateDigestMismatch(mismatch)
+            raise type(cause)(f"{cause}; no recompute fallback: {mismatch}") from StateDigestMismatch(mismatch)
         return time.perf_counter() - start
 
     def adopt(self, capsule_id: str, job: RebuildJob, cause: CapsuleRosError, seconds: float) -> Capsule:

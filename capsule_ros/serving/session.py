@@ -40,7 +40,6 @@ from capsule_ros.serving.loop import ControlLoop, Fed, Tick
 from capsule_ros.serving.machine import EpisodeMachine
 from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.ports import stamp_ns
-from capsule_ros.serving.recipes import StateDigestMismatch
 from capsule_ros.serving.recompute import UNRESTORABLE, Recompute
 from capsule_ros.serving.records import (
     ActionRecord,
@@ -322,26 +321,18 @@ class SessionVerbs:
                 return self._machine.reenter(source)
         except UNRESTORABLE as exc:
             cause = exc
-        # the recompute fallback: the file's recipe read outside the boundary when the input log cannot rebuild
-        # it (again when the log's root left since ``knows``), the job begun under the boundary (re-raising
-        # ``cause`` when neither can), replayed outside it, adopted under it again
-        for log_can in (self._recompute.knows(capsule_id), False):
-            chain = None if log_can else self._capsules.recipe_chain(capsule_id)
+        chain = None if self._recompute.knows(capsule_id) else self._capsules.recipe_chain(capsule_id)
+        while True:     # the recompute fallback (``Recompute.begin_rebuild``): files are read outside the boundary
             with self._boundary.held():
-                job = self._recompute.begin_rebuild(capsule_id, cause, chain)
-            if job is not None:
-                break
-        assert job is not None
+                if (job := self._recompute.begin_rebuild(capsule_id, cause, chain)) is not None:
+                    break
+            chain = self._capsules.recipe_chain(capsule_id)        # the log's root left memory since ``knows``
         try:
-            try:
-                seconds = self._recompute.rebuild(job)
-            except StateDigestMismatch as exc:        # not the capsule's state: its own error, with why
-                raise type(cause)(f"{cause}; no recompute fallback: {exc}") from exc
+            seconds = self._recompute.rebuild(job, cause)
             with self._boundary.held():                         # Busy, or suspended meanwhile: WrongState
                 return self._machine.adopt(capsule_id, job, cause, seconds)
         except BaseException:
-            # its room must go back, whatever the wait (a no-op once adopted); after a
-            # release (lifecycle cleanup) the store is gone with it
+            # its room goes back, whatever the wait (a no-op once adopted; after a release, gone with the store)
             with contextlib.suppress(WrongState), self._boundary.blocking():
                 self._recompute.unreserve(job)
             raise
