@@ -403,7 +403,8 @@ class RaisesOnBadIndex(StatefulPolicy):
     def step(self, state):
         state["action"].copy_(state["goal"] * 2)
         state["step"].add_(1)
-        state["chunk"].copy_(torch.index_select(self.weight, 0, state["joints"][:1].long().clamp(min=0))[None, :1].expand(1, 2))
+        rows = state["joints"][:1].long().clamp(min=0)
+        state["chunk"].copy_(torch.index_select(self.weight, 0, rows)[None, :1].expand(1, 2))
 
     def architecture(self):
         return {"policy": "raises on a bad index"}

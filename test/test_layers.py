@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "capsule_ros"
 
 # Lowest first. Generated interfaces (msg / srv / action) sit just below the ROS layer.
 LAYERS = (
-    ("capsule_ros",),                                   # config, errors, metrics, paths, polling
+    ("capsule_ros",),                                   # config, errors, files, metrics, paths, polling
     ("capsule_ros.runtime", "capsule_ros.sim"),         # mechanism, the core; the simulated arm (numpy)
     ("capsule_ros.chunking",),                          # an execution mode above the core (the core never imports it)
     ("capsule_ros.policies",),                          # model code over the runtime's protocol

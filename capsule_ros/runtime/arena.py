@@ -192,12 +192,21 @@ class StateArena:
         self.storage.zero_()
 
 
+def _same_device(actual: torch.device, wanted: torch.device) -> bool:
+    """Whether a tensor on ``actual`` lives on ``wanted``; an index-less ``cuda`` is the current CUDA device."""
+    def indexed(device: torch.device) -> torch.device:
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+    return indexed(actual) == indexed(wanted)
+
+
 def _bytes_for(layout: ArenaLayout, device: torch.device, given: Optional[torch.Tensor]) -> torch.Tensor:
     """``given`` (checked: contiguous uint8 of the layout's size on ``device``), or new zeroed bytes."""
     if given is None:
         return torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
     if given.dtype != torch.uint8 or given.dim() != 1 or given.numel() != layout.nbytes \
-            or not given.is_contiguous() or given.device != device:
+            or not given.is_contiguous() or not _same_device(given.device, device):
         raise InvalidArgument(f"arena storage: needs contiguous uint8[{layout.nbytes}] on {device}, got "
                               f"{str(given.dtype).replace('torch.', '')}{list(given.shape)} on {given.device}")
     return given
