@@ -361,8 +361,9 @@ def _first_robot_actions(fleet: Any, case: Case, name: str, session: Any = None,
 def run_case(case: Case, slots: int, ns: Sequence[int], ticks: int, sides: Sequence[Side]) -> Dict[str, Any]:
     """Every side on ``case``; ratios of each side's robot-steps/s over separate's, and the
     bits of fleet and loop against a single runtime (when separate ran)."""
-    figures = {side.name: (side.measure(case, slots, ns, ticks) if side.measure is not None
-                           else {"skipped": side.skipped}) for side in sides}
+    figures: Dict[str, Dict[str, Any]] = {
+        side.name: (side.measure(case, slots, ns, ticks) if side.measure is not None else {"skipped": side.skipped})
+        for side in sides}
     measured = [name for name, side in figures.items() if "skipped" not in side]
     out: Dict[str, Any] = {"sides": figures, "ratios": {}, "identical_to_single": {}, "max_abs_diff_to_single": {}}
     if "separate" not in measured:
