@@ -67,8 +67,8 @@ def drive(session, obs: Dict[str, np.ndarray], steps: int, period: float, paced:
 
 def consume_events(events) -> Tuple[int, List]:
     """The number of consume ticks, and the events that start inside one (host and device)."""
-    windows = sorted((e.time_range.start, e.time_range.end) for e in events
-                     if e.name == TICK + ChunkProgram.CONSUME.value)
+    windows = sorted((e.time_range.start, e.time_range.end) for e in events        # the host's ranges (a GPU
+                     if e.name == TICK + ChunkProgram.CONSUME.value and e.device_type == DeviceType.CPU)  # has its own)
     starts = [w[0] for w in windows]
     inside = []
     for e in events:
