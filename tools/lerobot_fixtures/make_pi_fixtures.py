@@ -70,6 +70,9 @@ from lerobot.policies.pi05.configuration_pi05 import PI05Config  # noqa: E402
 from lerobot.policies.pi05.modeling_pi05 import PI05Policy  # noqa: E402
 from lerobot.policies.rtc.configuration_rtc import RTCConfig  # noqa: E402
 from lerobot.policies.utils import prepare_observation_for_inference  # noqa: E402
+from lerobot.rollout.inference.rtc import (  # noqa: E402
+    _normalize_prev_actions_length as normalize_leftover,  # LeRobot's RTC engine: pad or truncate to H rows
+)
 
 from capsule_ros.runtime.rng import counter_normal  # noqa: E402
 from tools.lerobot_fixtures.make_fixtures import (  # noqa: E402
@@ -280,19 +283,6 @@ def select_action_rollout(fx: Fixture, directory: Path, inputs: Dict[str, np.nda
     return actions
 
 
-def normalize_leftover(rows: torch.Tensor, target: int) -> torch.Tensor:
-    """LeRobot's RTC engine's ``_normalize_prev_actions_length``: pad with zero rows or
-    truncate [T, A] to ``target`` rows."""
-    steps, dim = rows.shape
-    if steps == target:
-        return rows
-    if steps > target:
-        return rows[:target]
-    padded = torch.zeros((target, dim), dtype=rows.dtype, device=rows.device)
-    padded[:steps] = rows
-    return padded
-
-
 def async_rollout(fx: Fixture, directory: Path, inputs: Dict[str, np.ndarray], seeds: np.ndarray, delay: int,
                   rtc: bool) -> Tuple[np.ndarray, int]:
     """The fixed-delay loop (module docstring; ``make_references.loop``), its actions and
@@ -326,7 +316,9 @@ def async_rollout(fx: Fixture, directory: Path, inputs: Dict[str, np.ndarray], s
                 else:
                     chunk, pending, cursor = pending, None, delay
             if delay and cursor == horizon:
-                leftover = normalize_leftover(chunk[0, horizon:], fx.rtc.execution_horizon) if rtc else None
+                leftover = None
+                if rtc:
+                    leftover = normalize_leftover(chunk[0, horizon:], target_steps=fx.rtc.execution_horizon)
                 pending = predict(batch, leftover)
             with torch.no_grad():
                 action = post(chunk[:, cursor])
@@ -374,7 +366,7 @@ def sensitivity(fx: Fixture, directory: Path, inputs: Dict[str, np.ndarray], see
     obs = observation(fx, inputs, 0, 0)
     base = chunk(obs, "pick up the red cube")
     out = {"task": float((chunk(obs, "close the drawer") - base).abs().max())}
-    for key, spec in fx.inputs.items():
+    for key in fx.inputs:
         moved = dict(obs)
         moved[key] = observation(fx, inputs, 1, 50)[key]
         out[key] = float((chunk(moved, "pick up the red cube") - base).abs().max())
