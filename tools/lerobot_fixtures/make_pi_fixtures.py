@@ -70,9 +70,6 @@ from lerobot.policies.pi05.configuration_pi05 import PI05Config  # noqa: E402
 from lerobot.policies.pi05.modeling_pi05 import PI05Policy  # noqa: E402
 from lerobot.policies.rtc.configuration_rtc import RTCConfig  # noqa: E402
 from lerobot.policies.utils import prepare_observation_for_inference  # noqa: E402
-from lerobot.rollout.inference.rtc import (  # noqa: E402
-    _normalize_prev_actions_length as normalize_leftover,  # LeRobot's RTC engine: pad or truncate to H rows
-)
 
 from capsule_ros.runtime.rng import counter_normal  # noqa: E402
 from tools.lerobot_fixtures.make_fixtures import (  # noqa: E402
@@ -172,7 +169,24 @@ def pi05() -> Fixture:
                "action": _quantile_stats([-1.0, -2.0, 0.0, -0.5, -1.5, -0.2], [1.0, 2.0, 3.0, 0.5, 0.5, 0.9])})
 
 
-FIXTURES = (pi0, pi05)
+def pi0_bf16() -> Fixture:
+    """π0 at LeRobot's bfloat16 precision (its float32 exceptions: the vision tower, the
+    projector, the norms; the buffers cast too): one camera at the model's size, RTC ones."""
+    inputs = {"observation.state": ("walk", 4), "observation.images.top": ("camera", 32, 32)}
+    feats, outs = _features(inputs, 4)
+    return Fixture(
+        name="pi0_bf16", policy_cls=PI0Policy, seed=23, inputs=inputs, delays=(2, 5),
+        rtc=RTCConfig(enabled=True, prefix_attention_schedule="ONES", max_guidance_weight=8.0, execution_horizon=5),
+        config=lambda: PI0Config(
+            input_features=feats, output_features=outs, paligemma_variant="scaled_vlm_64",
+            action_expert_variant="scaled_expert_32", image_resolution=(32, 32), chunk_size=10, n_action_steps=5,
+            dtype="bfloat16", device="cpu"),
+        stats={"observation.state": {"mean": _vec([0.0, 0.2, -0.3, 0.1]), "std": _vec([0.9, 1.1, 0.6, 1.4])},
+               "observation.images.top": IMAGE_STATS,
+               "action": {"mean": _vec([0.1, -0.2, 0.3, 0.0]), "std": _vec([0.6, 1.2, 0.8, 1.5])}})
+
+
+FIXTURES = (pi0, pi05, pi0_bf16)
 
 
 # --- inputs -------------------------------------------------------------------------------------
@@ -281,6 +295,20 @@ def select_action_rollout(fx: Fixture, directory: Path, inputs: Dict[str, np.nda
             assert noise.calls - before == (1 if t % policy.config.n_action_steps == 0 else 0), (e, t)
             actions[e, t] = action.reshape(-1).numpy()
     return actions
+
+
+def normalize_leftover(rows: torch.Tensor, target_steps: int) -> torch.Tensor:
+    """LeRobot 0.6.1's ``rollout/inference/rtc.py:_normalize_prev_actions_length`` (copied:
+    importing ``lerobot.rollout`` needs LeRobot's dataset extra): pad [T, A] with zero rows
+    or truncate it to ``target_steps`` rows."""
+    steps, action_dim = rows.shape
+    if steps == target_steps:
+        return rows
+    if steps > target_steps:
+        return rows[:target_steps]
+    padded = torch.zeros((target_steps, action_dim), dtype=rows.dtype, device=rows.device)
+    padded[:steps] = rows
+    return padded
 
 
 def async_rollout(fx: Fixture, directory: Path, inputs: Dict[str, np.ndarray], seeds: np.ndarray, delay: int,
