@@ -295,6 +295,17 @@ class Guidance(nn.Module):
 # --- the model --------------------------------------------------------------------------------------
 
 
+@dataclass
+class Prefix:
+    """A chunk's prefix, scratch of one plan: the VLM's keys and values, the suffix's 4D mask
+    and position ids, and π0's padded state (None for π0.5)."""
+
+    kv: PrefixKV
+    mask: torch.Tensor
+    position_ids: torch.Tensor
+    state: Optional[torch.Tensor]
+
+
 class PiModel(nn.Module):
     """``PI0Pytorch`` / ``PI05Pytorch`` at inference (module docstring)."""
 
@@ -335,46 +346,50 @@ class PiModel(nn.Module):
         pad_masks.append(token_masks)
         return torch.cat(embs, dim=1), torch.cat(pad_masks, dim=1)
 
-    def prefix_kv(self, embs: torch.Tensor, pad_masks: torch.Tensor) -> PrefixKV:
-        """The VLM over the prefix, keeping each layer's keys and values."""
-        att = torch.zeros_like(pad_masks)
+    def encode_prefix(self, images: Sequence[torch.Tensor], image_masks: Sequence[torch.Tensor],
+                      tokens: torch.Tensor, token_masks: torch.Tensor, state: Optional[torch.Tensor]) -> Prefix:
+        """The VLM over the prefix (its keys and values kept) and what every denoising step
+        of the chunk reads besides: the suffix masks and π0's padded state."""
+        embs, pad_masks = self.embed_prefix(images, image_masks, tokens, token_masks)
         position_ids = torch.cumsum(pad_masks, dim=1) - 1
         kv = PrefixKV(self.arch.vlm.depth)
-        self.paligemma_with_expert.language_model(embs, additive_4d(att_2d_masks(pad_masks, att)), position_ids, kv,
-                                                  final_norm=False)
+        mask = additive_4d(att_2d_masks(pad_masks, torch.zeros_like(pad_masks)))   # all-to-all, padding masked
+        self.paligemma_with_expert.language_model(embs, mask, position_ids, kv, final_norm=False)
         kv.recording = False
-        return kv
+        suffix_mask, suffix_positions = self.suffix_masks(pad_masks)
+        return Prefix(kv, suffix_mask, suffix_positions, state)
 
     # -- suffix ------------------------------------------------------------------------------------
+    def suffix_att(self, device: torch.device) -> torch.Tensor:
+        """The suffix's block pattern [1, S] (float32, the suffix embeddings' dtype): π0's state
+        token, then its action tokens (``[1, 1, 0, ...]``); π0.5's action tokens (``[1, 0, ...]``)."""
+        chunk = self.arch.chunk_size
+        pattern = [1] + [0] * (chunk - 1) if self.arch.adarms else [1, 1] + [0] * (chunk - 1)
+        return torch.tensor(pattern, dtype=torch.float32, device=device)[None, :]
+
     def embed_suffix(self, state: Optional[torch.Tensor], x_t: torch.Tensor,
-                     timestep: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """(embeddings [B, S, width], att_masks [B, S] in the embeddings' dtype, adaRMS
-        condition or None): π0's state token and action-time tokens, or π0.5's action tokens
-        with the time as the expert's norm condition."""
+                     timestep: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(embeddings [B, S, width], adaRMS condition or None): π0's state token and
+        action-time tokens, or π0.5's action tokens with the time as the expert's norm condition."""
         time_emb = sinusoidal_embedding(timestep, self.action_in_proj.out_features, self.arch.min_period,
                                         self.arch.max_period).type(dtype=timestep.dtype)
         action_emb = self.action_in_proj(x_t)
-        chunk = self.arch.chunk_size
         if self.arch.adarms:
             x = F.silu(self.time_mlp_in(time_emb))
-            cond = F.silu(self.time_mlp_out(x))
-            att = torch.tensor([1] + [0] * (chunk - 1), dtype=action_emb.dtype, device=action_emb.device)
-            return action_emb, att[None, :].expand(action_emb.shape[0], chunk), cond
+            return action_emb, F.silu(self.time_mlp_out(x))
         assert state is not None
         if self.state_proj.weight.dtype == torch.float32:
             state = state.to(torch.float32)
         state_emb = self.state_proj(state)
         time_emb = time_emb[:, None, :].expand_as(action_emb)
         x = F.silu(self.action_time_mlp_in(torch.cat([action_emb, time_emb], dim=2)))
-        action_time_emb = self.action_time_mlp_out(x)
-        embs = torch.cat([state_emb[:, None, :], action_time_emb], dim=1)
-        att = torch.tensor([1, 1] + [0] * (chunk - 1), dtype=embs.dtype, device=embs.device)
-        return embs, att[None, :].expand(embs.shape[0], chunk + 1), None
+        return torch.cat([state_emb[:, None, :], self.action_time_mlp_out(x)], dim=1), None
 
-    def suffix_masks(self, prefix_pad: torch.Tensor, suffix_att: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def suffix_masks(self, prefix_pad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(4D mask [B, 1, S, P + S], position ids [B, S]) of the suffix, as ``denoise_step``
-        builds them (the same at every step of a chunk)."""
+        builds them at every step (they are the same at every step of a chunk)."""
         bsize, prefix_len = prefix_pad.shape
+        suffix_att = self.suffix_att(prefix_pad.device).expand(bsize, -1)
         suffix_len = suffix_att.shape[1]
         suffix_pad = torch.ones(bsize, suffix_len, dtype=torch.bool, device=prefix_pad.device)
         prefix_2d = prefix_pad[:, None, :].expand(bsize, suffix_len, prefix_len)
@@ -382,17 +397,13 @@ class PiModel(nn.Module):
         position_ids = torch.sum(prefix_pad, dim=-1)[:, None] + torch.cumsum(suffix_pad, dim=1) - 1
         return additive_4d(full), position_ids
 
-    def velocity(self, state: Optional[torch.Tensor], kv: PrefixKV, prefix_pad: torch.Tensor, x_t: torch.Tensor,
-                 timestep: torch.Tensor, masks: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-                 ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        """``denoise_step``: the expert over the suffix, attending to the prefix; the
-        velocity [B, chunk, A] and the suffix masks (reused by the next steps)."""
-        embs, att, cond = self.embed_suffix(state, x_t, timestep)
-        if masks is None:
-            masks = self.suffix_masks(prefix_pad, att)
-        out = self.paligemma_with_expert.expert(embs, masks[0], masks[1], kv, adarms_cond=cond)
+    def velocity(self, prefix: Prefix, x_t: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        """``denoise_step``: the expert over the suffix, attending to the prefix: v_t [B, chunk, A]
+        at ``x_t`` [B, chunk, A] and ``timestep`` float32 [B]."""
+        embs, cond = self.embed_suffix(prefix.state, x_t, timestep)
+        out = self.paligemma_with_expert.expert(embs, prefix.mask, prefix.position_ids, prefix.kv, adarms_cond=cond)
         out = out[:, -self.arch.chunk_size:].to(dtype=torch.float32)
-        return self.action_out_proj(out), masks
+        return self.action_out_proj(out)
 
     # -- the chunk ---------------------------------------------------------------------------------
     def sample(self, images: Sequence[torch.Tensor], image_masks: Sequence[torch.Tensor], tokens: torch.Tensor,
@@ -403,16 +414,14 @@ class PiModel(nn.Module):
         ``guidance``, ``leftover`` [H, a] (the previous chunk's rows from the request on)
         guides the steps where ``guided`` (bool [1]) is true, as LeRobot's RTC does when
         a previous chunk is passed; where it is false the velocity is unguided."""
-        embs, prefix_pad = self.embed_prefix(images, image_masks, tokens, token_masks)
-        kv = self.prefix_kv(embs, prefix_pad)
+        prefix = self.encode_prefix(images, image_masks, tokens, token_masks, state)
         previous = None
         if guidance is not None and leftover is not None:
             previous = guidance.padded(leftover, self.arch.chunk_size, self.arch.max_action_dim)
         x_t = noise
-        masks = None
         for k in range(self.arch.num_inference_steps):
             time = 1.0 + k * self.dt
-            v_t, masks = self.velocity(state, kv, prefix_pad, x_t, self.timesteps[k:k + 1], masks)
+            v_t = self.velocity(prefix, x_t, self.timesteps[k:k + 1])
             if guidance is not None and previous is not None:
                 guided_v = guidance.velocity(v_t, x_t, time, k, previous)
                 v_t = guided_v if guided is None else torch.where(guided, guided_v, v_t)
