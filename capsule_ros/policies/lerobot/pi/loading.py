@@ -67,9 +67,11 @@ def lerobot_state_dict(tensors: Mapping[str, torch.Tensor], arch: PiArchitecture
 
 def load_weights(checkpoint: Checkpoint, model: PiModel) -> None:
     """Load the checkpoint's weights into ``model`` (module docstring): ConfigError in one
-    line naming the missing, unexpected and mismatched (shape or dtype) tensors."""
+    line naming the missing, unexpected and mismatched (shape or dtype) tensors. The
+    file's tensors become the parameters (a model built on the meta device has none yet;
+    ``PiModel.materialize_constants`` then makes the buffers no checkpoint holds)."""
     path = checkpoint.directory / MODEL_FILE
     state = lerobot_state_dict(read_weights(path)[0], model.arch)
     used = {key: value for key, value in state.items() if not key.startswith(UNUSED_AT_INFERENCE)}
     load_strict(nn.ModuleDict({PREFIX[:-1]: model}), used,
-                f"{path} does not fit the {checkpoint.policy_type} policy its config.json describes")
+                f"{path} does not fit the {checkpoint.policy_type} policy its config.json describes", assign=True)

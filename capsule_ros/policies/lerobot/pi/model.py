@@ -114,7 +114,27 @@ class PaliGemmaWithExpert(nn.Module):
             PaliGemmaMultiModalProjector(paligemma_config),
             PiGemmaStack(paligemma_config.text_config, with_embeddings=True)))
         self.gemma_expert = _Expert(PiGemmaStack(expert_config, with_embeddings=False))
+        self.dtype_name = arch.dtype
         self._cast(arch.dtype)
+
+    @property
+    def precision(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype_name == "bfloat16" else torch.float32
+
+    def materialize_constants(self) -> None:
+        """The buffers no checkpoint holds (rotary frequencies, the embedding scale, SigLIP's
+        position ids), made again as LeRobot's model holds them, cast included: for a
+        model built on the meta device, after its weights are loaded."""
+        from transformers.models.gemma.modeling_gemma import GemmaRotaryEmbedding
+
+        for stack in (self.language_model, self.expert):
+            stack.rotary_emb = GemmaRotaryEmbedding(config=stack.config, device="cpu").to(dtype=self.precision)
+            if stack.embed_tokens is not None:
+                scale = torch.tensor(stack.embed_tokens.scalar_embed_scale, device="cpu").to(dtype=self.precision)
+                stack.embed_tokens.register_buffer("embed_scale", scale, persistent=False)
+        embeddings = self.paligemma.model.vision_tower.vision_model.embeddings
+        embeddings.register_buffer("position_ids", torch.arange(embeddings.num_positions, device="cpu").expand((1, -1)),
+                                   persistent=False)
 
     def _cast(self, precision: str) -> None:
         """LeRobot's ``to_bfloat16_for_selected_params``: everything (buffers included) to
@@ -326,8 +346,19 @@ class PiModel(nn.Module):
             self.action_time_mlp_in = nn.Linear(2 * width, width)
             self.action_time_mlp_out = nn.Linear(width, width)
         self.dt = -1.0 / arch.num_inference_steps
-        times = [torch.tensor(1.0 + k * self.dt, dtype=torch.float32) for k in range(arch.num_inference_steps)]
-        self.register_buffer("timesteps", torch.stack(times), persistent=False)
+        self.register_buffer("timesteps", self._timesteps(), persistent=False)
+
+    def _timesteps(self) -> torch.Tensor:
+        """float32 [num_steps]: ``torch.tensor(1.0 + k * dt, dtype=float32)``, as euler_integrate makes each."""
+        times = [torch.tensor(1.0 + k * self.dt, dtype=torch.float32, device="cpu")
+                 for k in range(self.arch.num_inference_steps)]
+        return torch.stack(times)
+
+    def materialize_constants(self) -> None:
+        """The buffers no checkpoint holds, for a model built on the meta device (after its
+        weights are loaded)."""
+        self.paligemma_with_expert.materialize_constants()
+        self.register_buffer("timesteps", self._timesteps(), persistent=False)
 
     # -- prefix ------------------------------------------------------------------------------------
     def embed_prefix(self, images: Sequence[torch.Tensor], image_masks: Sequence[torch.Tensor],
