@@ -132,7 +132,8 @@ class PaliGemmaWithExpert(nn.Module):
             if stack.embed_tokens is not None:
                 scale = torch.tensor(stack.embed_tokens.scalar_embed_scale, device="cpu").to(dtype=self.precision)
                 stack.embed_tokens.register_buffer("embed_scale", scale, persistent=False)
-        embeddings = self.paligemma.model.vision_tower.vision_model.embeddings
+        tower: Any = self.paligemma.model.vision_tower             # transformers' SiglipVisionModel
+        embeddings = tower.vision_model.embeddings
         embeddings.register_buffer("position_ids", torch.arange(embeddings.num_positions, device="cpu").expand((1, -1)),
                                    persistent=False)
 
