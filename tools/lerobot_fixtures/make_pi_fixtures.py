@@ -56,7 +56,7 @@ os.environ.update(HF_HOME=str(_HF_HOME), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLIN
 
 import json  # noqa: E402
 import shutil  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
 from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -432,9 +432,7 @@ def make(fx: Fixture, vocab_size: int) -> None:
     meta = {"versions": versions(), "numerics": LEVEL, "episodes": EPISODES, "steps": STEPS,
             "policy": fx.policy_cls.name, "inputs": {k: list(v) for k, v in fx.inputs.items()},
             "tasks": [[list(change) for change in episode] for episode in TASKS],
-            "scaled": {"variants": {k: vars(v) for k, v in TINY.variants.items()},
-                       "vision": {"hidden": TINY.vision_hidden, "layers": TINY.vision_layers, "mlp": TINY.vision_mlp,
-                                  "heads": TINY.vision_heads, "patch": TINY.patch_size},
+            "scaled": {"variants": {k: asdict(v) for k, v in TINY.variants.items()}, "vision": asdict(TINY.vision),
                        "vocab_size": TINY.vocab_size, "tokenizer_vocab": vocab_size},
             "chunk_size": cfg.chunk_size, "n_action_steps": cfg.n_action_steps,
             "delays": list(fx.delays), "horizons": horizons,

@@ -20,47 +20,37 @@ Everything else (the layers, the forward, the processors, ``save_pretrained`` /
 LeRobot only inside the same ``with`` block; capsule_ros reads it as it reads any π0
 checkpoint (the dimensions a variant name does not give come from the weights' shapes).
 
-``build_tokenizer`` writes a tokenizer in the format LeRobot's ``TokenizerProcessorStep``
-loads for PaliGemma (``AutoTokenizer`` -> transformers' ``GemmaTokenizer``: byte-fallback
-BPE, ``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2 added in front, ``<unk>`` 3): the byte tokens,
-ASCII letters, digits (never merged, as Gemma splits digits), punctuation, the newline,
-and merges for the words of the fixtures' prompts. No hub access anywhere.
+The scaled dimensions (``TINY``) and the tokenizer (``build_tokenizer``: the format LeRobot's
+``TokenizerProcessorStep`` loads for PaliGemma) are capsule_ros's benchmark writer's
+(``capsule_ros/benchmarks/lerobot_pi.py``), so fixtures and benchmarks share them. No hub
+access anywhere.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
-
-@dataclass(frozen=True)
-class GemmaDims:
-    """One Gemma stack, as LeRobot's ``GemmaConfig`` (openpi's variant table) holds it."""
-
-    width: int
-    depth: int
-    mlp_dim: int
-    head_dim: int
-    num_heads: int = 8          # LeRobot's interleaved forward assumes 8 query heads
-    num_kv_heads: int = 1
+from capsule_ros.benchmarks.lerobot_pi import TINY as BENCH_TINY, PiSpec, write_tokenizer
+from capsule_ros.policies.lerobot.pi.architecture import GemmaDims, VisionDims
 
 
 @dataclass(frozen=True)
 class ScaledPi:
-    """The dimensions LeRobot fixes for π0 / π0.5, scaled down."""
+    """The dimensions LeRobot fixes for π0 / π0.5, scaled down: the Gemma variants by name,
+    the SigLIP tower, the vocabulary (capsule_ros's own dataclasses)."""
 
-    variants: Dict[str, GemmaDims] = field(default_factory=dict)   # variant name -> dims
-    vision_hidden: int = 64
-    vision_layers: int = 2
-    vision_mlp: int = 128
-    vision_heads: int = 16     # PaliGemma's default; LeRobot never changes it
-    patch_size: int = 8
-    vocab_size: int = 512
+    variants: Dict[str, GemmaDims]
+    vision: VisionDims
+    vocab_size: int
+
+    @classmethod
+    def of(cls, spec: PiSpec) -> ScaledPi:
+        return cls(variants=dict(spec.dims), vision=spec.vision, vocab_size=spec.vocab_size)
 
 
-TINY = ScaledPi(variants={"scaled_vlm_64": GemmaDims(width=64, depth=2, mlp_dim=128, head_dim=16),
-                          "scaled_expert_32": GemmaDims(width=32, depth=2, mlp_dim=64, head_dim=16)})
+TINY = ScaledPi.of(BENCH_TINY)
 
 
 @contextlib.contextmanager
@@ -92,9 +82,9 @@ def scaled_pi(scale: ScaledPi) -> Iterator[None]:
 
         def paligemma(config, _original=original_paligemma):
             vision = config.vision_config
-            vision.hidden_size, vision.num_hidden_layers = scale.vision_hidden, scale.vision_layers
-            vision.intermediate_size, vision.num_attention_heads = scale.vision_mlp, scale.vision_heads
-            vision.patch_size = scale.patch_size
+            vision.hidden_size, vision.num_hidden_layers = scale.vision.hidden, scale.vision.layers
+            vision.intermediate_size, vision.num_attention_heads = scale.vision.mlp, scale.vision.heads
+            vision.patch_size = scale.vision.patch
             vision.projection_dim = config.text_config.hidden_size
             config.text_config.vocab_size = scale.vocab_size
             config._vocab_size = scale.vocab_size
@@ -129,40 +119,6 @@ def scaled_pi(scale: ScaledPi) -> Iterator[None]:
             setattr(owner, name, value)
 
 
-# --- tokenizer --------------------------------------------------------------------------------
-
-SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
-PUNCTUATION = ",.:;!?'-()_"
-WORDS = ("Task", "State", "Action", "▁pick", "▁up", "▁the", "▁cube", "▁place", "▁red", "▁blue", "▁on", "▁put",
-         "▁block", "▁green", "▁stack", "▁it", "▁and", "▁then", "▁open", "▁drawer", "▁close", "▁gripper")
-
-
-def tokenizer_vocab() -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
-    """(vocab, merges) of the fixtures' tokenizer (module docstring)."""
-    vocab: Dict[str, int] = {token: i for i, token in enumerate(SPECIAL)}
-    for byte in range(256):
-        vocab[f"<0x{byte:02X}>"] = len(vocab)
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
-    for token in ["▁", "\n", *letters, *"0123456789", *PUNCTUATION]:
-        vocab.setdefault(token, len(vocab))
-    merges: List[Tuple[str, str]] = []
-    for word in WORDS:
-        current = word[0]
-        for char in word[1:]:
-            joined = current + char
-            if joined not in vocab:
-                vocab[joined] = len(vocab)
-                merges.append((current, char))
-            current = joined
-    return vocab, merges
-
-
 def build_tokenizer(directory: Path) -> int:
-    """Write the tokenizer files into ``directory``; returns its vocabulary size."""
-    from transformers import GemmaTokenizer
-
-    vocab, merges = tokenizer_vocab()
-    tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, add_eos_token=False)
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(str(directory))
-    return len(tokenizer)
+    """The fixtures' tokenizer (``capsule_ros.benchmarks.lerobot_pi.write_tokenizer``)."""
+    return write_tokenizer(directory)
