@@ -331,6 +331,7 @@ class PiModel(nn.Module):
     """``PI0Pytorch`` / ``PI05Pytorch`` at inference (module docstring)."""
 
     timesteps: torch.Tensor          # float32 [num_steps]: torch.tensor(1 + k * dt) (a buffer)
+    suffix_att: torch.Tensor         # float32 [1, S]: the suffix's block pattern (a buffer)
 
     def __init__(self, arch: PiArchitecture):
         super().__init__()
@@ -348,6 +349,7 @@ class PiModel(nn.Module):
             self.action_time_mlp_out = nn.Linear(width, width)
         self.dt = -1.0 / arch.num_inference_steps
         self.register_buffer("timesteps", self._timesteps(), persistent=False)
+        self.register_buffer("suffix_att", self._suffix_att(), persistent=False)
 
     def _timesteps(self) -> torch.Tensor:
         """float32 [num_steps]: ``torch.tensor(1.0 + k * dt, dtype=float32)``, as euler_integrate makes each."""
@@ -360,6 +362,7 @@ class PiModel(nn.Module):
         weights are loaded)."""
         self.paligemma_with_expert.materialize_constants()
         self.register_buffer("timesteps", self._timesteps(), persistent=False)
+        self.register_buffer("suffix_att", self._suffix_att(), persistent=False)
 
     # -- prefix ------------------------------------------------------------------------------------
     def embed_prefix(self, images: Sequence[torch.Tensor], image_masks: Sequence[torch.Tensor],
@@ -392,12 +395,13 @@ class PiModel(nn.Module):
         return Prefix(kv, suffix_mask, suffix_positions, state)
 
     # -- suffix ------------------------------------------------------------------------------------
-    def suffix_att(self, device: torch.device) -> torch.Tensor:
+    def _suffix_att(self) -> torch.Tensor:
         """The suffix's block pattern [1, S] (float32, the suffix embeddings' dtype): π0's state
-        token, then its action tokens (``[1, 1, 0, ...]``); π0.5's action tokens (``[1, 0, ...]``)."""
+        token, then its action tokens (``[1, 1, 0, ...]``); π0.5's action tokens (``[1, 0, ...]``).
+        A constant buffer: LeRobot makes it from a Python list at every step."""
         chunk = self.arch.chunk_size
         pattern = [1] + [0] * (chunk - 1) if self.arch.adarms else [1, 1] + [0] * (chunk - 1)
-        return torch.tensor(pattern, dtype=torch.float32, device=device)[None, :]
+        return torch.tensor(pattern, dtype=torch.float32, device="cpu")[None, :]
 
     def embed_suffix(self, state: Optional[torch.Tensor], x_t: torch.Tensor,
                      timestep: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -421,7 +425,7 @@ class PiModel(nn.Module):
         """(4D mask [B, 1, S, P + S], position ids [B, S]) of the suffix, as ``denoise_step``
         builds them at every step (they are the same at every step of a chunk)."""
         bsize, prefix_len = prefix_pad.shape
-        suffix_att = self.suffix_att(prefix_pad.device).expand(bsize, -1)
+        suffix_att = self.suffix_att.expand(bsize, -1)
         suffix_len = suffix_att.shape[1]
         suffix_pad = torch.ones(bsize, suffix_len, dtype=torch.bool, device=prefix_pad.device)
         prefix_2d = prefix_pad[:, None, :].expand(bsize, suffix_len, prefix_len)
