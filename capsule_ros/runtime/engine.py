@@ -317,6 +317,7 @@ class PolicyRuntime:
                               f"ms (p99 of {len(self.refill_seconds)}) at control.rate_hz {options.rate_hz:g}: "
                               f"{delay} steps with its margin; {exc}") from None
         LOG.info("chunk schedule: %s", schedule.describe())
+        policy.bind_schedule(schedule)
         return ChunkExecutor(policy, self.arena, cadence, schedule, worker)
 
     def _refill_worker(self, cadence, options: ChunkingOptions) -> RefillWorker:

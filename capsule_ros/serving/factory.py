@@ -13,6 +13,7 @@ from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.store import CapsuleStore
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.registry import BuildContext, policy_kind
+from capsule_ros.policies.vla.rtc import RTCSettings
 from capsule_ros.runtime import numerics
 from capsule_ros.runtime.arena import ArenaLayout, BufferKind, BufferSpec, dtype_from_name
 from capsule_ros.runtime.chunking import ChunkSchedule, resolve_delay
@@ -59,8 +60,19 @@ def build_policy(config: ServingConfig, weights: Optional[str] = None,
     spec = config.policy.weights if weights is None else weights
     context = BuildContext(settings=config.policy_settings, inputs=tuple(input_specs(config)), ports=config.ports,
                            weights=resolve_weights(spec), seed=config.policy.init_seed,
-                           device=torch.device(device or "cpu"))
-    return policy_kind(config.policy.kind).build(context)
+                           device=torch.device(device or "cpu"), task=config.policy.task,
+                           rtc=rtc_settings(config.control))
+    policy = policy_kind(config.policy.kind).build(context)
+    if context.rtc is not None and context.rtc.guided and getattr(policy, "guidance", None) is None:
+        raise ConfigError(f"control.rtc = 'guided': policy kind {config.policy.kind!r} has no real-time chunking "
+                          "guidance (the VLA kinds have)")
+    return policy
+
+
+def rtc_settings(control: ControlConfig) -> RTCSettings:
+    """``control.rtc`` and its settings."""
+    return RTCSettings(control.rtc, control.rtc_max_guidance_weight, control.rtc_prefix_attention_schedule,
+                       control.rtc_execution_horizon)
 
 
 def build_runtime(config: ServingConfig, weights: Optional[str] = None) -> PolicyRuntime:
