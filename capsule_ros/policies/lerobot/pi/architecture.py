@@ -1,6 +1,6 @@
 """The dimensions and options of a LeRobot π0 / π0.5 checkpoint, before anything is built.
 
-LeRobot 0.6.1 (``policies/pi0/modeling_pi0.py``, ``pi05/modeling_pi05.py``) sizes the model
+LeRobot 0.6.1 (``lerobot/policies/pi0/modeling_pi0.py``, ``pi05/modeling_pi05.py``) sizes the model
 from two names in config.json, ``paligemma_variant`` and ``action_expert_variant``, through
 openpi's variant table (``get_gemma_config``: ``gemma_2b``, ``gemma_300m``), and fixes the
 rest in ``PaliGemmaWithExpertModel.__init__``: transformers' default PaliGemma SigLIP tower

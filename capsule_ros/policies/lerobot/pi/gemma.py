@@ -1,6 +1,6 @@
 """The Gemma stacks of π0 / π0.5: transformers' layers, LeRobot's hand-written glue.
 
-LeRobot 0.6.1's ``policies/pi_gemma.py`` builds each decoder layer from transformers'
+LeRobot 0.6.1's ``lerobot/policies/pi_gemma.py`` builds each decoder layer from transformers'
 ``GemmaAttention`` and ``GemmaMLP`` and writes by hand only the adaptive RMSNorm
 (``PiGemmaRMSNorm``: a plain Gemma RMSNorm, or π0.5's time-conditioned scale / shift /
 gate), the gated residual and the stack's forward (``PiGemmaModel.forward``). This module

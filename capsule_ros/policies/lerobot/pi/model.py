@@ -1,4 +1,4 @@
-"""π0 / π0.5's network as LeRobot 0.6.1 runs it at inference (``PI0Pytorch.sample_actions``).
+"""π0 / π0.5's network as LeRobot 0.6.1 runs it at inference (``PI0Pytorch`` / ``PI05Pytorch``).
 
 Built, like LeRobot's ``PaliGemmaWithExpertModel``, from transformers' classes: the SigLIP
 tower (``AutoModel.from_config`` of PaliGemma's vision config, SDPA attention as LeRobot's
@@ -6,17 +6,13 @@ build resolves it), ``PaliGemmaMultiModalProjector``, and Gemma attention / MLP 
 scaled embedding inside ``gemma.PiGemmaStack``; the configs are made exactly as LeRobot
 makes them (``CONFIG_MAPPING["paligemma"]()`` and its overrides). Written by hand, because
 LeRobot writes them by hand: the prefix and suffix embeddings, the masks, the
-image preprocessing (openpi's ``resize_with_pad_torch``), the sinusoidal time embedding,
-forward-Euler denoising (``common/flow_matching.euler_integrate``) and real-time-chunking
-guidance (``rtc/modeling_rtc.RTCProcessor.denoise_step``).
+image preprocessing (openpi's ``resize_with_pad_torch``) and the sinusoidal time embedding.
+The denoising loop and RTC guidance around ``encode_prefix`` and ``velocity`` are the VLA
+policies' shared ones (``capsule_ros.policies.vla``).
 
-Host synchronisations of LeRobot's loop are replaced by constant buffers with the same
-values, so that a whole chunk can be one captured program: the step times
-``torch.tensor(1 + k * dt)`` (``timesteps``), RTC's per-step guidance weights (computed by
-LeRobot's scalar formula at build time) and prefix weights (``Guidance``). RTC's
-correction is LeRobot's ``autograd.grad(x_t - t * v_t, x_t, err)`` with ``v_t`` computed
-before ``x_t`` requires grad: the identity applied to ``err``, so it is ``err`` itself
-(LeRobot's own ``test_denoise_step_with_prev_chunk`` pins that), a few element-wise ops.
+What LeRobot makes on the host inside a chunk is a constant buffer here (the suffix's block
+pattern; the step times and RTC's weights are the shared loop's), so that a whole chunk
+can be one captured program.
 
 Parameter names are LeRobot's without the leading ``model.`` (the policy loads this module
 under ``model``). Tensors: B = 1; P prefix tokens (image tokens per camera, then the
@@ -26,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -218,101 +214,6 @@ def siglip_input(image: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
     return image.permute(0, 3, 1, 2)
 
 
-# --- real-time chunking ---------------------------------------------------------------------------
-
-def prefix_weights(schedule: str, start: int, end: int, total: int) -> torch.Tensor:
-    """``RTCProcessor.get_prefix_weights`` (float32 [total])."""
-    start = min(start, end)
-
-    def linweights() -> torch.Tensor:
-        skip_steps_at_end = max(total - end, 0)
-        linspace_steps = total - skip_steps_at_end - start
-        if end <= start or linspace_steps <= 0:
-            return torch.tensor([])
-        return torch.linspace(1, 0, linspace_steps + 2)[1:-1]
-
-    def trailing_zeros(weights: torch.Tensor) -> torch.Tensor:
-        zeros_len = total - end
-        return weights if zeros_len <= 0 else torch.cat([weights, torch.zeros(zeros_len)])
-
-    def leading_ones(weights: torch.Tensor) -> torch.Tensor:
-        ones_len = min(start, total)
-        return weights if ones_len <= 0 else torch.cat([torch.ones(ones_len), weights])
-
-    if schedule == "ZEROS":
-        weights = torch.zeros(total)
-        weights[:start] = 1.0
-    elif schedule == "ONES":
-        weights = torch.ones(total)
-        weights[end:] = 0.0
-    elif schedule == "LINEAR":
-        weights = leading_ones(trailing_zeros(linweights()))
-    elif schedule == "EXP":
-        lin = linweights()
-        lin = lin * torch.expm1(lin).div(math.e - 1)
-        weights = leading_ones(trailing_zeros(lin))
-    else:
-        raise ValueError(f"prefix_attention_schedule {schedule!r}")
-    return weights
-
-
-def guidance_weight(time: float, max_guidance_weight: float) -> float:
-    """RTC's guidance weight at Euler time ``time`` (1 -> 0), LeRobot's float32 scalar
-    arithmetic, clamped to ``max_guidance_weight``."""
-    tau = 1 - time
-    max_weight = torch.as_tensor(max_guidance_weight)
-    tau_tensor = torch.as_tensor(tau)
-    squared_one_minus_tau = (1 - tau_tensor) ** 2
-    inv_r2 = (squared_one_minus_tau + tau_tensor ** 2) / squared_one_minus_tau
-    c = torch.nan_to_num((1 - tau_tensor) / tau_tensor, posinf=float(max_weight))
-    weight = torch.nan_to_num(c * inv_r2, posinf=float(max_weight))
-    return float(torch.minimum(weight, max_weight))
-
-
-@dataclass(frozen=True)
-class RTCSettings:
-    """LeRobot's ``RTCConfig`` fields that change numbers, and the fixed delay."""
-
-    prefix_attention_schedule: str       # ZEROS, ONES, LINEAR or EXP
-    max_guidance_weight: float
-    execution_horizon: int               # rows of the leftover RTC reads (padded / truncated to it)
-    inference_delay: int
-
-
-class Guidance(nn.Module):
-    """RTC guidance of one plan: the constant weights of a fixed delay and horizon, applied
-    with the leftover rows the request carried."""
-
-    weights: torch.Tensor            # float32 [1, chunk, 1] (a buffer)
-
-    def __init__(self, settings: RTCSettings, chunk_size: int, num_steps: int):
-        super().__init__()
-        self.settings = settings
-        # LeRobot clamps the horizon to the leftover's rows, which the request makes exactly H
-        weights = prefix_weights(settings.prefix_attention_schedule, settings.inference_delay,
-                                 settings.execution_horizon, chunk_size)
-        self.register_buffer("weights", weights.reshape(1, -1, 1), persistent=False)
-        dt = -1.0 / num_steps
-        self.step_weights: List[float] = [guidance_weight(1.0 + k * dt, settings.max_guidance_weight)
-                                          for k in range(num_steps)]
-
-    def padded(self, leftover: torch.Tensor, chunk_size: int, action_dim: int) -> torch.Tensor:
-        """The leftover [H, a] padded with zeros to [1, chunk, A], as ``denoise_step`` pads it."""
-        rows, dims = leftover.shape
-        if rows >= chunk_size and dims >= action_dim:
-            return leftover[None]
-        padded = torch.zeros(1, chunk_size, action_dim, device=leftover.device)
-        padded[:, :rows, :dims] = leftover
-        return padded
-
-    def velocity(self, v_t: torch.Tensor, x_t: torch.Tensor, time: float, step: int,
-                 previous: torch.Tensor) -> torch.Tensor:
-        """The guided velocity of Euler step ``step`` at ``time``; ``previous`` the padded leftover."""
-        x1_t = x_t - time * v_t
-        correction = (previous - x1_t) * self.weights
-        return v_t - self.step_weights[step] * correction
-
-
 # --- the model --------------------------------------------------------------------------------------
 
 
@@ -330,7 +231,6 @@ class Prefix:
 class PiModel(nn.Module):
     """``PI0Pytorch`` / ``PI05Pytorch`` at inference (module docstring)."""
 
-    timesteps: torch.Tensor          # float32 [num_steps]: torch.tensor(1 + k * dt) (a buffer)
     suffix_att: torch.Tensor         # float32 [1, S]: the suffix's block pattern (a buffer)
 
     def __init__(self, arch: PiArchitecture):
@@ -347,21 +247,12 @@ class PiModel(nn.Module):
             self.state_proj = nn.Linear(arch.max_state_dim, width)
             self.action_time_mlp_in = nn.Linear(2 * width, width)
             self.action_time_mlp_out = nn.Linear(width, width)
-        self.dt = -1.0 / arch.num_inference_steps
-        self.register_buffer("timesteps", self._timesteps(), persistent=False)
         self.register_buffer("suffix_att", self._suffix_att(), persistent=False)
-
-    def _timesteps(self) -> torch.Tensor:
-        """float32 [num_steps]: ``torch.tensor(1.0 + k * dt, dtype=float32)``, as euler_integrate makes each."""
-        times = [torch.tensor(1.0 + k * self.dt, dtype=torch.float32, device="cpu")
-                 for k in range(self.arch.num_inference_steps)]
-        return torch.stack(times)
 
     def materialize_constants(self) -> None:
         """The buffers no checkpoint holds, for a model built on the meta device (after its
         weights are loaded)."""
         self.paligemma_with_expert.materialize_constants()
-        self.register_buffer("timesteps", self._timesteps(), persistent=False)
         self.register_buffer("suffix_att", self._suffix_att(), persistent=False)
 
     # -- prefix ------------------------------------------------------------------------------------
@@ -440,26 +331,3 @@ class PiModel(nn.Module):
         out = self.paligemma_with_expert.expert(embs, prefix.mask, prefix.position_ids, prefix.kv, adarms_cond=cond)
         out = out[:, -self.arch.chunk_size:].to(dtype=torch.float32)
         return self.action_out_proj(out)
-
-    # -- the chunk ---------------------------------------------------------------------------------
-    def sample(self, images: Sequence[torch.Tensor], image_masks: Sequence[torch.Tensor], tokens: torch.Tensor,
-               token_masks: torch.Tensor, state: Optional[torch.Tensor], noise: torch.Tensor,
-               guidance: Optional[Guidance] = None, leftover: Optional[torch.Tensor] = None,
-               guided: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``sample_actions``: noise [B, chunk, A] -> actions [B, chunk, A]. With
-        ``guidance``, ``leftover`` [H, a] (the previous chunk's rows from the request on)
-        guides the steps where ``guided`` (bool [1]) is true, as LeRobot's RTC does when
-        a previous chunk is passed; where it is false the velocity is unguided."""
-        prefix = self.encode_prefix(images, image_masks, tokens, token_masks, state)
-        previous = None
-        if guidance is not None and leftover is not None:
-            previous = guidance.padded(leftover, self.arch.chunk_size, self.arch.max_action_dim)
-        x_t = noise
-        for k in range(self.arch.num_inference_steps):
-            time = 1.0 + k * self.dt
-            v_t = self.velocity(prefix, x_t, self.timesteps[k:k + 1])
-            if guidance is not None and previous is not None:
-                guided_v = guidance.velocity(v_t, x_t, time, k, previous)
-                v_t = guided_v if guided is None else torch.where(guided, guided_v, v_t)
-            x_t = x_t + self.dt * v_t
-        return x_t
