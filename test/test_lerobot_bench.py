@@ -118,3 +118,30 @@ def test_bench_step_policy_act_on_the_gpu_captures_a_graph_that_acts_like_eager(
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = json.loads(result.stdout)["policies"]
     assert row["graph"]["graph_captured"] and row["graph_matches_eager"] and row["graph_speedup"] > 0
+
+
+LEROBOT_PYTHON = REPO / "tools" / "lerobot_bench" / ".venv" / "bin" / "python"
+
+
+@pytest.mark.skipif(not LEROBOT_PYTHON.exists(), reason="LeRobot's environment (tools/lerobot_bench/setup.sh) writes "
+                    "the SmolVLA checkpoint; test_vla_parity.py covers the policy without it")
+def test_bench_chunking_smolvla_against_lerobots_own_loop(tmp_path):
+    """The tiny SmolVLA case: LeRobot writes the checkpoint, its loop and both session sides
+    serve it; the sync side's actions are LeRobot's bit for bit (same noise, same task)."""
+    result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "chunking", "--quick",
+                             "--device", "cpu", "--cases", "smolvla-tiny", "--steps", "60", "--json"],
+                            capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (case,) = json.loads(result.stdout)["cases"]
+    assert case["lerobot"]["ran"] and case["lerobot"]["lerobot"] == "0.6.1"
+    assert case["actions_equal_lerobot"] is True, case
+    assert case["sync"]["refills"] == 2                      # 60 steps, 50 rows per chunk
+    assert case["async"]["delay"] >= 1 and case["async"]["consume_p99_ms"] > 0
+
+
+def test_bench_chunking_smolvla_without_lerobot_says_why(tmp_path):
+    from capsule_ros.benchmarks import chunking
+    result = chunking.run_case(chunking.CASES["smolvla-tiny"], torch_device("cpu"), quick=True, steps=10,
+                               lerobot_python=tmp_path / "no-lerobot" / "python")
+    for side in ("lerobot", "sync", "async"):
+        assert result[side]["ran"] is False and "written by LeRobot" in result[side]["reason"]

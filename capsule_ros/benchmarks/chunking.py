@@ -8,7 +8,10 @@ U-Net of (128, 256, 512) channels, about a tenth of the default's work: on a 2-c
 default U-Net's refill takes longer than a chunk's rows last at 10 Hz, so no delay can hide
 it, which the ``diffusion`` case reports); ``benchmarks/lerobot_act.py`` and ``lerobot_diffusion.py`` write the
 checkpoints (LeRobot's default architectures, one camera: 240 x 320 on a CPU, ALOHA's
-480 x 640 on a GPU; ``--quick``: small networks and a 96 x 128 camera). Every side gets the
+480 x 640 on a GPU; ``--quick``: small networks and a 96 x 128 camera). The VLA cases
+``smolvla-tiny`` and ``smolvla-mid`` (SmolVLA, chunk 50 all executed, 30 Hz, two cameras and a
+task; ``benchmarks/lerobot_smolvla.py``) serve a checkpoint LeRobot itself writes, so they need
+LeRobot's environment for every side (``--quick`` runs the tiny one only). Every side gets the
 same checkpoint and the same seeded observations (joint positions as a random walk, a
 panning textured camera), one torch thread each and the same CPU numerics level
 (``runtime.numerics``) on a CPU.
@@ -51,11 +54,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from capsule_ros.benchmarks import lerobot_smolvla
 from capsule_ros.benchmarks.common import emit, environment, print_table, resolve_device
 from capsule_ros.benchmarks.lerobot_act import CAMERA, PORTS, STATE, serving_config, write_act_checkpoint
 from capsule_ros.benchmarks.lerobot_diffusion import write_diffusion_checkpoint
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.chunking import Program
+from capsule_ros.serving.config import ServingConfig
 
 REPO = Path(__file__).resolve().parents[2]
 LEROBOT_SCRIPT = REPO / "tools" / "lerobot_bench" / "select_action_loop.py"
@@ -66,13 +71,19 @@ TAKEOVERS = (Program.REFILL, Program.ADOPT, Program.ADOPT_REQUEST)
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str                     # act | diffusion
+    kind: str                     # act | diffusion | smolvla
     rate_hz: float
     chunk_size: int = 100         # ACT
     n_action_steps: int = 100
     down_dims: Optional[Sequence[int]] = None     # Diffusion: the U-Net's channels (None: DiffusionConfig's)
+    size: str = ""                # SmolVLA: lerobot_smolvla.SPECS
 
-    def write(self, directory: Path, camera, quick: bool) -> Path:
+    def write(self, directory: Path, camera, quick: bool, python: Optional[Path] = None) -> Path:
+        if self.kind == "smolvla":
+            if python is None or not python.exists():
+                raise ConfigError(f"the SmolVLA checkpoint is written by LeRobot, and there is no LeRobot environment "
+                                  f"at {python} (run tools/lerobot_bench/setup.sh or pass --lerobot-python)")
+            return lerobot_smolvla.write_smolvla_checkpoint(directory.parent, self.size, python)
         if self.kind == "act":
             features = {"chunk_size": self.chunk_size, "n_action_steps": self.n_action_steps,
                         "input_features": {STATE: {"type": "STATE", "shape": [14]},
@@ -85,22 +96,28 @@ class Case:
 
 CASES = {c.name: c for c in (Case("act100", "act", 30.0, 100, 100), Case("act10", "act", 30.0, 100, 10),
                              Case("diffusion", "diffusion", 10.0, n_action_steps=8),
-                             Case("diffusion-small", "diffusion", 10.0, n_action_steps=8, down_dims=(128, 256, 512)))}
+                             Case("diffusion-small", "diffusion", 10.0, n_action_steps=8, down_dims=(128, 256, 512)),
+                             Case("smolvla-tiny", "smolvla", 30.0, 50, 50, size="tiny"),
+                             Case("smolvla-mid", "smolvla", 30.0, 50, 50, size="mid"))}
+QUICK_SKIPS = ("smolvla-mid",)     # --quick: minutes per chunk side on a CPU, not seconds
 
 
 FRAMES = 64    # distinct camera frames, cycled (3000 frames of 480 x 640 would take 2.7 GB)
 
 
-def observations(steps: int, camera, seed: int = 0) -> Dict[str, np.ndarray]:
-    """Joint positions [steps, 14] (a smooth random walk) and ``FRAMES`` camera frames
-    [FRAMES, H, W, 3] (a random texture panned a pixel per frame); step t sees frame
-    t % FRAMES (``frame``)."""
+def observations(steps: int, camera, seed: int = 0, joints: int = 14,
+                 cameras: Sequence[str] = (CAMERA,)) -> Dict[str, np.ndarray]:
+    """Joint positions [steps, joints] (a smooth random walk) and, per camera, ``FRAMES``
+    frames [FRAMES, H, W, 3] (a random texture panned a pixel per frame; fewer for fewer
+    steps); step t sees frame t % FRAMES (``at``)."""
     rng = np.random.default_rng(seed)
-    joints = np.cumsum(rng.normal(0, 0.02, (steps, 14)), axis=0).astype(np.float32)
+    out = {STATE: np.cumsum(rng.normal(0, 0.02, (steps, joints)), axis=0).astype(np.float32)}
     height, width = camera
-    scene = rng.integers(0, 256, (height, width + FRAMES, 3), dtype=np.uint8)
-    frames = np.stack([scene[:, t:t + width] for t in range(FRAMES)])
-    return {STATE: joints, CAMERA: frames}
+    frames = min(FRAMES, steps)            # never more frames than steps: LeRobot's loop runs the longest array
+    for key in cameras:
+        scene = rng.integers(0, 256, (height, width + frames, 3), dtype=np.uint8)
+        out[key] = np.stack([scene[:, t:t + width] for t in range(frames)])
+    return out
 
 
 def at(values: np.ndarray, t: int) -> np.ndarray:
@@ -123,8 +140,9 @@ def summary(seconds: Union[Sequence[float], np.ndarray], period: float, actions:
 
 
 def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.ndarray], period: float,
-                 tmp: Path, level: str) -> Dict[str, Any]:
-    """LeRobot's loop in its own environment, or why it did not run."""
+                 tmp: Path, level: str, extra: Sequence[str] = ()) -> Dict[str, Any]:
+    """LeRobot's loop in its own environment, or why it did not run (``extra``: more
+    arguments of the loop's script, a SmolVLA's VLM files and task)."""
     if python is None or not python.exists():
         return {"ran": False, "reason": f"no LeRobot environment at {python} (run tools/lerobot_bench/setup.sh or "
                                         "pass --lerobot-python)"}
@@ -133,7 +151,7 @@ def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.nda
     np.savez(inputs, **arrays)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CAPSULE_ROS_NUMERICS": level}
     done = subprocess.run([str(python), str(LEROBOT_SCRIPT), "--checkpoint", str(checkpoint), "--observations",
-                           str(inputs), "--out", str(out)], env=env, capture_output=True, text=True)
+                           str(inputs), "--out", str(out), *extra], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         return {"ran": False, "reason": f"the LeRobot loop failed: {done.stderr.strip()[-600:]}"}
     with np.load(out, allow_pickle=False) as data:
@@ -148,11 +166,11 @@ def _lerobot_refills(checkpoint: Path, steps: int) -> List[int]:
     return list(range(0, steps, n))
 
 
-def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.device, chunking: str, rate: float,
-                 paced: bool) -> Dict[str, Any]:
-    """The steps through a session (see the module docstring)."""
+def session_side(base: ServingConfig, ports_of: Dict[str, str], obs: Dict[str, np.ndarray], device: torch.device,
+                 chunking: str, rate: float, paced: bool) -> Dict[str, Any]:
+    """The steps through a session serving ``base`` (see the module docstring); ``ports_of``:
+    feature key -> the port that feeds it."""
     from capsule_ros.serving.factory import build_session
-    base = serving_config(checkpoint)
     control = dataclasses.replace(base.control, mode="timer", rate_hz=rate, deadline_ms=0.0, chunking=chunking,
                                   inference_delay_steps="auto", autostart=True,
                                   input_log_steps=len(obs[STATE]),       # the episode's inputs, as a node logs them
@@ -166,7 +184,7 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
     period = 1.0 / rate
     steps = len(obs[STATE])
     seconds, actions, seams = np.zeros(steps), [], []
-    ports = {PORTS[key]: value for key, value in obs.items()}
+    ports = {ports_of[key]: value for key, value in obs.items()}
     next_at = time.perf_counter()
     for t in range(steps):
         if paced:
@@ -224,17 +242,31 @@ def gpu_wake_floor(runtime, period: float, runs: int = 100) -> Dict[str, Any]:
 
 
 def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_python: Optional[Path]) -> dict:
-    camera = (96, 128) if quick else (480, 640) if device.type == "cuda" else (240, 320)
+    vla = case.kind == "smolvla"
+    camera = lerobot_smolvla.camera_of(case.size) if vla else \
+        (96, 128) if quick else (480, 640) if device.type == "cuda" else (240, 320)
     period = 1.0 / (50.0 if device.type == "cuda" else case.rate_hz)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        checkpoint = case.write(tmp / "pretrained_model", camera, quick)
-        obs = observations(steps, camera)
-        level = serving_config(checkpoint).runtime.numerics            # the session's: LeRobot runs at it too
-        lerobot = lerobot_side(lerobot_python, checkpoint, obs, period, tmp, level) if device.type == "cpu" else \
+        try:
+            checkpoint = case.write(tmp / "pretrained_model", camera, quick, lerobot_python)
+        except (ConfigError, RuntimeError) as exc:
+            return {"case": case.name, "camera": list(camera), "rate_hz": 1.0 / period, "steps": steps,
+                    **{side: {"ran": False, "reason": str(exc)} for side in ("lerobot", "sync", "async")}}
+        if vla:
+            config, ports_of = lerobot_smolvla.serving_config(checkpoint), lerobot_smolvla.PORTS
+            obs = observations(steps, camera, joints=lerobot_smolvla.JOINTS,
+                               cameras=(lerobot_smolvla.FRONT, lerobot_smolvla.WRIST))
+            extra: Sequence[str] = ("--vlm", str(checkpoint.parent / "vlm"), "--task", lerobot_smolvla.TASK)
+        else:
+            config, ports_of, obs, extra = serving_config(checkpoint), PORTS, observations(steps, camera), ()
+        level = config.runtime.numerics            # the session's: LeRobot runs at it too
+        lerobot = lerobot_side(lerobot_python, checkpoint, obs, period, tmp, level, extra) \
+            if device.type == "cpu" else \
             {"ran": False, "reason": "LeRobot's loop is measured on the CPU only (no LeRobot on the GPU machine)"}
-        sync = _refused_or(lambda: session_side(checkpoint, obs, device, "sync", 1.0 / period, paced=False))
-        asynchronous = _refused_or(lambda: session_side(checkpoint, obs, device, "async", 1.0 / period, paced=True))
+        sync = _refused_or(lambda: session_side(config, ports_of, obs, device, "sync", 1.0 / period, paced=False))
+        asynchronous = _refused_or(lambda: session_side(config, ports_of, obs, device, "async", 1.0 / period,
+                                                        paced=True))
     sides: Dict[str, Dict[str, Any]] = {"lerobot": lerobot, "sync": sync, "async": asynchronous}
     actions = {side: values.pop("_actions", None) for side, values in sides.items()}
     result: Dict[str, Any] = {"case": case.name, "camera": list(camera), "rate_hz": 1.0 / period, "steps": steps,
@@ -280,6 +312,8 @@ def run(device_name: str = "auto", quick: bool = False, steps: Optional[int] = N
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         raise SystemExit(f"--cases {unknown}: not among {list(CASES)}")
+    if quick:
+        cases = [name for name in cases if name not in QUICK_SKIPS]
     return {"bench": "chunking", **environment(device), "quick": quick,
             "cases": [run_case(CASES[name], device, quick, steps, python) for name in cases]}
 

@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--module", default="capsule_gru_policy.export:module",
                        help="step --policy exported: package.module:factory of the module to export "
                             "(default: %(default)s, the example package)")
-    bench.add_argument("--cases", help="chunking: comma-separated cases "
-                                       "(default: act100,act10,diffusion,diffusion-small)")
+    bench.add_argument("--cases", help="chunking: comma-separated cases (default: act100,act10,diffusion,"
+                                       "diffusion-small,smolvla-tiny,smolvla-mid; --quick skips smolvla-mid)")
     bench.add_argument("--steps", type=int, help="chunking: steps per side (default 3000; --quick 200)")
     bench.add_argument("--lerobot-python", help="chunking: the Python of LeRobot's environment for its baseline "
                                                 "loop (default tools/lerobot_bench/.venv/bin/python)")

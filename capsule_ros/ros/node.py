@@ -75,6 +75,7 @@ from capsule_ros.runtime.engine import StreamKeeper, release_device_memory
 from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
 from capsule_ros.serving.factory import PreparedServing, prepare_serving, start_session
 from capsule_ros.serving.outputs import OutputAdapter, point_spacing
+from capsule_ros.serving.ports import TEXT_TYPE
 from capsule_ros.serving.process import settle_after_start, unsettle
 from capsule_ros.serving.records import (
     ActionRecord,
@@ -342,10 +343,12 @@ class PolicyNode(LifecycleNode):
         self._port_subscriptions = {name: self._subscribe(name, port) for name, port in ordered}
 
     def _subscribe(self, name: str, port: PortConfig) -> Any:
+        """A text port subscribes raw: its adapter decodes the bytes itself (``serving/ports.py``)."""
         def on_message(msg: Any) -> None:
             self._on_port_message(name, port.type, msg)
         return self.create_subscription(message_class(port.type), port.topic, on_message,
-                                        qos_profile(port.qos, port.depth), callback_group=self._control_group)
+                                        qos_profile(port.qos, port.depth), callback_group=self._control_group,
+                                        raw=port.type == TEXT_TYPE)
 
     def _on_port_message(self, name: str, msgtype: str, msg: Any) -> None:
         """A sensor message: into the recording as it came, then to the session, which stages

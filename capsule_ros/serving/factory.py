@@ -22,6 +22,7 @@ from capsule_ros.runtime.fingerprint import FingerprintParts
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.serving.config import ControlConfig, ServingConfig
 from capsule_ros.serving.invalidation import Survey, survey
+from capsule_ros.serving.ports import TEXT_TYPE
 from capsule_ros.serving.recompute import check_log_size
 from capsule_ros.serving.records import EventRecord
 from capsule_ros.serving.regenerate import BackgroundRegeneration, CapsuleFiles, Deployment
@@ -107,6 +108,15 @@ def check_chunking(policy: StatefulPolicy, config: ServingConfig) -> None:
         ChunkSchedule.resolve(cadence, options.mode, options.delay or 0, options.horizon)
 
 
+def check_text_ports(policy: StatefulPolicy, config: ServingConfig) -> None:
+    """Every text port (``std_msgs/msg/String``) is one the policy encodes text into."""
+    text = policy.text_inputs()
+    for name, port in config.ports.items():
+        if port.type == TEXT_TYPE and name not in text:
+            raise ConfigError(f"port {name!r} ({TEXT_TYPE}): policy kind {config.policy.kind!r} reads no text from it "
+                              "(a vision-language-action policy maps its task port as 'task:<port>')")
+
+
 def port_bindings(config: ServingConfig) -> Dict[str, dict]:
     return {name: port.binding() for name, port in config.ports.items()}
 
@@ -150,6 +160,7 @@ def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, nod
     used."""
     policy = build_policy(config, weights)
     check_chunking(policy, config)
+    check_text_ports(policy, config)
     policy.check_prefix(config.policy.prefix)
     in_start, in_end = ArenaLayout(policy.state_spec()).byte_range(BufferKind.INPUT)   # one step's inputs
     check_log_size(config.control.input_log_steps, in_end - in_start, config.control.input_log_max_mb)
