@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, MutableMapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -378,6 +378,12 @@ class PolicyRuntime:
     def staging(self) -> Mapping[str, np.ndarray]:
         """name -> numpy view of the host staging buffer of each input (write these)."""
         return self._staging_views
+
+    @property
+    def texts(self) -> MutableMapping[str, str]:
+        """name -> the text staged into each text input (``stage_text``; the serving layer's
+        text ports write it beside the encoding), which ``prepare_inputs`` reads."""
+        return self._texts
 
     def stage_text(self, name: str, text: str) -> None:
         """Stage the text input ``name`` (``StatefulPolicy.text_inputs``): its encoding into
