@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
-from lerobot_fixtures import FIXTURES, extract_checkpoint, load_npz
+from lerobot_fixtures import FIXTURES, REPO, extract_checkpoint, load_npz
+from vla_fixtures import IMAGE, JOINTS, TASK_PORT, TEXT, port_of, text_and_sensor_ports
 
 from capsule_ros.policies.lerobot.pi.kind import Pi0Settings, Pi05Settings, build
 from capsule_ros.policies.registry import BuildContext
@@ -23,13 +24,6 @@ from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, RuntimeCo
 
 NAMES = ["pi0", "pi05", "pi0_bf16"]
 TOKENIZER = FIXTURES / "paligemma_tokenizer"
-TASK_PORT = "task"
-IMAGE, JOINTS, TEXT = "sensor_msgs/msg/Image", "sensor_msgs/msg/JointState", "std_msgs/msg/String"
-
-
-def port_of(key: str) -> str:
-    """observation.images.front -> front, observation.state -> joints."""
-    return "joints" if key == "observation.state" else key.rsplit(".", 1)[-1]
 
 
 @dataclass
@@ -138,3 +132,20 @@ class PiFixture:
             for t in range(self.steps):
                 actions[e, t] = self.act(runtime, e, t)
         return actions
+
+    # -- the node ----------------------------------------------------------------------------------
+    def serving_params(self, episode: int = 0, **control: Any) -> Dict[str, Any]:
+        """The full parameter mapping (config/policy.yaml with this fixture's ports, the task
+        through a String port, and its policy; trigger mode on the joint port; seeded like
+        ``episode``'s recording) that ServingConfig.from_params takes."""
+        from capsule_ros.config import load_params_file
+        params = load_params_file(REPO / "config" / "policy.yaml")
+        params["ports"] = text_and_sensor_ports(self.features, self.token_length)
+        params["policy"] = {"kind": self.kind, "weights": "", "task": self.task(0, 0),
+                            self.kind: {"pretrained_model": str(self.checkpoint), "vlm_files": str(self.tokenizer),
+                                        "features": self.feature_entries()}}
+        params["control"].update({"mode": "trigger", "trigger_port": "joints", "deadline_ms": 0.0,
+                                  "status_rate_hz": 50.0, **control})
+        params["runtime"].update(device="cpu", seed=self.seed(episode))
+        params["capsules"]["directory"] = ""
+        return params

@@ -134,6 +134,39 @@ def test_policy_task_default_without_a_task_port(fixtures):
     assert_same_actions(np.stack(actions)[None], fx.outputs["action"][:1, :29], "policy.task")
 
 
+def test_pi05_through_the_session_with_its_task_on_a_string_port_is_lerobots(fixtures):
+    """The node's path: the task arrives as serialized std_msgs/msg/String messages (an
+    over-long, an empty and a non-ASCII one in this episode), its text is kept beside its
+    tokens, and π0.5's prompt is made from it and the staged state at the steps that plan.
+    The staged rows (the input log's) then reproduce every action in another runtime with
+    no tokenizer call: the prompt travels with the inputs."""
+    from rclpy.serialization import serialize_message
+    from std_msgs.msg import String
+
+    from capsule_ros.serving.config import ServingConfig
+    from capsule_ros.serving.factory import build_session
+    fx = fixtures["pi05"]
+    episode, actions, rows = 1, [], []
+    session = build_session(ServingConfig.from_params(fx.serving_params(episode)))
+    session.reset()
+    for t in range(fx.steps):
+        for key, value in fx.features.items():
+            session.write_input(port_of(key), value[episode, t])
+        session.receive(TASK_PORT, bytes(serialize_message(String(data=fx.task(episode, t)))))
+        actions.append(session.tick().values.copy())
+        rows.append(session.runtime.input_staging.clone())
+    assert_same_actions(np.stack(actions)[None], fx.outputs["action"][episode:episode + 1], "pi05 session")
+    replay = fx.runtime("sync")
+    replay.reset(episode=episode + 1, seed=fx.seed(episode))
+    replay.texts.clear()                            # nothing to tokenise from: the rows carry the prompt
+    again = []
+    for row in rows:
+        replay.load_inputs(row)
+        replay.step()
+        again.append(replay.read_step_outputs().action.copy())
+    assert_same_actions(np.stack(again)[None], np.stack(actions)[None], "pi05 from the logged rows")
+
+
 # --- capsules ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, mode, delay, guided", [("pi0", "sync", 0, False), ("pi05", "async", 3, True)])
