@@ -96,6 +96,63 @@ def with_cameras(spec: PiSpec, cameras: int) -> PiSpec:
     return replace(spec, cameras=cameras)
 
 
+# ``capsule-ros bench chunking``'s π0 cases: two cameras, six joints and actions, LeRobot's chunk of
+# 50 all executed; ``tiny`` the fixtures' dimensions, ``mid`` a 384-wide VLM and a 192-wide expert
+# (6 layers each), a 256-wide 4-layer SigLIP on 112 x 112 images (64 tokens per camera), about a
+# fifth of PaliGemma-3B's VLM width
+BENCH = {
+    "tiny": replace(TINY, cameras=2, joints=6, actions=6, chunk_size=50, n_action_steps=50),
+    "mid": replace(TINY, variants=("scaled_vlm_384", "scaled_expert_192"),
+                   dims={"scaled_vlm_384": GemmaDims(width=384, depth=6, mlp_dim=1536, num_heads=8, num_kv_heads=1,
+                                                     head_dim=64),
+                         "scaled_expert_192": GemmaDims(width=192, depth=6, mlp_dim=768, num_heads=8, num_kv_heads=1,
+                                                        head_dim=64)},
+                   vision=VisionDims(hidden=256, layers=4, mlp=1024, heads=16, patch=14), vocab_size=512,
+                   image_size=112, camera_shape=(240, 320), cameras=2, joints=6, actions=6, chunk_size=50,
+                   n_action_steps=50),
+}
+BENCH_TASK = "pick up the red cube"
+
+
+def bench_spec(kind: str, size: str) -> PiSpec:
+    return replace(BENCH[size], kind=kind)
+
+
+def serving_config(checkpoint: Path, tokenizer: Path, task: str = BENCH_TASK):
+    """config/policy.yaml serving a π0 / π0.5 checkpoint as docs/vla.md configures one: joint
+    positions, its rgb8 cameras, a task port and ``policy.task``."""
+    from capsule_ros.benchmarks.common import config_path
+    from capsule_ros.config import load_params_file
+    from capsule_ros.serving.config import ServingConfig
+    config = json.loads((checkpoint / "config.json").read_text())
+    joints = int(config["input_features"][STATE]["shape"][0])
+    cameras = [key for key, f in config["input_features"].items() if f["type"] == "VISUAL"]
+    ports: Dict[str, Any] = {"names": ["joints", *(port_of(key) for key in cameras), "task"]}
+    ports["joints"] = {"topic": "robot/joint_states", "type": "sensor_msgs/msg/JointState", "fields": ["position"],
+                       "names": [f"joint_{i}" for i in range(joints)], "shape": [joints], "dtype": "float32"}
+    for key in cameras:
+        _, height, width = config["input_features"][key]["shape"]
+        ports[port_of(key)] = {"topic": f"robot/{port_of(key)}/image_raw", "type": "sensor_msgs/msg/Image",
+                               "fields": ["data"], "shape": [height, width, 3], "dtype": "uint8",
+                               "encodings": ["rgb8"]}
+    ports["task"] = {"topic": "robot/task", "type": "std_msgs/msg/String", "fields": ["data"],
+                     "shape": [2, int(config["tokenizer_max_length"])], "dtype": "int64", "qos": "reliable"}
+    kind = f"lerobot_{config['type']}"
+    params = load_params_file(config_path("policy.yaml"))
+    params["ports"] = ports
+    params["policy"] = {"kind": kind, "weights": "", "task": task,
+                        kind: {"pretrained_model": str(checkpoint), "vlm_files": str(tokenizer),
+                               "features": [f"{STATE}:joints", *(f"{k}:{port_of(k)}" for k in cameras), "task:task"]}}
+    params["control"].update(mode="timer", trigger_port="")
+    params["capsules"]["directory"] = ""
+    return ServingConfig.from_params(params)
+
+
+def port_of(key: str) -> str:
+    """observation.images.camera0 -> camera0."""
+    return key.rsplit(".", 1)[-1]
+
+
 # --- the files ----------------------------------------------------------------------------------
 
 def pi_config(spec: PiSpec) -> Dict[str, Any]:

@@ -30,7 +30,8 @@ For each fixture, with LeRobot 0.6.1 itself (scaled down by ``pi_scaled.scaled_p
 
    The flow-matching noise is capsule_ros's counter-based draw
    ``counter_normal((seed, step), (chunk_size, max_action_dim))`` at the step that plans,
-   injected by replacing ``model.sample_noise`` (checked: one draw per chunk).
+   injected by replacing ``model.sample_noise`` (``make_vla_fixtures.CounterFlowNoise``,
+   shared with SmolVLA's fixtures; checked: one draw per chunk).
 
 Files per fixture, no pickle anywhere: ``pretrained_model.tar.xz``, ``inputs.npz`` (state
 float32 [3, S, n], cameras uint8 [3, S, H, W, 3], ``task`` unicode [3, S], ``seeds``),
@@ -71,13 +72,13 @@ from lerobot.policies.pi05.modeling_pi05 import PI05Policy  # noqa: E402
 from lerobot.policies.rtc.configuration_rtc import RTCConfig  # noqa: E402
 from lerobot.policies.utils import prepare_observation_for_inference  # noqa: E402
 
-from capsule_ros.runtime.rng import counter_normal  # noqa: E402
 from tools.lerobot_fixtures.make_fixtures import (  # noqa: E402
     camera_frames,
     pattern_weights_,
     random_walk,
     tar_xz,
 )
+from tools.lerobot_fixtures.make_vla_fixtures import CounterFlowNoise  # noqa: E402
 from tools.lerobot_fixtures.pi_scaled import TINY, build_tokenizer, scaled_pi  # noqa: E402
 
 OUT = ROOT / "test" / "fixtures" / "lerobot"
@@ -241,28 +242,6 @@ def stage_tokenizer() -> int:
     return size
 
 
-# --- noise injection ----------------------------------------------------------------------------
-
-class CounterNoise:
-    """Replaces ``model.sample_noise`` with capsule_ros's counter-based draw of the step
-    that plans: ``counter_normal((seed, step), (chunk_size, max_action_dim))``."""
-
-    def __init__(self, policy):
-        self.rng_state = torch.zeros(2, dtype=torch.int64)
-        self.calls = 0
-        config = policy.config
-
-        def sample_noise(shape, device):
-            assert tuple(shape) == (1, config.chunk_size, config.max_action_dim), shape
-            self.calls += 1
-            return counter_normal(self.rng_state, shape[1:])[None].to(device)
-
-        policy.model.sample_noise = sample_noise
-
-    def at(self, seed: int, step: int) -> None:
-        self.rng_state = torch.tensor([seed & 0xFFFFFFFF, step], dtype=torch.int64)
-
-
 # --- rollouts -----------------------------------------------------------------------------------
 
 def observation(fx: Fixture, inputs: Dict[str, np.ndarray], e: int, t: int) -> Dict[str, np.ndarray]:
@@ -275,7 +254,7 @@ def load(fx: Fixture, directory: Path, rtc: Optional[RTCConfig] = None):
         policy.config.rtc_config = rtc
         policy.init_rtc_processor()
     pre, post = make_pre_post_processors(policy.config, pretrained_path=str(directory))
-    return policy, pre, post, CounterNoise(policy)
+    return policy, pre, post, CounterFlowNoise(policy)
 
 
 def select_action_rollout(fx: Fixture, directory: Path, inputs: Dict[str, np.ndarray], seeds: np.ndarray):
@@ -288,11 +267,11 @@ def select_action_rollout(fx: Fixture, directory: Path, inputs: Dict[str, np.nda
         pre.reset()
         post.reset()
         for t in range(STEPS):
-            noise.at(int(seeds[e]), t)
-            before = noise.calls
+            noise.at(e, int(seeds[e]), t)
+            before = len(noise.draws)
             action = predict_action(observation(fx, inputs, e, t), policy, device, pre, post, use_amp=False,
                                     task=str(inputs["task"][e, t]))
-            assert noise.calls - before == (1 if t % policy.config.n_action_steps == 0 else 0), (e, t)
+            assert len(noise.draws) - before == (1 if t % policy.config.n_action_steps == 0 else 0), (e, t)
             actions[e, t] = action.reshape(-1).numpy()
     return actions
 
@@ -335,7 +314,7 @@ def async_rollout(fx: Fixture, directory: Path, inputs: Dict[str, np.ndarray], s
         post.reset()
         cursor, chunk, pending = end, None, None
         for t in range(STEPS):
-            noise.at(int(seeds[e]), t)
+            noise.at(e, int(seeds[e]), t)
             batch = pre(prepare_observation_for_inference(observation(fx, inputs, e, t), device,
                                                           str(inputs["task"][e, t]), None))
             if cursor == end:
@@ -383,10 +362,9 @@ def sensitivity(fx: Fixture, directory: Path, inputs: Dict[str, np.ndarray], see
     """How far the first chunk moves (max abs, normalised) when the task, a camera or the
     state changes: the fixture must not be blind to any input."""
     policy, pre, _, noise = load(fx, directory)
-    noise.at(int(seeds[0]), 0)
 
     def chunk(obs: Dict[str, np.ndarray], task: str) -> torch.Tensor:
-        noise.at(int(seeds[0]), 0)
+        noise.at(0, int(seeds[0]), 0)
         with torch.inference_mode():
             batch = pre(prepare_observation_for_inference(dict(obs), torch.device("cpu"), task, None))
             return policy.predict_action_chunk(batch)

@@ -32,8 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
+import torch
+
 from capsule_ros.benchmarks.lerobot_pi import TINY as BENCH_TINY, PiSpec, write_tokenizer
-from capsule_ros.policies.lerobot.pi.architecture import GemmaDims, VisionDims
+from capsule_ros.policies.lerobot.checkpoint import read_checkpoint
+from capsule_ros.policies.lerobot.pi.architecture import LEROBOT_VARIANTS, GemmaDims, VisionDims, read_architecture
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,17 @@ class ScaledPi:
     @classmethod
     def of(cls, spec: PiSpec) -> ScaledPi:
         return cls(variants=dict(spec.dims), vision=spec.vision, vocab_size=spec.vocab_size)
+
+    @classmethod
+    def of_checkpoint(cls, directory: Path) -> ScaledPi:
+        """The scale of a saved checkpoint, as capsule_ros reads it (config.json and the
+        weights' shapes): its variants by the names config.json gives them."""
+        checkpoint = read_checkpoint(directory)
+        arch = read_architecture(checkpoint)
+        names = (str(checkpoint.field("paligemma_variant")), str(checkpoint.field("action_expert_variant")))
+        variants = {name: dims for name, dims in zip(names, (arch.vlm, arch.expert), strict=True)
+                    if name not in LEROBOT_VARIANTS}
+        return cls(variants=variants, vision=arch.vision, vocab_size=arch.vocab_size)
 
 
 TINY = ScaledPi.of(BENCH_TINY)
@@ -117,6 +131,35 @@ def scaled_pi(scale: ScaledPi) -> Iterator[None]:
     finally:
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
+
+
+def load_pi(checkpoint: Path, tokenizer: Path):
+    """(policy, preprocessor, postprocessor) of a π0 / π0.5 checkpoint as a LeRobot user loads
+    it offline (``from_pretrained``, ``make_pre_post_processors`` with the tokenizer's local
+    directory as an override), scaled as its weights say (nothing to patch at LeRobot's size)."""
+    import json
+
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.policies.pi0.modeling_pi0 import PI0Policy
+    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+    kind = json.loads((checkpoint / "config.json").read_text())["type"]
+    with scaled_pi(ScaledPi.of_checkpoint(checkpoint)):
+        policy = (PI05Policy if kind == "pi05" else PI0Policy).from_pretrained(checkpoint)
+    check_loaded(policy, checkpoint / "model.safetensors")
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint),
+                                         preprocessor_overrides={"tokenizer_processor":
+                                                                 {"tokenizer_name": str(tokenizer)}})
+    return policy, pre, post
+
+
+def check_loaded(policy, weights: Path) -> None:
+    """LeRobot's π0 ``from_pretrained`` prints a warning and keeps its random weights when the
+    file does not load: refuse that here (every tensor of the file must be in the policy)."""
+    from safetensors.torch import load_file
+    state = policy.state_dict()
+    for name, tensor in load_file(str(weights)).items():
+        if name not in state or not torch.equal(state[name].to(tensor.dtype), tensor):
+            raise RuntimeError(f"LeRobot did not load {weights}: {name} is not the file's (random weights?)")
 
 
 def build_tokenizer(directory: Path) -> int:
