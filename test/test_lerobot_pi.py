@@ -169,14 +169,16 @@ def test_pi05_through_the_session_with_its_task_on_a_string_port_is_lerobots(fix
 
 # --- capsules ----------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name, mode, delay, guided", [("pi0", "sync", 0, False), ("pi05", "async", 3, True)])
 def test_a_capsule_at_every_cursor_restores_byte_exactly_and_replays_bit_identically(fixtures, name, mode, delay,
-                                                                                      guided):
+                                                                                      guided, device):
     """The arena at every row of a chunk cycle (async: with and without a refill in flight)
     put back after other steps gives the same bytes and then the same actions: the chunk,
-    cursor, pending request, task and prompt tokens and RNG counter are all in it."""
+    cursor, pending request, task and prompt tokens and RNG counter are all in it. On CUDA
+    every program is a captured graph (async: the refill too, on its own stream)."""
     fx = fixtures[name]
-    runtime = fx.runtime(mode, delay, fx.rtc_settings() if guided else None)
+    runtime = fx.runtime(mode, delay, fx.rtc_settings() if guided else None, device=device)
     try:
         end = runtime.schedule.end
         steps = 3 * end + 2
@@ -199,6 +201,37 @@ def test_a_capsule_at_every_cursor_restores_byte_exactly_and_replays_bit_identic
         assert seen_pending == (mode == "async")
     finally:
         runtime.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_cuda_graph_programs_equal_the_eager_cuda_plan(fixtures, name, mode, record_property):
+    """Every program captured as a CUDA graph (async, RTC guided: the refill on its own
+    stream) gives the eager CUDA plan's actions bit for bit. LeRobot's CPU actions are
+    another device's kernels (cuDNN's TF32 convolution in SigLIP's patch embedding, other
+    GEMMs, bfloat16 rounding): the largest difference is recorded, and bounded only
+    against garbage."""
+    fx = fixtures[name]
+    delay = fx.meta["delays"][len(fx.meta["delays"]) // 2] if mode == "async" else 0
+    rtc = fx.rtc_settings() if mode == "async" else None
+    graphed = fx.runtime(mode, delay, rtc, device="cuda", cuda_graphs=True)
+    eager = fx.runtime(mode, delay, rtc, device="cuda", cuda_graphs=False, worker="inline")
+    try:
+        assert graphed.plan.captured and set(graphed.plan._graphs) == set(graphed.plan.programs)
+        got = {}
+        for key, runtime in (("graph", graphed), ("eager", eager)):
+            runtime.reset(episode=1, seed=fx.seed(0))
+            got[key] = np.stack([fx.act(runtime, 0, t) for t in range(40)])
+        assert_same_actions(got["graph"][None], got["eager"][None], f"{name} {mode} graphs against eager")
+        reference = fx.outputs["action"] if mode == "sync" else fx.references[f"action_d{delay}_rtc"]
+        diff = float(np.abs(got["graph"] - reference[0, :40]).max())
+        record_property("max_abs_diff_to_lerobot_cpu", diff)
+        print(f"{name} {mode}: CUDA graphs against LeRobot on the CPU, max abs diff {diff:.3g}")
+        assert np.isfinite(got["graph"]).all() and diff < 1.0
+    finally:
+        graphed.close()
+        eager.close()
 
 
 # --- π0.5's prompt ----------------------------------------------------------------------------------
