@@ -229,3 +229,29 @@ def test_the_fingerprint_covers_what_changes_the_numbers(fixtures):
     assert architecture["denoise_steps"] == 5 and architecture["task"]["tokenizer"]["max_length"] == 12
     assert architecture["vlm"]["transformers"] and architecture["vlm"]["tokenizer_files"]
     assert architecture["task"]["tokenizer"]["vocabulary"] > 0
+
+
+# --- on a GPU (skipped elsewhere with the reason) -------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("mode, delay, guided", [("sync", 0, False), ("async", 3, True)])
+def test_cuda_graphs_equal_the_eager_cuda_plan_and_stay_close_to_lerobot(fixtures, name, mode, delay, guided):
+    """Every program captured as a CUDA graph (async: the refill on its own stream, RTC
+    guidance inside it) gives the eager CUDA plan's actions bit for bit; against LeRobot's CPU
+    actions the difference is the GPU's kernels' (reported, bounded loosely: issue 31 measures
+    it against LeRobot on the same GPU)."""
+    fx = fixtures[name]
+    rtc = next((r for r in fx.async_cases() if r[1] == delay and r[2].guided), None) if guided else None
+    settings = rtc[2] if rtc is not None else RTCSettings()
+    kw = dict(device="cuda")
+    graphed = fx.runtime(mode, delay, settings, **kw)
+    eager = fx.runtime(mode, delay, settings, worker="inline", cuda_graphs=False, **kw)
+    assert graphed.plan.captured
+    got = {key: fx.rollout(runtime, episodes=1) for key, runtime in (("graph", graphed), ("eager", eager))}
+    assert np.array_equal(bits(got["graph"]), bits(got["eager"]))
+    reference = fx.outputs["action"] if mode == "sync" else fx.references[rtc[0]] if rtc else None
+    if reference is not None:
+        difference = float(np.abs(got["graph"] - reference[:1]).max())
+        print(f"{name} {mode} on CUDA: max |capsule_ros - LeRobot (CPU)| = {difference:.3g}")
+        assert difference < 0.1
