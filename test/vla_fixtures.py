@@ -49,6 +49,24 @@ def port_of(key: str) -> str:
     return "joints" if key == "observation.state" else key.rsplit(".", 1)[-1]
 
 
+def text_and_sensor_ports(features: Dict[str, np.ndarray], token_length: int) -> Dict[str, Any]:
+    """ports.* parameters feeding a VLA fixture's recorded ``features`` ([episodes, steps, ...]
+    each) from real message types, and the task from a String port (reliable, deep queues)."""
+    ports: Dict[str, Any] = {}
+    for key, value in features.items():
+        shape = [int(d) for d in value.shape[2:]]
+        common = {"topic": f"robot/{port_of(key)}", "shape": shape, "qos": "reliable", "depth": 100}
+        if value.dtype == np.uint8:
+            ports[port_of(key)] = {**common, "type": IMAGE, "fields": ["data"], "dtype": "uint8",
+                                   "encodings": ["rgb8"]}
+        else:
+            ports[port_of(key)] = {**common, "type": JOINTS, "fields": ["position"],
+                                   "names": joint_names(shape[0]), "dtype": "float32"}
+    ports[TASK_PORT] = {"topic": "robot/task", "type": TEXT, "fields": ["data"], "shape": [2, token_length],
+                        "dtype": "int64", "qos": "reliable", "depth": 100}
+    return {"names": list(ports), **ports}
+
+
 @dataclass
 class VLAFixture:
     name: str
@@ -173,20 +191,7 @@ class VLAFixture:
 
     # -- the node --------------------------------------------------------------------------------
     def port_params(self) -> Dict[str, Any]:
-        """ports.* parameters feeding the fixture from real message types (reliable, deep queues)."""
-        ports: Dict[str, Any] = {}
-        for key, value in self.features.items():
-            shape = [int(d) for d in value.shape[2:]]
-            common = {"topic": f"robot/{port_of(key)}", "shape": shape, "qos": "reliable", "depth": 100}
-            if value.dtype == np.uint8:
-                ports[port_of(key)] = {**common, "type": IMAGE, "fields": ["data"], "dtype": "uint8",
-                                       "encodings": ["rgb8"]}
-            else:
-                ports[port_of(key)] = {**common, "type": JOINTS, "fields": ["position"],
-                                       "names": joint_names(shape[0]), "dtype": "float32"}
-        ports[TASK_PORT] = {"topic": "robot/task", "type": TEXT, "fields": ["data"], "shape": [2, self.token_length],
-                            "dtype": "int64", "qos": "reliable", "depth": 100}
-        return {"names": list(ports), **ports}
+        return text_and_sensor_ports(self.features, self.token_length)
 
     def serving_params(self, **control: Any) -> Dict[str, Any]:
         """The full parameter mapping (config/policy.yaml with this fixture's ports and policy,

@@ -11,7 +11,10 @@ checkpoints (LeRobot's default architectures, one camera: 240 x 320 on a CPU, AL
 480 x 640 on a GPU; ``--quick``: small networks and a 96 x 128 camera). The VLA cases
 ``smolvla-tiny`` (30 Hz) and ``smolvla-mid`` (10 Hz) (SmolVLA, chunk 50 all executed, two cameras and a
 task; ``benchmarks/lerobot_smolvla.py``) serve a checkpoint LeRobot itself writes, so they need
-LeRobot's environment for every side (``--quick`` runs the tiny one only). Every side gets the
+LeRobot's environment for every side (``--quick`` runs the tiny one only); ``pi0-tiny``,
+``pi05-tiny`` and ``pi0-mid`` (π0 / π0.5, the same schedule and inputs;
+``benchmarks/lerobot_pi.py`` writes the checkpoint, LeRobot loads it through
+``tools/lerobot_fixtures/pi_scaled.load_pi``; ``--quick`` skips the mid one). Every side gets the
 same checkpoint and the same seeded observations (joint positions as a random walk, a
 panning textured camera), one torch thread each and the same CPU numerics level
 (``runtime.numerics``) on a CPU.
@@ -54,7 +57,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from capsule_ros.benchmarks import lerobot_smolvla
+from capsule_ros.benchmarks import lerobot_pi, lerobot_smolvla
 from capsule_ros.benchmarks.common import emit, environment, print_table, resolve_device
 from capsule_ros.benchmarks.lerobot_act import CAMERA, PORTS, STATE, serving_config, write_act_checkpoint
 from capsule_ros.benchmarks.lerobot_diffusion import write_diffusion_checkpoint
@@ -71,14 +74,16 @@ TAKEOVERS = (Program.REFILL, Program.ADOPT, Program.ADOPT_REQUEST)
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str                     # act | diffusion | smolvla
+    kind: str                     # act | diffusion | smolvla | pi0 | pi05
     rate_hz: float
     chunk_size: int = 100         # ACT
     n_action_steps: int = 100
     down_dims: Optional[Sequence[int]] = None     # Diffusion: the U-Net's channels (None: DiffusionConfig's)
-    size: str = ""                # SmolVLA: lerobot_smolvla.SPECS
+    size: str = ""                # SmolVLA: lerobot_smolvla.SPECS; π0: lerobot_pi.BENCH
 
     def write(self, directory: Path, camera, quick: bool, python: Optional[Path] = None) -> Path:
+        if self.kind in ("pi0", "pi05"):             # capsule_ros writes it; LeRobot loads it scaled
+            return lerobot_pi.write_pi_checkpoint(directory.parent, lerobot_pi.bench_spec(self.kind, self.size))[0]
         if self.kind == "smolvla":
             if python is None or not python.exists():
                 raise ConfigError(f"the SmolVLA checkpoint is written by LeRobot, and there is no LeRobot environment "
@@ -98,8 +103,11 @@ CASES = {c.name: c for c in (Case("act100", "act", 30.0, 100, 100), Case("act10"
                              Case("diffusion", "diffusion", 10.0, n_action_steps=8),
                              Case("diffusion-small", "diffusion", 10.0, n_action_steps=8, down_dims=(128, 256, 512)),
                              Case("smolvla-tiny", "smolvla", 30.0, 50, 50, size="tiny"),
-                             Case("smolvla-mid", "smolvla", 10.0, 50, 50, size="mid"))}
-QUICK_SKIPS = ("smolvla-mid",)     # --quick: minutes per chunk side on a CPU, not seconds
+                             Case("smolvla-mid", "smolvla", 10.0, 50, 50, size="mid"),
+                             Case("pi0-tiny", "pi0", 30.0, 50, 50, size="tiny"),
+                             Case("pi05-tiny", "pi05", 30.0, 50, 50, size="tiny"),
+                             Case("pi0-mid", "pi0", 30.0, 50, 50, size="mid"))}
+QUICK_SKIPS = ("smolvla-mid", "pi0-mid")     # --quick: minutes per chunk side on a CPU, not seconds
 
 
 FRAMES = 64    # distinct camera frames, cycled (3000 frames of 480 x 640 would take 2.7 GB)
@@ -242,8 +250,8 @@ def gpu_wake_floor(runtime, period: float, runs: int = 100) -> Dict[str, Any]:
 
 
 def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_python: Optional[Path]) -> dict:
-    vla = case.kind == "smolvla"
-    camera = lerobot_smolvla.camera_of(case.size) if vla else \
+    vla, pi = case.kind == "smolvla", case.kind in ("pi0", "pi05")
+    camera = lerobot_smolvla.camera_of(case.size) if vla else lerobot_pi.BENCH[case.size].camera_shape if pi else \
         (96, 128) if quick else (480, 640) if device.type == "cuda" else (240, 320)
     period = 1.0 / (50.0 if device.type == "cuda" else case.rate_hz)
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -258,6 +266,13 @@ def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_
             obs = observations(steps, camera, joints=lerobot_smolvla.JOINTS,
                                cameras=(lerobot_smolvla.FRONT, lerobot_smolvla.WRIST))
             extra: Sequence[str] = ("--vlm", str(checkpoint.parent / "vlm"), "--task", lerobot_smolvla.TASK)
+        elif pi:
+            tokenizer = checkpoint.parent / "paligemma_tokenizer"
+            config = lerobot_pi.serving_config(checkpoint, tokenizer)
+            spec = lerobot_pi.BENCH[case.size]
+            ports_of = {STATE: "joints", **{key: lerobot_pi.port_of(key) for key in spec.camera_keys}}
+            obs = observations(steps, camera, joints=spec.joints, cameras=spec.camera_keys)
+            extra = ("--vlm", str(tokenizer), "--task", lerobot_pi.BENCH_TASK)
         else:
             config, ports_of, obs, extra = serving_config(checkpoint), PORTS, observations(steps, camera), ()
         level = config.runtime.numerics            # the session's: LeRobot runs at it too

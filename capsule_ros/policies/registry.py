@@ -66,6 +66,8 @@ BUILTIN = {
     "lerobot_diffusion": "capsule_ros.policies.lerobot.kinds:DIFFUSION_KIND",
     "onnx": "capsule_ros.policies.ort.kind:POLICY_KIND",
     "lerobot_smolvla": "capsule_ros.policies.lerobot.smolvla_kind:SMOLVLA_KIND",
+    "lerobot_pi0": "capsule_ros.policies.lerobot.pi.kind:PI0_KIND",
+    "lerobot_pi05": "capsule_ros.policies.lerobot.pi.kind:PI05_KIND",
 }
 
 

@@ -392,10 +392,13 @@ class ChunkExecutor:
             return Program.REQUEST
         return Program.CONSUME
 
+    def plans(self) -> bool:
+        """Whether the next step plans a chunk (a refill, or an asynchronous request)."""
+        return self.next_program() in (Program.REFILL, Program.REQUEST, Program.ADOPT_REQUEST)
+
     def reads_inputs(self) -> bool:
         """Whether the next step reads the input buffers (else they need no upload)."""
-        return self.cadence.inputs_every_step or self.next_program() in (
-            Program.REFILL, Program.REQUEST, Program.ADOPT_REQUEST)
+        return self.cadence.inputs_every_step or self.plans()
 
     def before_step(self, live_stream: Optional[torch.cuda.Stream]) -> Program:
         """Choose the program; for a takeover, note whether its refill is late and make

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, MutableMapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -253,6 +253,10 @@ class PolicyRuntime:
             if slot.spec.kind == BufferKind.INPUT:
                 raw = self.input_staging[slot.offset - in_start:slot.end - in_start]
                 self._staging_views[slot.spec.name] = raw.view(slot.spec.dtype).view(slot.spec.shape).numpy()
+        self._text_inputs = dict(policy.text_inputs())
+        self._texts: Dict[str, str] = {}
+        for name, text_input in self._text_inputs.items():
+            self.stage_text(name, text_input.default)
         out_start, out_end = self.layout.byte_range(BufferKind.META, BufferKind.OUTPUT)
         self._input_region = self.arena.storage[in_start:in_end]       # views made once: no per-step slicing
         self._output_region = self.arena.storage[out_start:out_end]
@@ -375,14 +379,35 @@ class PolicyRuntime:
         """name -> numpy view of the host staging buffer of each input (write these)."""
         return self._staging_views
 
+    @property
+    def texts(self) -> MutableMapping[str, str]:
+        """name -> the text staged into each text input (``stage_text``; the serving layer's
+        text ports write it beside the encoding), which ``prepare_inputs`` reads."""
+        return self._texts
+
+    def stage_text(self, name: str, text: str) -> None:
+        """Stage the text input ``name`` (``StatefulPolicy.text_inputs``): its encoding into
+        the staging buffer, and the text itself, which the policy's ``prepare_inputs`` reads
+        on the host. Each text input starts with its default."""
+        text_input = self._text_inputs.get(name)
+        if text_input is None:
+            raise InvalidArgument(f"input {name!r} is not a text input of the policy (text inputs: "
+                                  f"{sorted(self._text_inputs)})")
+        self._staging_views[name][...] = text_input.encode(text)
+        self._texts[name] = text
+
     def load_inputs(self, row: Optional[torch.Tensor] = None) -> bool:
         """Copy the whole staging area (or ``row``, the same bytes from elsewhere, e.g. an
         input log already on the device) into the arena's input region: one copy, ordered
         on the runtime's stream. On CUDA the copy is asynchronous: the staging area must not
         change until the step's outputs are read (``PolicySession.tick`` ensures it). Returns
-        whether it copied: a chunking policy's step that reads no input uploads none."""
+        whether it copied: a chunking policy's step that reads no input uploads none. From
+        the staging area, a step whose network runs first lets the policy prepare its
+        inputs on the host (``StatefulPolicy.prepare_inputs``); a ``row`` already holds them."""
         if self.executor is not None and not self.executor.reads_inputs():
             return False                             # the next step runs no network and reads no input
+        if row is None and (self.executor is None or self.executor.plans()):
+            self.policy.prepare_inputs(self._staging_views, self._texts)
         source = self.input_staging if row is None else row
         if self.stream is None:
             self._input_region.copy_(source)

@@ -167,6 +167,15 @@ class StatefulPolicy(nn.Module, abc.ABC):
         none by default."""
         return {}
 
+    def prepare_inputs(self, staging: Mapping[str, np.ndarray], texts: Mapping[str, str]) -> None:
+        """Host work on a step's staged inputs right before they go up, on the steps whose
+        network runs (a chunking policy's refill or request; every step of a policy without
+        a cadence): fill the input buffers that are a host function of other inputs (π0.5's
+        prompt: the staged state and task, tokenised). ``staging``: the host staging buffers
+        by name (write in place); ``texts``: the last text staged into each text input
+        (``PolicyRuntime.stage_text``). What it writes goes up, and into the input log, with
+        the other inputs. Nothing by default."""
+
     def prefill(self, state: State, tokens: torch.Tensor) -> None:
         """Consume a prefix of token ids (int64[P]) from the initial state."""
         raise NotImplementedError(f"{type(self).__name__} has no prefix input")

@@ -34,7 +34,7 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, MutableMapping, Optional
 
 import numpy as np
 
@@ -146,6 +146,8 @@ class PortAdapter:
         self._last_stamp: Optional[int] = None
         self._short_type = config.type.rsplit("/", 1)[-1]
         self.text: Optional[TextEncoder] = None        # a text port's encoder (SensorInputs sets it)
+        self.last_text: Optional[str] = None           # a text port: the text of the last accepted message
+        self._decoded: Optional[str] = None
 
     @property
     def takes_raw(self) -> bool:
@@ -225,6 +227,8 @@ class PortAdapter:
         stamp = stamp_ns(msg)
         if stamp is not None:
             self._last_stamp = stamp
+        if self.config.type == TEXT_TYPE:
+            self.last_text = self._decoded
         self.counters.received += 1
         self.counters.last_accept_ns = time.monotonic_ns() if now_ns is None else now_ns
         return values
@@ -267,6 +271,7 @@ class PortAdapter:
             text = msg.data
         else:
             raise PortDrop("type", f"expected a std_msgs/msg/String, got {type(msg).__name__}")
+        self._decoded = text
         return np.asarray(self.text(text))
 
     def _image(self, msg: Any) -> np.ndarray:
@@ -308,43 +313,51 @@ class SensorInputs:
     ``lock`` guards the staging buffers: writers hold it for one copy, a step holds it from
     loading the inputs until its outputs are read (on CUDA the load is asynchronous).
     ``text``: the policy's text inputs (``StatefulPolicy.text_inputs``), by port: each text
-    port gets its encoder and starts with its default text (so it counts as received)."""
+    port gets its encoder and starts with its default text (so it counts as received).
+    ``texts``: where the staged text of each text port is kept beside its encoding (the
+    runtime's ``texts``, which a policy's ``prepare_inputs`` reads on the host)."""
 
     def __init__(self, staging: Mapping[str, np.ndarray], ports: Mapping[str, PortConfig],
-                 text: Optional[Mapping[str, Any]] = None):
+                 text: Optional[Mapping[str, Any]] = None, texts: Optional[MutableMapping[str, str]] = None):
         self.staging = staging
         self.ports: Dict[str, PortAdapter] = port_adapters(ports)
         self.lock = threading.Lock()
+        self.texts: MutableMapping[str, str] = {} if texts is None else texts
         self._seen: set = set()
         for name, text_input in dict(text or {}).items():
             if name in self.ports:
                 self.ports[name].text = text_input.encode
-                self.write(name, np.asarray(text_input.encode(text_input.default)))
+                self.write(name, np.asarray(text_input.encode(text_input.default)), text_input.default)
 
     def receive(self, port: str, msg: Any, now_ns: Optional[int], future_tolerance_ns: Optional[int]) -> np.ndarray:
         """A message for ``port``: checked, converted and staged; raises PortDrop (counted)."""
-        values = self.ports[port].accept(msg, now_ns, future_tolerance_ns)
-        self.write(port, values)
+        adapter = self.ports[port]
+        values = adapter.accept(msg, now_ns, future_tolerance_ns)
+        self.write(port, values, adapter.last_text if adapter.config.type == TEXT_TYPE else None)
         return values
 
-    def write(self, name: str, values: np.ndarray) -> None:
-        """Copy values into an input's staging buffer (their size already checked)."""
+    def write(self, name: str, values: np.ndarray, text: Optional[str] = None) -> None:
+        """Copy values into an input's staging buffer (their size already checked); a text
+        input's ``text`` is kept with them."""
         staging = self.staging[name]
         with self.lock:
             np.copyto(staging, values.reshape(staging.shape), casting="unsafe")
+            if text is not None:
+                self.texts[name] = text
             self._seen.add(name)
 
     @property
     def ready(self) -> bool:
-        """Every input has received a value (a step needs them all)."""
-        return len(self._seen) == len(self.staging)
+        """Every port has received a value (a step needs them all; an input no port feeds is
+        the policy's own, filled on the host by ``StatefulPolicy.prepare_inputs``)."""
+        return not self.missing()
 
     @property
     def seen(self) -> FrozenSet[str]:
         return frozenset(self._seen)
 
     def missing(self) -> List[str]:
-        return [name for name in self.staging if name not in self._seen]
+        return [name for name in self.staging if name in self.ports and name not in self._seen]
 
     def reset_ordering(self) -> None:
         """A new episode: a sensor's clock may have restarted."""

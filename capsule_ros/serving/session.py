@@ -121,7 +121,7 @@ class PolicySession:
         self.counters = SessionCounters()
         self.notices = Notices(LOG)
         self.boundary = Boundary(control.service_timeout_ms / 1e3)
-        self.inputs = SensorInputs(runtime.staging, dict(ports or {}), runtime.policy.text_inputs())
+        self.inputs = SensorInputs(runtime.staging, dict(ports or {}), runtime.policy.text_inputs(), runtime.texts)
         self.recompute = Recompute(runtime, store, control.input_log_steps, control.input_log_max_mb, self.prefix)
         self.stepper = GuardedStep(runtime, self.inputs, self.counters, self.recompute.log_step)
         self.capsules = CapsuleSet(store, directory, runtime.layout.schema(), self.recompute,

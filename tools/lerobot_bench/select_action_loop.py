@@ -7,9 +7,10 @@
 For every step: ``predict_action`` (LeRobot's observation conversion, preprocessor,
 ``select_action``, postprocessor), as its record and eval loops call it, with the wall time
 of that call (an input array shorter than the others, the camera frames, cycles).
-Diffusion's and SmolVLA's noise comes from capsule_ros's counter-based RNG at each step
+Diffusion's, SmolVLA's and π0's noise comes from capsule_ros's counter-based RNG at each step
 (``tools/lerobot_fixtures/make_fixtures.CounterNoise``, ``make_vla_fixtures.CounterFlowNoise``;
-a SmolVLA checkpoint's VLM files from ``--vlm``, its task from ``--task``), so both sides sample alike and
+a SmolVLA checkpoint's VLM files or a π0 checkpoint's tokenizer from ``--vlm``, the task from
+``--task``; a scaled-down π0 loads through ``pi_scaled.load_pi``), so both sides sample alike and
 their actions can be compared bit for bit, at the CPU numerics level ``CAPSULE_ROS_NUMERICS``
 (pinned before torch runs; the benchmark passes its own). ``IN.npz``: one array per input feature
 [steps, ...] and ``seed``; ``OUT.npz``: ``seconds`` [steps] and ``action`` [steps, A].
@@ -44,8 +45,9 @@ def main() -> None:
     parser.add_argument("--observations", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--vlm", help="SmolVLA: the directory of its VLM's files (config, tokenizer, processor)")
-    parser.add_argument("--task", default="", help="SmolVLA: the task instruction of every step")
+    parser.add_argument("--vlm", help="a VLA's hub files: SmolVLA's VLM (config, tokenizer, processor), π0's "
+                                      "tokenizer")
+    parser.add_argument("--task", default="", help="a VLA: the task instruction of every step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with np.load(args.observations, allow_pickle=False) as data:
@@ -56,6 +58,11 @@ def main() -> None:
     if kind == "smolvla":
         from tools.lerobot_fixtures.make_vla_fixtures import CounterFlowNoise, load_policy
         policy, pre, post = load_policy(Path(args.checkpoint), Path(args.vlm))
+        noise = CounterFlowNoise(policy)
+    elif kind in ("pi0", "pi05"):
+        from tools.lerobot_fixtures.make_vla_fixtures import CounterFlowNoise
+        from tools.lerobot_fixtures.pi_scaled import load_pi
+        policy, pre, post = load_pi(Path(args.checkpoint), Path(args.vlm))
         noise = CounterFlowNoise(policy)
     else:
         policy = (ACTPolicy if kind == "act" else DiffusionPolicy).from_pretrained(args.checkpoint)

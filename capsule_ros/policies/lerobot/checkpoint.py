@@ -189,9 +189,9 @@ def _normalization(path_hint: str, config: dict, stats: Dict[str, torch.Tensor],
 def read_normalization(checkpoint: Checkpoint,
                        handled: Collection[str] = ()) -> Tuple[Dict[str, Normalization], Normalization]:
     """(input key -> Normalization, the action's unnormalisation) from the processor files;
-    ``handled``: preprocessor steps the policy reproduces itself (see ``_normalizer_step``)."""
+    ``handled``: pre- or postprocessor steps the policy reproduces itself (see ``_normalizer_step``)."""
     pre_config, pre_stats = _normalizer_step(checkpoint, PREPROCESSOR_FILE, "normalizer_processor", handled)
-    post_config, post_stats = _normalizer_step(checkpoint, POSTPROCESSOR_FILE, "unnormalizer_processor")
+    post_config, post_stats = _normalizer_step(checkpoint, POSTPROCESSOR_FILE, "unnormalizer_processor", handled)
     inputs = {key: _normalization(PREPROCESSOR_FILE, pre_config, pre_stats, feature)
               for key, feature in checkpoint.inputs.items()}
     action = _normalization(POSTPROCESSOR_FILE, post_config, post_stats, checkpoint.action)

@@ -37,9 +37,7 @@ from torch import nn
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.checkpoint import (
-    PREPROCESSOR_FILE,
     load_model_weights,
-    processor_steps,
     read_checkpoint,
     read_normalization,
 )
@@ -53,8 +51,8 @@ from capsule_ros.policies.vla.tokens import (
     NEWLINE_STEP,
     TOKENIZER_STEP,
     TaskTokenizer,
-    TokenizerOptions,
     load_tokenizer,
+    tokenizer_options,
 )
 from capsule_ros.runtime.policy import (
     ACTION,
@@ -79,30 +77,6 @@ class SmolVLASettings(VLASettings):
     """SmolVLA from a LeRobot checkpoint: its directory, its VLM's files and the ports that feed it."""
 
     SECTION = "policy.lerobot_smolvla"
-
-
-def tokenizer_options(checkpoint) -> TokenizerOptions:
-    """The tokenizer step of ``policy_preprocessor.json`` (LeRobot's TokenizerProcessorStep)."""
-    steps = processor_steps(checkpoint, PREPROCESSOR_FILE)
-    names = [str(step.get("registry_name")) for step in steps]
-    where = checkpoint.directory / PREPROCESSOR_FILE
-    if names.count(TOKENIZER_STEP) != 1:
-        raise ConfigError(f"{where}: expected one {TOKENIZER_STEP!r} step, found {names.count(TOKENIZER_STEP)}")
-    index = names.index(TOKENIZER_STEP)
-    config = steps[index].get("config") or {}
-    if config.get("task_key", "task") != "task":
-        raise ConfigError(f"{where}: {TOKENIZER_STEP} reads task_key {config.get('task_key')!r}; only 'task' is "
-                          "supported")
-    newline = NEWLINE_STEP in names[:index]
-    if NEWLINE_STEP in names[index:]:
-        raise ConfigError(f"{where}: {NEWLINE_STEP!r} after the tokenizer step is not supported")
-    try:
-        return TokenizerOptions(max_length=int(config.get("max_length", 512)),
-                                padding=str(config.get("padding", "max_length")),
-                                padding_side=str(config.get("padding_side", "right")),
-                                truncation=bool(config.get("truncation", True)), append_newline=newline)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
 
 
 def read_vlm_config(directory: Path, where: str):
@@ -139,7 +113,7 @@ def build(context: BuildContext):
     check_vector_keys(checkpoint)
     inputs = bind_features(checkpoint, features, reserved=RESERVED, resize_cameras=settings.resize_cameras)
     smolvla.check_config(checkpoint)
-    options = tokenizer_options(checkpoint)
+    options = tokenizer_options(checkpoint, NEWLINE_STEP)
     vlm_dir = local_files(settings.vlm_files, str(checkpoint.field("vlm_model_name", "")), f"{where}.vlm_files")
     vlm_config = read_vlm_config(vlm_dir, f"{where}.vlm_files")
     tokenizer = TaskTokenizer(load_tokenizer(vlm_dir, f"{where}.vlm_files"), options,

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from capsule_ros.errors import ConfigError
+from capsule_ros.policies.lerobot.checkpoint import PREPROCESSOR_FILE, processor_steps
 
 NEWLINE_STEP = "smolvla_new_line_processor"     # LeRobot's NewLineTaskProcessorStep (registry name)
 TOKENIZER_STEP = "tokenizer_processor"          # LeRobot's TokenizerProcessorStep
@@ -63,6 +64,33 @@ class TokenizerOptions:
         return asdict(self)
 
 
+def tokenizer_options(checkpoint, newline_step: str) -> TokenizerOptions:
+    """The tokenizer step of the checkpoint's ``policy_preprocessor.json`` (LeRobot's
+    TokenizerProcessorStep); ``newline_step``: the registry name of the kind's step that
+    appends the newline (SmolVLA's ``NEWLINE_STEP``, π0's ``pi0_new_line_processor``), which
+    sets ``append_newline`` when it precedes the tokenizer."""
+    steps = processor_steps(checkpoint, PREPROCESSOR_FILE)
+    names = [str(step.get("registry_name")) for step in steps]
+    where = checkpoint.directory / PREPROCESSOR_FILE
+    if names.count(TOKENIZER_STEP) != 1:
+        raise ConfigError(f"{where}: expected one {TOKENIZER_STEP!r} step, found {names.count(TOKENIZER_STEP)}")
+    index = names.index(TOKENIZER_STEP)
+    config = steps[index].get("config") or {}
+    if config.get("task_key", "task") != "task":
+        raise ConfigError(f"{where}: {TOKENIZER_STEP} reads task_key {config.get('task_key')!r}; only 'task' is "
+                          "supported")
+    newline = newline_step in names[:index]
+    if newline_step in names[index:]:
+        raise ConfigError(f"{where}: {newline_step!r} after the tokenizer step is not supported")
+    try:
+        return TokenizerOptions(max_length=int(config.get("max_length", 512)),
+                                padding=str(config.get("padding", "max_length")),
+                                padding_side=str(config.get("padding_side", "right")),
+                                truncation=bool(config.get("truncation", True)), append_newline=newline)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
 def load_tokenizer(directory: Path, where: str):
     """``AutoTokenizer`` of the files in ``directory``, offline; ConfigError in one line when
     there is none (``where`` says who asked)."""
@@ -91,9 +119,10 @@ class TaskTokenizer:
         self.tokenizer, self.options = tokenizer, options
         self.prompt = prompt or (lambda task: task)
         size = len(tokenizer)
-        if size > embedding_rows:
+        largest = max(tokenizer.get_vocab().values(), default=-1)
+        if size > embedding_rows or largest >= embedding_rows:
             raise ConfigError(f"{where}: the tokenizer has {size} tokens but the text embedding has {embedding_rows} "
-                              "rows: it is not this checkpoint's tokenizer")
+                              f"rows (its largest token id is {largest}): it is not this checkpoint's tokenizer")
         self.pad_id = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else 0
         try:
             self.encode("")
