@@ -12,10 +12,12 @@ ROS-free; nothing here imports LeRobot.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.smolvla_kind import build
 from capsule_ros.policies.vla.rtc import RTCSettings
 from capsule_ros.policies.vla.tokens import MASK
+from capsule_ros.runtime.arena import BufferKind, BufferSpec
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig, runtime_identity
 from capsule_ros.runtime.rng import counter_normal
 
@@ -210,6 +213,20 @@ def test_vlm_files_are_never_downloaded(fixtures):
     fx = fixtures["smolvla_two_cams"]
     message = refusal(fx, settings=fx.settings(vlm_files=""))
     assert "capsule-ros-fixtures/smolvla_two_cams-vlm" in message and "downloads nothing" in message
+
+
+def test_a_task_port_of_another_length_or_type_is_refused_naming_it(fixtures):
+    fx = fixtures["smolvla_two_cams"]
+    context = fx.context()
+    short = tuple(BufferSpec(s.name, (2, 32), torch.int64, BufferKind.INPUT) if s.name == "task" else s
+                  for s in context.inputs)
+    with pytest.raises(ConfigError) as info:
+        build(dataclasses.replace(context, inputs=short))
+    assert str(info.value) == ("port 'task' cannot feed 'task': it is int64 [2, 32], the checkpoint needs token ids "
+                               "and their mask [2, L] int64 [2, 16]")
+    ports = dict(context.ports, task=SimpleNamespace(type="sensor_msgs/msg/JointState"))
+    with pytest.raises(ConfigError, match="port 'task' .*std_msgs/msg/String port"):
+        build(dataclasses.replace(context, ports=ports))
 
 
 def test_guided_rtc_needs_async(fixtures):
