@@ -17,8 +17,8 @@ random steps. Then:
 - ``capsule-ros replay --verify`` of the bag, in a fresh process, is bit-identical, and the
   bag records the delay and the RTC settings.
 
-And ``ros2 launch`` serves ``config/smolvla.yaml`` (paths and shapes set to the fixture's) and
-``ros2 topic pub`` changes its task.
+And ``ros2 launch`` serves ``config/smolvla.yaml`` (paths and shapes set to the fixture's);
+``ros2 topic pub`` changes its task, and so does a behaviour tree (``capsule_ros.bt.SetTask``).
 """
 from __future__ import annotations
 
@@ -31,12 +31,15 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import numpy as np
+import py_trees
 import pytest
 import yaml
 from harness import REPO, ClientNode, start_policy_node, wait_for
 from rclpy.serialization import serialize_message
 from std_msgs.msg import String
 from vla_fixtures import TASK_PORT, VLAFixture, port_of
+
+from capsule_ros.bt import SetTask, tick_until_done
 
 pytestmark = pytest.mark.ros
 NAME, DELAY, RTC_INDEX = "smolvla_two_cams", 3, 0
@@ -268,6 +271,11 @@ def test_ros2_launch_serves_config_smolvla_and_ros2_topic_pub_changes_the_task(t
                               "{data: 'open the drawer'}"], capture_output=True, text=True, timeout=120, env=env)
         assert pub.returncode == 0, pub.stdout + pub.stderr
         wait_for(lambda: task_received() >= 1, timeout=60, what="the task message in ~/status")
+        leaf = SetTask(text="pick up the café cup", topic="/task", timeout_s=30.0)     # the same from a tree
+        tree = py_trees.trees.BehaviourTree(leaf)
+        tree.setup(node=client.node, timeout=10)
+        assert tick_until_done(tree, period_s=0.05) == py_trees.common.Status.SUCCESS, leaf.feedback_message
+        wait_for(lambda: task_received() >= 2, timeout=30, what="the tree's task in ~/status")
     finally:
         client.close()
         os.killpg(launch.pid, 2)                  # Ctrl-C to the process group, as a terminal sends it

@@ -9,7 +9,7 @@ default U-Net's refill takes longer than a chunk's rows last at 10 Hz, so no del
 it, which the ``diffusion`` case reports); ``benchmarks/lerobot_act.py`` and ``lerobot_diffusion.py`` write the
 checkpoints (LeRobot's default architectures, one camera: 240 x 320 on a CPU, ALOHA's
 480 x 640 on a GPU; ``--quick``: small networks and a 96 x 128 camera). The VLA cases
-``smolvla-tiny`` and ``smolvla-mid`` (SmolVLA, chunk 50 all executed, 30 Hz, two cameras and a
+``smolvla-tiny`` (30 Hz) and ``smolvla-mid`` (10 Hz) (SmolVLA, chunk 50 all executed, two cameras and a
 task; ``benchmarks/lerobot_smolvla.py``) serve a checkpoint LeRobot itself writes, so they need
 LeRobot's environment for every side (``--quick`` runs the tiny one only); ``pi0-tiny``,
 ``pi05-tiny`` and ``pi0-mid`` (π0 / π0.5, the same schedule and inputs;
@@ -103,7 +103,7 @@ CASES = {c.name: c for c in (Case("act100", "act", 30.0, 100, 100), Case("act10"
                              Case("diffusion", "diffusion", 10.0, n_action_steps=8),
                              Case("diffusion-small", "diffusion", 10.0, n_action_steps=8, down_dims=(128, 256, 512)),
                              Case("smolvla-tiny", "smolvla", 30.0, 50, 50, size="tiny"),
-                             Case("smolvla-mid", "smolvla", 30.0, 50, 50, size="mid"),
+                             Case("smolvla-mid", "smolvla", 10.0, 50, 50, size="mid"),
                              Case("pi0-tiny", "pi0", 30.0, 50, 50, size="tiny"),
                              Case("pi05-tiny", "pi05", 30.0, 50, 50, size="tiny"),
                              Case("pi0-mid", "pi0", 30.0, 50, 50, size="mid"))}

@@ -33,12 +33,13 @@ and writes the ``.pt2`` atomically with the metadata (``capsule_ros.policies.exp
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import importlib
 import io
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, cast
 
@@ -46,6 +47,7 @@ import torch
 from torch import nn
 
 from capsule_ros.errors import ConfigError
+from capsule_ros.policies.binding import Requirement, require
 from capsule_ros.policies.exported import MAX_INITIAL_BYTES, METADATA_FILE, PHASE_FILE, ProgramInterface, functional
 from capsule_ros.runtime.arena import BufferSpec, dtype_name
 from capsule_ros.runtime.policy import ChunkCadence
@@ -96,36 +98,70 @@ def load_factory(spec: str) -> Callable[..., Any]:
         raise InterfaceError(f"--module {spec!r}: {type(exc).__name__}: {exc}") from None
 
 
+class _Declared:
+    """A module as ``interface_of`` reads it; ``initial_state()`` is called once."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.source = cast(ExportSource, module)
+
+    @functools.cached_property
+    def initial(self) -> Any:
+        return self.source.initial_state()
+
+    def missing(self) -> List[str]:
+        return [name for name in ("inputs", "state", "action_dim", "chunk_horizon", "initial_state")
+                if not hasattr(self.module, name)]
+
+    def cadence(self) -> Any:
+        return getattr(self.module, "cadence", None)
+
+    def lacking_phases(self) -> List[str]:
+        return [name for name in ("observe", "plan", "emit") if not callable(getattr(self.module, name, None))]
+
+
+def _specs(value: Any) -> bool:
+    return not isinstance(value, (str, bytes)) and isinstance(value, Sequence) \
+        and all(isinstance(s, BufferSpec) for s in value)
+
+
+def _names_state(initial: Any, state: Sequence[BufferSpec]) -> bool:
+    return isinstance(initial, Mapping) and set(initial) == {s.name for s in state}
+
+
+# What a module must declare before its interface is built (in order: a row may assume those before hold).
+DECLARATION = (
+    Requirement(lambda d: not d.missing(),
+                lambda d: f" lacks {d.missing()} of the export interface (docs/bring-your-own-policy.md)"),
+    Requirement(lambda d: _specs(d.source.inputs), lambda d: ".inputs must be a sequence of capsule_ros BufferSpec"),
+    Requirement(lambda d: _specs(d.source.state), lambda d: ".state must be a sequence of capsule_ros BufferSpec"),
+    Requirement(lambda d: _names_state(d.initial, d.source.state),
+                lambda d: f".initial_state() must map every state name {[s.name for s in d.source.state]} to a tensor, "
+                          f"got {sorted(d.initial) if isinstance(d.initial, Mapping) else type(d.initial)}"),
+    Requirement(lambda d: d.cadence() is None or isinstance(d.cadence(), ChunkCadence),
+                lambda d: f".cadence must be a capsule_ros ChunkCadence, not {type(d.cadence()).__name__}"),
+    Requirement(lambda d: d.cadence() is None or not d.lacking_phases(),
+                lambda d: f" has a cadence but lacks {d.lacking_phases()}: a chunking module defines observe, plan and "
+                          "emit (docs/bring-your-own-policy.md)"),
+)
+
+
 def interface_of(module: nn.Module) -> ProgramInterface:
-    """The module's export interface, checked; InterfaceError naming what is missing or wrong."""
+    """The module's export interface, checked (``DECLARATION``, then the interface's own
+    rules); InterfaceError naming what is missing or wrong."""
     where = f"module {type(module).__name__}"
-    missing = [name for name in ("inputs", "state", "action_dim", "chunk_horizon", "initial_state")
-               if not hasattr(module, name)]
-    if missing:
-        raise InterfaceError(f"{where} lacks {missing} of the export interface (docs/bring-your-own-policy.md)")
-    source = cast(ExportSource, module)
-    specs = {}
-    for name in ("inputs", "state"):
-        value = getattr(module, name)
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) \
-                or not all(isinstance(s, BufferSpec) for s in value):
-            raise InterfaceError(f"{where}.{name} must be a sequence of capsule_ros BufferSpec")
-        specs[name] = tuple(value)
-    initial = source.initial_state()
-    if not isinstance(initial, Mapping) or set(initial) != {s.name for s in specs["state"]}:
-        raise InterfaceError(f"{where}.initial_state() must map every state name {[s.name for s in specs['state']]} "
-                             f"to a tensor, got {sorted(initial) if isinstance(initial, Mapping) else type(initial)}")
-    cadence = getattr(module, "cadence", None)
-    if cadence is not None:
-        if not isinstance(cadence, ChunkCadence):
-            raise InterfaceError(f"{where}.cadence must be a capsule_ros ChunkCadence, not {type(cadence).__name__}")
-        lacking = [name for name in ("observe", "plan", "emit") if not callable(getattr(module, name, None))]
-        if lacking:
-            raise InterfaceError(f"{where} has a cadence but lacks {lacking}: a chunking module defines observe, "
-                                 "plan and emit (docs/bring-your-own-policy.md)")
-    interface = ProgramInterface(specs["inputs"], specs["state"], source.action_dim, source.chunk_horizon, {},
-                                 cadence)
+    declared = _Declared(module)
+    require(DECLARATION, declared, InterfaceError, prefix=where)
+    source = declared.source
+    interface = ProgramInterface(tuple(source.inputs), tuple(source.state), source.action_dim, source.chunk_horizon,
+                                 {}, declared.cadence())
     interface.check(InterfaceError, where)
+    return replace(interface, initial=_initial_values(interface, declared.initial, where))
+
+
+def _initial_values(interface: ProgramInterface, initial: Mapping[str, Any], where: str) -> Dict[str, torch.Tensor]:
+    """The state's non-zero initial values (``rng`` is seeded by the runtime instead), each
+    checked against its spec, at most ``MAX_INITIAL_BYTES`` of them."""
     values = {}
     for spec in interface.state:
         value = initial[spec.name]
@@ -139,8 +175,7 @@ def interface_of(module: nn.Module) -> ProgramInterface:
     if stored > MAX_INITIAL_BYTES:
         raise InterfaceError(f"{where}.initial_state() has {stored} bytes of non-zero values; at most "
                              f"{MAX_INITIAL_BYTES} are stored in the program's metadata (start large buffers at zero)")
-    return ProgramInterface(interface.inputs, interface.state, interface.action_dim, interface.chunk_horizon, values,
-                            cadence)
+    return values
 
 
 def _random_inputs(interface: ProgramInterface, generator: torch.Generator) -> List[torch.Tensor]:

@@ -17,7 +17,8 @@ base64), each checked exactly as the main one; the metadata (version 2) holds th
 cadence. Served, the runtime runs the network only when a chunk is due. Served:
 
 - the inputs bind to the node's ports by name, shape and dtype, checked from the
-  metadata alone before the program is loaded, with errors that name the mismatch;
+  metadata alone before the program is loaded, with errors that name the mismatch
+  (``RULES``, the interface in the binding vocabulary of ``capsule_ros.policies.binding``);
 - the state lives in the arena: each step calls the program on views of the buffers and
   copies the new state back in place, so a capsule is still one copy of the arena, and
   the step (program and copies) is captured as one CUDA graph on a GPU;
@@ -46,6 +47,21 @@ import torch
 
 from capsule_ros.config import ConfigSection, setting
 from capsule_ros.errors import ConfigError
+from capsule_ros.policies.binding import (
+    AS_IS,
+    BindingRules,
+    Count,
+    Report,
+    Requirement,
+    Role,
+    RoleRule,
+    Tensor,
+    Wording,
+    bind,
+    examine,
+    ports_of,
+    unmet,
+)
 from capsule_ros.policies.phases import ModuleSteps
 from capsule_ros.policies.registry import BuildContext, PolicyKind
 from capsule_ros.runtime.arena import STATE_KINDS, BufferKind, BufferSpec, dtype_from_name, dtype_name
@@ -75,6 +91,40 @@ PHASES = ("observe", "plan", "emit")
 INIT_RULES = ("zeros", "seed", "values")  # a state buffer at reset: zeros, (seed, 0) for rng, stored values
 MAX_INITIAL_BYTES = 64 * 2**20            # stored initial values, all buffers together (the rest start at 0)
 RESERVED = (STEP, POSITION, EPISODE, ACTION, CHUNK, CHUNK_ACTIONS, CHUNK_CURSOR, CHUNK_PENDING)  # the runtime's
+STATE_KIND_NAMES = tuple(k.value for k in STATE_KINDS)
+
+# The interface in the binding vocabulary: each input is fed by the port of its name as it
+# is; the state is carried, ``rng`` the runtime's generator. Every problem is reported.
+RULES = BindingRules(
+    roles=(
+        RoleRule(Role.RNG, labels=("state",), names=(RNG,), kinds=STATE_KIND_NAMES, shape=(2,), dtypes=(torch.int64,),
+                 wrong_type=f"state {RNG!r} is the counter-based generator: it must be int64[2], not "
+                            "{dtype}{shape}"),
+        RoleRule(Role.OBSERVATION, labels=("input",), count=Count.SOME, kinds=(BufferKind.INPUT.value,), feed=AS_IS),
+        RoleRule(Role.STATE, labels=("state",), kinds=STATE_KIND_NAMES),
+    ),
+    reserved=RESERVED, unique=True, report=Report.ALL,
+    wording=Wording(
+        empty="inputs is empty (one entry per port the policy reads)",
+        wrong_kind="{label} {key!r} has kind {kind} (must be {kinds})",
+        twice="name {key!r} is used twice",
+        reserved="name {key!r} is a standard buffer the runtime writes ({reserved})",
+        wrong_label="{key!r} must be {labels}, not an {label}",
+        port_undeclared="no port for its input {key!r} {want_dtype}{want_shape} (add it to ports.names)",
+        port_unused="port {port!r} is not one of its inputs (remove it from ports.names)",
+        port_mismatch="ports.{port} is {have_dtype}{have_shape}, its input {key!r} is {want_dtype}{want_shape} "
+                      "(set ports.{port}.shape / dtype to match)"),
+)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+SIZES = (Requirement(lambda i: _positive_int(i.action_dim), lambda i: f"action_dim = {i.action_dim!r} must be a "
+                                                                       "positive int"),
+         Requirement(lambda i: _positive_int(i.chunk_horizon), lambda i: f"chunk_horizon = {i.chunk_horizon!r} must be "
+                                                                          "a positive int"))
 
 
 class ProgramError(ConfigError):
@@ -94,39 +144,29 @@ class ProgramInterface:
     initial: Mapping[str, torch.Tensor] = field(default_factory=dict)
     cadence: Optional[ChunkCadence] = None     # a chunking program (exported as its phases)
 
+    def tensors(self) -> List[Tensor]:
+        """The inputs and the state in the binding vocabulary (labelled by their group)."""
+        return ([Tensor.of(s, label="input", kind=s.kind.value) for s in self.inputs]
+                + [Tensor.of(s, label="state", kind=s.kind.value) for s in self.state])
+
     def check(self, error: Type[ConfigError], where: str) -> None:
-        """Raise ``error`` naming ``where`` when the interface breaks a rule of the module docstring."""
-        problems = []
-        for value, name in ((self.action_dim, "action_dim"), (self.chunk_horizon, "chunk_horizon")):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                problems.append(f"{name} = {value!r} must be a positive int")
-        if not self.inputs:
-            problems.append("inputs is empty (one entry per port the policy reads)")
-        problems += [f"input {s.name!r} has kind {s.kind.value} (must be input)" for s in self.inputs
-                     if s.kind != BufferKind.INPUT]
-        problems += [f"state {s.name!r} has kind {s.kind.value} (must be one of {[k.value for k in STATE_KINDS]})"
-                     for s in self.state if s.kind not in STATE_KINDS]
-        names = [s.name for s in (*self.inputs, *self.state)]
-        problems += [f"name {n!r} is used twice" for n in sorted({n for n in names if names.count(n) > 1})]
-        problems += [f"name {n!r} is a standard buffer the runtime writes ({list(RESERVED)})" for n in names
-                     if n in RESERVED]
-        rng = [s for s in self.state if s.name == RNG]
-        if rng and (rng[0].shape != (2,) or rng[0].dtype != torch.int64):
-            problems.append(f"state {RNG!r} is the counter-based generator: it must be int64[2], not "
-                            f"{dtype_name(rng[0].dtype)}{list(rng[0].shape)}")
-        if any(s.name == RNG for s in self.inputs):
-            problems.append(f"{RNG!r} must be state, not an input")
-        for name, initial in self.initial.items():
-            spec = next((s for s in self.state if s.name == name), None)
-            if spec is None or tuple(initial.shape) != spec.shape or initial.dtype != spec.dtype:
-                problems.append(f"initial value of {name!r} ({dtype_name(initial.dtype)}{list(initial.shape)}) does "
-                                "not fit a state buffer")
-        if self.cadence is not None:
-            unknown = [r for r in self.cadence.reads if r not in names]
-            if unknown:
-                problems.append(f"cadence reads {unknown}, which are neither inputs nor state")
+        """Raise ``error`` naming ``where`` and every rule of the module docstring the interface breaks."""
+        _, problems = examine(RULES, inputs=self.tensors())
+        problems = unmet(SIZES, self) + problems + [
+            f"initial value of {name!r} ({dtype_name(value.dtype)}{list(value.shape)}) does not fit a state buffer"
+            for name, value in self.initial.items() if not self._fits_state(name, value)]
+        unknown = [] if self.cadence is None else [r for r in self.cadence.reads if r not in self.names()]
+        if unknown:
+            problems.append(f"cadence reads {unknown}, which are neither inputs nor state")
         if problems:
             raise error(f"{where}: {'; '.join(problems)}")
+
+    def names(self) -> List[str]:
+        return [s.name for s in (*self.inputs, *self.state)]
+
+    def _fits_state(self, name: str, value: torch.Tensor) -> bool:
+        spec = next((s for s in self.state if s.name == name), None)
+        return spec is not None and tuple(value.shape) == spec.shape and value.dtype == spec.dtype
 
     def init_rule(self, name: str) -> str:
         return "seed" if name == RNG else "values" if name in self.initial else "zeros"
@@ -350,19 +390,9 @@ def _check_signature(program: torch.export.ExportedProgram, interface: ProgramIn
 
 
 def bind_inputs(interface: ProgramInterface, ports: Sequence[BufferSpec], where: str) -> None:
-    """The node's ports must be the program's inputs: same names, shapes and dtypes."""
-    wanted = {s.name: s for s in interface.inputs}
-    given = {s.name: s for s in ports}
-    problems = [f"no port for its input {name!r} {dtype_name(s.dtype)}{list(s.shape)} (add it to ports.names)"
-                for name, s in wanted.items() if name not in given]
-    problems += [f"port {name!r} is not one of its inputs (remove it from ports.names)" for name in given
-                 if name not in wanted]
-    problems += [f"ports.{name} is {dtype_name(given[name].dtype)}{list(given[name].shape)}, its input {name!r} is "
-                 f"{dtype_name(s.dtype)}{list(s.shape)} (set ports.{name}.shape / dtype to match)"
-                 for name, s in wanted.items() if name in given and (given[name].shape, given[name].dtype)
-                 != (s.shape, s.dtype)]
-    if problems:
-        raise ProgramError(f"{where} does not fit the ports: {'; '.join(problems)}")
+    """The node's ports must be the program's inputs: same names, shapes and dtypes (``RULES``)."""
+    bind(RULES, inputs=interface.tensors(), ports=ports_of(ports), where=f"{where} does not fit the ports",
+         error=ProgramError)
 
 
 # --- the policy ---------------------------------------------------------------------------------

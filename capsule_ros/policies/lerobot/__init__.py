@@ -8,8 +8,11 @@ and matched against LeRobot's own outputs (``test/test_lerobot_parity.py``).
 Entry points: ``build_act`` and ``build_diffusion`` (or ``build_policy``, which reads the
 checkpoint's ``type``) take a LeRobot ``pretrained_model/`` directory and a feature map
 (checkpoint input feature key -> the INPUT ``BufferSpec`` of the port feeding it, see
-``features.py``). Everything that can be checked from config.json is checked before any
-statistics or weights are read, and raises ``ConfigError`` naming the key.
+``features.py``); ``build_from_ports`` takes the map as port names over the node's ports
+(the policy kinds, ``kinds.py``). Everything that can be checked from config.json is
+checked before any statistics or weights are read (the feature map by the binding
+checker, the options by each type's ``REQUIREMENTS``), and raises ``ConfigError``
+naming the key.
 """
 from __future__ import annotations
 
@@ -19,10 +22,11 @@ from typing import Callable, Mapping, Tuple
 from torch import nn
 
 from capsule_ros.errors import ConfigError
+from capsule_ros.policies.binding import Port, Requirement, require
 from capsule_ros.policies.lerobot import act, diffusion
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint, load_model_weights, read_checkpoint, read_normalization
-from capsule_ros.policies.lerobot.features import bind_features
-from capsule_ros.policies.lerobot.policy import LeRobotPolicy, check_vector_keys
+from capsule_ros.policies.lerobot.features import bind_ports, feature_rules
+from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.runtime.arena import BufferSpec
 from capsule_ros.runtime.policy import (
     ACTION,
@@ -40,18 +44,18 @@ STANDARD_NAMES = (STEP, POSITION, EPISODE, RNG, ACTION, CHUNK, CHUNK_ACTIONS, CH
 
 
 class _Kind:
-    """How one LeRobot policy type is checked, built and loaded."""
+    """How one LeRobot policy type is checked (its config's ``requirements``), built and loaded."""
 
-    def __init__(self, check: Callable[[Checkpoint], None], build: Callable[..., LeRobotPolicy],
+    def __init__(self, requirements: Tuple[Requirement, ...], build: Callable[..., LeRobotPolicy],
                  buffers: Tuple[str, ...], training_only: Callable[[Checkpoint], Tuple[str, ...]]):
-        self.check, self.build, self.buffers = check, build, buffers
+        self.requirements, self.build, self.buffers = requirements, build, buffers
         self.training_only = training_only
 
 
 KINDS = {
-    "act": _Kind(act.check_config, act.ACTPolicy, act.BUFFER_NAMES,
+    "act": _Kind(act.REQUIREMENTS, act.ACTPolicy, act.BUFFER_NAMES,
                  lambda ck: act.TRAINING_ONLY if ck.field("use_vae", True) else ()),
-    "diffusion": _Kind(diffusion.check_config, diffusion.DiffusionPolicy, diffusion.BUFFER_NAMES, lambda ck: ()),
+    "diffusion": _Kind(diffusion.REQUIREMENTS, diffusion.DiffusionPolicy, diffusion.BUFFER_NAMES, lambda ck: ()),
 }
 
 
@@ -65,6 +69,16 @@ def build_policy(checkpoint_dir, feature_map: Mapping[str, BufferSpec], *, expec
     is read), then the processor statistics, then the network is built and
     ``model.safetensors`` loaded strictly by LeRobot's parameter names.
     """
+    ports = {spec.name: Port(spec) for spec in feature_map.values()}
+    return build_from_ports(checkpoint_dir, {key: spec.name for key, spec in feature_map.items()}, ports,
+                            expected_type=expected_type, resize_cameras=resize_cameras)
+
+
+def build_from_ports(checkpoint_dir, feeds: Mapping[str, str], ports: Mapping[str, Port], *, expected_type: str = "",
+                     resize_cameras: bool = False, section: str = "policy.lerobot") -> LeRobotPolicy:
+    """``build_policy`` with the map as {feature key: port name} over the node's ports
+    (``binding.ports_of``: their message types are checked too); ``section`` names the
+    kind's settings in errors."""
     checkpoint = read_checkpoint(Path(checkpoint_dir))
     kind_name = checkpoint.policy_type
     if expected_type and kind_name != expected_type:
@@ -73,10 +87,9 @@ def build_policy(checkpoint_dir, feature_map: Mapping[str, BufferSpec], *, expec
         raise ConfigError(f"{checkpoint.directory}/config.json: policy type {kind_name!r} is not supported; "
                           f"supported: {sorted(KINDS)}")
     kind = KINDS[kind_name]
-    check_vector_keys(checkpoint)
-    inputs = bind_features(checkpoint, feature_map, reserved=STANDARD_NAMES + kind.buffers,
-                           resize_cameras=resize_cameras)
-    kind.check(checkpoint)
+    inputs = bind_ports(checkpoint, feature_rules(STANDARD_NAMES + kind.buffers), feeds, ports, section=section,
+                        resize_cameras=resize_cameras)
+    require(kind.requirements, checkpoint)
     input_norms, action_norm = read_normalization(checkpoint)
     policy = kind.build(checkpoint, inputs, input_norms, action_norm)
     load_model_weights(checkpoint, nn.ModuleDict(policy.weight_modules()), training_only=kind.training_only(checkpoint))
@@ -97,4 +110,4 @@ def build_diffusion(checkpoint_dir, feature_map: Mapping[str, BufferSpec]) -> di
     return policy
 
 
-__all__ = ["build_policy", "build_act", "build_diffusion", "read_checkpoint"]
+__all__ = ["build_policy", "build_from_ports", "build_act", "build_diffusion", "read_checkpoint"]

@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from capsule_ros.errors import ConfigError
+from capsule_ros.policies.binding import Requirement
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
 from capsule_ros.policies.lerobot.common import RESNET_CHANNELS, FrozenBatchNorm2d, resnet_feature_size, resnet_trunk
-from capsule_ros.policies.lerobot.features import BoundInput
+from capsule_ros.policies.lerobot.features import OBS_STATE, BoundInput
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
 from capsule_ros.runtime.chunking import chunked_step
@@ -50,24 +50,26 @@ TRAINING_ONLY = ("model.vae_encoder",)   # the VAE encoder (and its cls/proj/pos
 ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
 
 
-def check_config(checkpoint: Checkpoint) -> None:
-    """Refuse ACT options this implementation does not reproduce, naming the field."""
-    c = checkpoint.field
-    if c("n_obs_steps", 1) != 1:
-        raise ConfigError(f"ACT n_obs_steps = {c('n_obs_steps')}: only 1 is supported (as in LeRobot)")
-    if c("replace_final_stride_with_dilation", False):
-        raise ConfigError("ACT replace_final_stride_with_dilation = true is not supported")
-    if c("feedforward_activation", "relu") not in ACTIVATIONS:
-        raise ConfigError(f"ACT feedforward_activation = {c('feedforward_activation')!r}: supported "
-                          f"{sorted(ACTIVATIONS)}")
-    if c("dim_model") % c("n_heads"):
-        raise ConfigError(f"ACT dim_model = {c('dim_model')} is not divisible by n_heads = {c('n_heads')}")
-    if c("temporal_ensemble_coeff") is not None and c("n_action_steps") != 1:
-        raise ConfigError("ACT temporal_ensemble_coeff needs n_action_steps = 1")
-    if not 1 <= c("n_action_steps") <= c("chunk_size"):
-        raise ConfigError(f"ACT n_action_steps = {c('n_action_steps')} must be in [1, chunk_size = {c('chunk_size')}]")
-    if "observation.state" not in checkpoint.inputs:
-        raise ConfigError("ACT needs an 'observation.state' input feature (LeRobot reads it at inference)")
+# The ACT options this implementation reproduces (in order: a row may assume those before hold).
+REQUIREMENTS = (
+    Requirement(lambda ck: ck.field("n_obs_steps", 1) == 1,
+                lambda ck: f"ACT n_obs_steps = {ck.field('n_obs_steps')}: only 1 is supported (as in LeRobot)"),
+    Requirement(lambda ck: not ck.field("replace_final_stride_with_dilation", False),
+                lambda ck: "ACT replace_final_stride_with_dilation = true is not supported"),
+    Requirement(lambda ck: ck.field("feedforward_activation", "relu") in ACTIVATIONS,
+                lambda ck: f"ACT feedforward_activation = {ck.field('feedforward_activation')!r}: supported "
+                           f"{sorted(ACTIVATIONS)}"),
+    Requirement(lambda ck: ck.field("dim_model") % ck.field("n_heads") == 0,
+                lambda ck: f"ACT dim_model = {ck.field('dim_model')} is not divisible by n_heads = "
+                           f"{ck.field('n_heads')}"),
+    Requirement(lambda ck: ck.field("temporal_ensemble_coeff") is None or ck.field("n_action_steps") == 1,
+                lambda ck: "ACT temporal_ensemble_coeff needs n_action_steps = 1"),
+    Requirement(lambda ck: 1 <= ck.field("n_action_steps") <= ck.field("chunk_size"),
+                lambda ck: f"ACT n_action_steps = {ck.field('n_action_steps')} must be in [1, chunk_size = "
+                           f"{ck.field('chunk_size')}]"),
+    Requirement(lambda ck: OBS_STATE in ck.inputs,
+                lambda ck: f"ACT needs an {OBS_STATE!r} input feature (LeRobot reads it at inference)"),
+)
 
 
 # --- transformer -------------------------------------------------------------------------------

@@ -42,14 +42,14 @@ it reads the windows and ``rng`` only, which an async request copies.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence, cast
+from typing import Any, Dict, List, Sequence, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from capsule_ros.errors import ConfigError
+from capsule_ros.policies.binding import Requirement
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
 from capsule_ros.policies.lerobot.common import (
     RESNET_CHANNELS,
@@ -58,7 +58,7 @@ from capsule_ros.policies.lerobot.common import (
     resnet_feature_size,
     resnet_trunk,
 )
-from capsule_ros.policies.lerobot.features import BoundInput
+from capsule_ros.policies.lerobot.features import OBS_STATE, VISUAL, BoundInput
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.policies.lerobot.schedulers import NoiseScheduler, SchedulerConfig
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
@@ -70,33 +70,54 @@ OBS_PREFIX = "diffusion.obs."
 BUFFER_NAMES: tuple = ()
 
 
-def check_config(checkpoint: Checkpoint) -> None:
-    """Refuse Diffusion options this implementation does not reproduce, naming the field."""
-    c = checkpoint.field
-    resize = c("resize_shape")
-    if resize is not None and (not isinstance(resize, (list, tuple)) or len(resize) != 2
-                               or not all(isinstance(d, int) and d > 0 for d in resize)):
-        raise ConfigError(f"Diffusion resize_shape = {resize!r}: must be a pair of positive integers (as LeRobot's)")
-    if c("spatial_softmax_num_keypoints") is None:
-        raise ConfigError("Diffusion spatial_softmax_num_keypoints = null is not supported")
-    if c("use_group_norm", True) and c("pretrained_backbone_weights"):
-        raise ConfigError("Diffusion use_group_norm with pretrained_backbone_weights: LeRobot refuses it too")
-    if "observation.state" not in checkpoint.inputs:
-        raise ConfigError("Diffusion needs an 'observation.state' input feature")
-    horizon, n_obs, n_act = c("horizon"), c("n_obs_steps"), c("n_action_steps")
-    if horizon % (2 ** len(c("down_dims"))):
-        raise ConfigError(f"Diffusion horizon = {horizon} is not a multiple of 2^len(down_dims)")
-    if not 1 <= n_act <= horizon - n_obs + 1:
-        raise ConfigError(f"Diffusion n_action_steps = {n_act} must be in [1, horizon - n_obs_steps + 1 = "
-                          f"{horizon - n_obs + 1}]")
-    images = [list(f.shape[1:]) for f in checkpoint.inputs.values() if f.type == "VISUAL"]
-    if any(size != images[0] for size in images):
-        raise ConfigError(f"Diffusion camera features have different sizes {images}; LeRobot needs one size")
-    crop = c("crop_shape")
-    sizes = [list(resize)] if resize is not None and images else images     # what the crop is taken from
-    if crop is not None and any(crop[0] > s[0] or crop[1] > s[1] for s in sizes):
-        raise ConfigError(f"Diffusion crop_shape = {list(crop)} does not fit the camera images "
-                          f"{'resized to ' if resize is not None else ''}{sizes[0] if sizes else []}")
+def _resize_valid(resize: Any) -> bool:
+    return resize is None or (isinstance(resize, (list, tuple)) and len(resize) == 2
+                              and all(isinstance(d, int) and d > 0 for d in resize))
+
+
+def _camera_sizes(checkpoint: Checkpoint) -> List[List[int]]:
+    return [list(f.shape[1:]) for f in checkpoint.inputs.values() if f.type == VISUAL]
+
+
+def _cropped_from(checkpoint: Checkpoint) -> List[List[int]]:
+    """The image sizes the crop is taken from: resize_shape, else the cameras'."""
+    resize, images = checkpoint.field("resize_shape"), _camera_sizes(checkpoint)
+    return [list(resize)] if resize is not None and images else images
+
+
+def _crop_fits(checkpoint: Checkpoint) -> bool:
+    crop = checkpoint.field("crop_shape")
+    return crop is None or all(crop[0] <= s[0] and crop[1] <= s[1] for s in _cropped_from(checkpoint))
+
+
+def _last_action_step(checkpoint: Checkpoint) -> int:
+    return checkpoint.field("horizon") - checkpoint.field("n_obs_steps") + 1
+
+
+# The Diffusion options this implementation reproduces (in order: a row may assume those before hold).
+REQUIREMENTS = (
+    Requirement(lambda ck: _resize_valid(ck.field("resize_shape")),
+                lambda ck: f"Diffusion resize_shape = {ck.field('resize_shape')!r}: must be a pair of positive "
+                           "integers (as LeRobot's)"),
+    Requirement(lambda ck: ck.field("spatial_softmax_num_keypoints") is not None,
+                lambda ck: "Diffusion spatial_softmax_num_keypoints = null is not supported"),
+    Requirement(lambda ck: not (ck.field("use_group_norm", True) and ck.field("pretrained_backbone_weights")),
+                lambda ck: "Diffusion use_group_norm with pretrained_backbone_weights: LeRobot refuses it too"),
+    Requirement(lambda ck: OBS_STATE in ck.inputs,
+                lambda ck: f"Diffusion needs an {OBS_STATE!r} input feature"),
+    Requirement(lambda ck: ck.field("horizon") % (2 ** len(ck.field("down_dims"))) == 0,
+                lambda ck: f"Diffusion horizon = {ck.field('horizon')} is not a multiple of 2^len(down_dims)"),
+    Requirement(lambda ck: 1 <= ck.field("n_action_steps") <= _last_action_step(ck),
+                lambda ck: f"Diffusion n_action_steps = {ck.field('n_action_steps')} must be in [1, horizon - "
+                           f"n_obs_steps + 1 = {_last_action_step(ck)}]"),
+    Requirement(lambda ck: all(size == _camera_sizes(ck)[0] for size in _camera_sizes(ck)),
+                lambda ck: f"Diffusion camera features have different sizes {_camera_sizes(ck)}; LeRobot needs one "
+                           "size"),
+    Requirement(_crop_fits,
+                lambda ck: f"Diffusion crop_shape = {list(ck.field('crop_shape'))} does not fit the camera images "
+                           f"{'resized to ' if ck.field('resize_shape') is not None else ''}"
+                           f"{(_cropped_from(ck) or [[]])[0]}"),
+)
 
 
 # --- observation encoder ----------------------------------------------------------------------

@@ -2,32 +2,79 @@
 
 A LeRobot checkpoint names its inputs by feature key (``observation.state``,
 ``observation.environment_state``, ``observation.images.<camera>``); the node names its
-ports. ``feature_map`` maps every checkpoint input key to the INPUT ``BufferSpec`` of the
-port that feeds it, and ``bind_features`` checks it against config.json alone, before
-anything else is read:
+ports. The map (``policy.<kind>.features``, or a {feature key: port buffer} mapping in
+Python) is checked against config.json alone, before anything else is read, by the
+binding checker (``capsule_ros.policies.binding``) with ``feature_rules``:
 
 - every checkpoint input feature has a port, and every map entry is a checkpoint input
-  feature (a camera is never substituted for another);
-- a camera feature ``VISUAL [3, H, W]`` takes a uint8 ``[H, W, 3]`` RGB port of exactly
-  that size, or of any size with ``resize_cameras`` (the policy then resizes each frame to
-  ``H x W`` on the device, ``common.resize_image``); a ``STATE`` / ``ENV`` feature ``[n]``
-  takes a float32 ``[n]`` port;
+  feature (a camera is never substituted for another); every declared port feeds one;
+- a camera feature ``VISUAL [3, H, W]`` takes a uint8 ``[H, W, 3]`` RGB port
+  (``sensor_msgs/msg/Image``) of exactly that size, or of any size with
+  ``resize_cameras`` (the policy then resizes each frame to ``H x W`` on the device,
+  ``common.resize_image``); a ``STATE`` / ``ENV`` feature ``[n]`` takes a float32 ``[n]``
+  port of any other message type;
+- LeRobot's ACT and Diffusion read vectors only from ``observation.state`` (STATE) and
+  ``observation.environment_state`` (ENV): any other vector feature would be ignored by
+  LeRobot (or break it), so it is refused rather than silently dropped;
 - ports are distinct and do not use a name the policy keeps for itself.
 
-Each error is a ``ConfigError`` naming the feature key and what to change.
+Each error is a ``ConfigError`` naming the feature key or port and what to change
+(``WORDING``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Dict, List, Mapping, Tuple
+from typing import Collection, List, Mapping, Optional, Tuple
 
 import torch
 
-from capsule_ros.errors import ConfigError
+from capsule_ros.policies.binding import (
+    IMAGE_MESSAGES,
+    RGB_IMAGE,
+    VECTOR,
+    VECTOR_MESSAGES,
+    BindingRules,
+    Port,
+    Role,
+    RoleRule,
+    Tensor,
+    Wording,
+    bind,
+)
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint
-from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_name
+from capsule_ros.runtime.arena import BufferSpec
 
 VISUAL, STATE, ENV = "VISUAL", "STATE", "ENV"
+OBS_STATE = "observation.state"
+OBS_ENV_STATE = "observation.environment_state"
+
+WORDING = Wording(
+    unknown_label="{where}: input feature {key!r} has type {label!r}; supported: {labels}",
+    unexpected_name="input feature {key!r} ({label}): the {policy} model reads only {names}; rename it in "
+                    "config.json or drop it",
+    port_undeclared="{section}.features maps to port {port!r}, which is not in ports.names {ports}",
+    port_unused="port {port!r} feeds no feature of the checkpoint: map it in {section}.features or remove it from "
+                "ports.names",
+    map_unknown="feature map entry {key!r} is not an input feature of {where}; its input features are {names}",
+    no_port="input feature {key!r} of {where} has no port in the feature map: map it to the {port_noun} port that "
+            "feeds it",
+    port_mismatch="port {port!r} cannot feed {key!r}: it is {have_dtype} {have_shape}, the checkpoint needs {what} "
+                  "{want_dtype} {want_shape}{hint}",
+    port_twice="port {port!r} feeds both {other!r} and {key!r}; give each feature its own port",
+    resize_hint=" (or set resize_cameras to resize another size on the device)",
+)
+
+
+def feature_rules(reserved: Collection[str] = ()) -> BindingRules:
+    """ACT's and Diffusion's inputs in the binding vocabulary; ``reserved``: buffer names
+    the policy uses itself, which no port may take."""
+    return BindingRules(
+        roles=(RoleRule(Role.CAMERA, labels=(VISUAL,), feed=RGB_IMAGE, messages=IMAGE_MESSAGES, noun="camera feature"),
+               RoleRule(Role.ROBOT_STATE, labels=(STATE,), names=(OBS_STATE,), feed=VECTOR, messages=VECTOR_MESSAGES,
+                        noun="feature"),
+               RoleRule(Role.ENV_STATE, labels=(ENV,), names=(OBS_ENV_STATE,), feed=VECTOR, messages=VECTOR_MESSAGES,
+                        noun="feature")),
+        reserved_ports=tuple(reserved), wording=WORDING)
 
 
 @dataclass(frozen=True)
@@ -49,59 +96,31 @@ class BoundInput:
         return self.shape[1], self.shape[2]
 
 
+def feature_tensors(checkpoint: Checkpoint) -> List[Tensor]:
+    """The checkpoint's input features as the binding checker sees them (labelled by type)."""
+    return [Tensor(key, feature.shape, torch.float32, label=feature.type, source=feature)
+            for key, feature in checkpoint.inputs.items()]
+
+
 def port_shape_for(feature_type: str, shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], torch.dtype]:
     """The port shape and dtype that can feed a feature of this type and LeRobot shape."""
-    if feature_type == VISUAL:
-        return (shape[1], shape[2], shape[0]), torch.uint8
-    return tuple(shape), torch.float32
+    feed = RGB_IMAGE if feature_type == VISUAL else VECTOR
+    return feed.port_for(Tensor("", tuple(shape), torch.float32))
 
 
-def bind_features(checkpoint: Checkpoint, feature_map: Mapping[str, BufferSpec],
-                  reserved: Collection[str] = (), resize_cameras: bool = False) -> List[BoundInput]:
-    """Validate ``feature_map`` against the checkpoint's input features (config.json only).
+def bind_ports(checkpoint: Checkpoint, rules: BindingRules, feeds: Mapping[str, str], ports: Mapping[str, Port], *,
+               section: str = "policy.lerobot", resize_cameras: bool = False) -> List[BoundInput]:
+    """The bound inputs of ``feeds`` ({feature key: port name}) over ``ports``, checked by
+    ``rules``, in the checkpoint's feature order (which is LeRobot's camera order)."""
+    table = bind(rules, inputs=feature_tensors(checkpoint), ports=ports, feeds=feeds, resize=resize_cameras,
+                 where=f"{checkpoint.directory}/config.json", section=section,
+                 fields={"policy": checkpoint.policy_type})
+    return [BoundInput(b.tensor.name, b.tensor.label, b.tensor.shape, b.port) for b in table.fed() if b.port]
 
-    Returns the bound inputs in the checkpoint's feature order (which is LeRobot's camera
-    order). ``reserved``: buffer names the policy uses itself. ``resize_cameras``: a camera
-    port may have another size than its feature (it is resized), never another layout.
-    """
-    where = f"{checkpoint.directory}/config.json"
-    known = list(checkpoint.inputs)
-    unknown = [key for key in feature_map if key not in checkpoint.inputs]
-    if unknown:
-        raise ConfigError(f"feature map entry {unknown[0]!r} is not an input feature of {where}; "
-                          f"its input features are {known}")
-    bound: List[BoundInput] = []
-    ports: Dict[str, str] = {}                       # port name -> the feature it feeds
-    for key, feature in checkpoint.inputs.items():
-        if feature.type not in (VISUAL, STATE, ENV):
-            raise ConfigError(f"{where}: input feature {key!r} has type {feature.type!r}; "
-                              "supported: VISUAL, STATE, ENV")
-        if key not in feature_map:
-            raise ConfigError(f"input feature {key!r} of {where} has no port in the feature map: "
-                              f"map it to the {'camera' if feature.type == VISUAL else 'vector'} port that feeds it")
-        spec = feature_map[key]
-        if feature.type == VISUAL and (len(feature.shape) != 3 or feature.shape[0] != 3):
-            raise ConfigError(f"{where}: camera feature {key!r} has shape {list(feature.shape)}; only RGB "
-                              "[3, H, W] images are supported")
-        if feature.type != VISUAL and len(feature.shape) != 1:
-            raise ConfigError(f"{where}: feature {key!r} has shape {list(feature.shape)}; expected a vector [n]")
-        shape, dtype = port_shape_for(feature.type, feature.shape)
-        if resize_cameras and feature.type == VISUAL and len(spec.shape) == 3 and spec.shape[2] == 3:
-            shape = tuple(spec.shape)                         # any [h, w, 3]: resized to [H, W] in the step
-        if tuple(spec.shape) != shape or spec.dtype != dtype:
-            what = "an RGB camera image [H, W, 3]" if feature.type == VISUAL else "a vector"
-            hint = ("" if feature.type != VISUAL or resize_cameras
-                    else " (or set resize_cameras to resize another size on the device)")
-            raise ConfigError(f"port {spec.name!r} cannot feed {key!r}: it is {dtype_name(spec.dtype)} "
-                              f"{list(spec.shape)}, the checkpoint needs {what} {dtype_name(dtype)} {list(shape)}"
-                              + hint)
-        if spec.name in ports:
-            raise ConfigError(f"port {spec.name!r} feeds both {ports[spec.name]!r} and {key!r}; "
-                              "give each feature its own port")
-        if spec.name in reserved:
-            raise ConfigError(f"port name {spec.name!r} (feeding {key!r}) is a buffer of the policy itself; "
-                              "rename the port")
-        ports[spec.name] = key
-        bound.append(BoundInput(key, feature.type, feature.shape,
-                                BufferSpec(spec.name, shape, dtype, BufferKind.INPUT)))
-    return bound
+
+def bind_features(checkpoint: Checkpoint, feature_map: Mapping[str, BufferSpec], reserved: Collection[str] = (),
+                  resize_cameras: bool = False, rules: Optional[BindingRules] = None) -> List[BoundInput]:
+    """``bind_ports`` for a map given as {feature key: port buffer} (no message types known)."""
+    ports = {spec.name: Port(spec) for spec in feature_map.values()}
+    return bind_ports(checkpoint, rules or feature_rules(reserved), {key: s.name for key, s in feature_map.items()},
+                      ports, resize_cameras=resize_cameras)

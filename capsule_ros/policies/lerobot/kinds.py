@@ -11,10 +11,11 @@ directory served by policy_node, configured by parameters (docs/lerobot.md is th
 ROS parameters cannot be maps, so the port-to-feature map is a string array of
 ``<feature key>:<port>`` entries, one per input feature of the checkpoint. ``build``
 checks, in this order, each step raising ConfigError naming the key or port before the
-next one starts: the entries themselves; config.json (nothing else is read yet) against
-the ports, i.e. every feature has a port and every port a feature, a camera feature is fed
-by a ``sensor_msgs/msg/Image`` port and a vector by any other type, then shapes and dtypes
-(``features.bind_features``); only then the processor statistics and the weights.
+next one starts: the entries themselves; config.json (nothing else is read yet): its
+type, then the map against the ports by the binding checker (``features.feature_rules``:
+every feature has a port and every port a feature, a camera feature is fed by a
+``sensor_msgs/msg/Image`` port and a vector by any other type, then shapes and dtypes),
+then the type's options; only then the processor statistics and the weights.
 
 The capsule fingerprint covers the checkpoint without hashing its files: the policy's
 architecture holds config.json, and its state dict (which the runtime digests) holds every
@@ -30,14 +31,10 @@ from typing import Dict, Tuple
 
 from capsule_ros.config import NAME_PATTERN, ConfigSection, setting
 from capsule_ros.errors import ConfigError
-from capsule_ros.policies.lerobot import build_policy
-from capsule_ros.policies.lerobot.checkpoint import read_checkpoint
-from capsule_ros.policies.lerobot.features import VISUAL
+from capsule_ros.policies.binding import ports_of
+from capsule_ros.policies.lerobot import build_from_ports
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.policies.registry import BuildContext, PolicyKind
-from capsule_ros.runtime.arena import BufferSpec
-
-IMAGE_TYPE = "sensor_msgs/msg/Image"
 
 
 @dataclass(frozen=True)
@@ -88,32 +85,6 @@ class DiffusionSettings(LeRobotSettings):
     SECTION = "policy.lerobot_diffusion"
 
 
-def feature_map(settings: LeRobotSettings, context: BuildContext) -> Dict[str, BufferSpec]:
-    """{feature key: the INPUT buffer of its port}, after the checks config.json and the
-    port types allow (see the module docstring); reads config.json only."""
-    where = settings.SECTION
-    mapping = settings.feature_ports()
-    specs = {spec.name: spec for spec in context.inputs}
-    unknown = [port for port in mapping.values() if port not in specs]
-    if unknown:
-        raise ConfigError(f"{where}.features maps to port {unknown[0]!r}, which is not in ports.names "
-                          f"{list(specs)}")
-    unused = [name for name in specs if name not in mapping.values()]
-    if unused:
-        raise ConfigError(f"port {unused[0]!r} feeds no feature of the checkpoint: map it in {where}.features "
-                          "or remove it from ports.names")
-    checkpoint = read_checkpoint(Path(settings.pretrained_model).expanduser())
-    for key, port in mapping.items():
-        feature = checkpoint.inputs.get(key)
-        if feature is None:
-            continue                                  # bind_features names it with the checkpoint's keys
-        port_type = str(getattr(context.ports.get(port), "type", ""))
-        if (feature.type == VISUAL) != (port_type == IMAGE_TYPE):
-            need = f"a {IMAGE_TYPE} port" if feature.type == VISUAL else f"a vector port (not {IMAGE_TYPE})"
-            raise ConfigError(f"port {port!r} ({port_type}) cannot feed {key!r} ({feature.type}): it needs {need}")
-    return {key: specs[port] for key, port in mapping.items()}
-
-
 def _builder(policy_type: str):
     def build(context: BuildContext) -> LeRobotPolicy:
         """The checkpoint's policy for the configured ports (checks first, see the module docstring)."""
@@ -122,9 +93,9 @@ def _builder(policy_type: str):
         if context.weights is not None:
             raise ConfigError(f"policy.weights = {str(context.weights)!r}: a LeRobot policy reads its weights from "
                               f"{settings.SECTION}.pretrained_model; set policy.weights to ''")
-        features = feature_map(settings, context)
-        return build_policy(Path(settings.pretrained_model).expanduser(), features, expected_type=policy_type,
-                            resize_cameras=settings.resize_cameras)
+        return build_from_ports(Path(settings.pretrained_model).expanduser(), settings.feature_ports(),
+                                ports_of(context.inputs, context.ports), expected_type=policy_type,
+                                resize_cameras=settings.resize_cameras, section=settings.SECTION)
     return build
 
 

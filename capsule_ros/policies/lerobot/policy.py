@@ -15,25 +15,9 @@ from torch import nn
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
 from capsule_ros.policies.lerobot.common import FeatureNorm, camera_to_float
-from capsule_ros.policies.lerobot.features import ENV, STATE, BoundInput
+from capsule_ros.policies.lerobot.features import OBS_ENV_STATE, OBS_STATE, BoundInput
 from capsule_ros.runtime.arena import BufferSpec
 from capsule_ros.runtime.policy import EPISODE, POSITION, RNG, STEP, State, StatefulPolicy, standard_specs
-
-OBS_STATE = "observation.state"
-OBS_ENV_STATE = "observation.environment_state"
-
-
-def check_vector_keys(checkpoint: Checkpoint) -> None:
-    """LeRobot's ACT and Diffusion read vectors only from ``observation.state`` (STATE) and
-    ``observation.environment_state`` (ENV); any other vector feature would be ignored by
-    LeRobot (or break it), so it is refused rather than silently dropped."""
-    for key, feature in checkpoint.inputs.items():
-        if feature.type == STATE and key != OBS_STATE:
-            raise ConfigError(f"input feature {key!r} (STATE): the {checkpoint.policy_type} model reads only "
-                              f"{OBS_STATE!r}; rename it in config.json or drop it")
-        if feature.type == ENV and key != OBS_ENV_STATE:
-            raise ConfigError(f"input feature {key!r} (ENV): the {checkpoint.policy_type} model reads only "
-                              f"{OBS_ENV_STATE!r}; rename it in config.json or drop it")
 
 
 class LeRobotPolicy(StatefulPolicy):
@@ -51,7 +35,7 @@ class LeRobotPolicy(StatefulPolicy):
         self.action_norm = FeatureNorm(action_norm, (self.action_dim,))
         self.cameras = [b for b in self.inputs if b.is_camera]
         state_input = next((b for b in self.inputs if b.key == OBS_STATE), None)
-        if state_input is None:                 # each kind's check_config refuses such a checkpoint first
+        if state_input is None:                 # each type's REQUIREMENTS refuse such a checkpoint first
             raise ConfigError(f"the checkpoint has no {OBS_STATE!r} input feature, which ACT and Diffusion read")
         self.state_input: BoundInput = state_input
         self.env_input: Optional[BoundInput] = next((b for b in self.inputs if b.key == OBS_ENV_STATE), None)

@@ -327,6 +327,7 @@ class SmolVLAPolicy(VLAPolicy):
     image_end_tokens: torch.Tensor
     suffix_att: torch.Tensor
     suffix_pad: torch.Tensor
+    vision_mask: Optional[torch.Tensor]
 
     def __init__(self, checkpoint: Checkpoint, inputs: Sequence[BoundInput], input_norms: Dict[str, Normalization],
                  action_norm: Normalization, *, model: SmolVLAModel, vlm_config, vlm: Dict[str, object],
@@ -364,7 +365,11 @@ class SmolVLAPolicy(VLAPolicy):
                               f"patches of {patch}); resize_imgs_with_padding must match the VLM's image size")
         self.register_buffer("patch_positions", patch_position_ids(vision, height, width, self.vision_dtype),
                              persistent=False)
-        self.vision_mask = vision_attention_mask(vision, height // patch * (width // patch), self.vision_dtype)
+        mask = vision_attention_mask(vision, height // patch * (width // patch), self.vision_dtype)
+        if mask is None:                       # SDPA's: none (every patch is present)
+            self.vision_mask = None
+        else:
+            self.register_buffer("vision_mask", mask, persistent=False)
         dim = vlm_config.text_config.hidden_size
         connector_dtype = vwe.vlm.model.connector.modality_projection.proj.weight.dtype      # img_emb's dtype
         self.register_buffer("image_scale", torch.tensor(dim ** 0.5, dtype=connector_dtype), persistent=False)

@@ -41,10 +41,8 @@ from capsule_ros.policies.lerobot.checkpoint import (
     read_checkpoint,
     read_normalization,
 )
-from capsule_ros.policies.lerobot.features import bind_features
-from capsule_ros.policies.lerobot.policy import check_vector_keys
 from capsule_ros.policies.registry import BuildContext, PolicyKind
-from capsule_ros.policies.vla.kind import VLASettings, files_digest, local_files, task_and_features
+from capsule_ros.policies.vla.kind import VLASettings, bind_inputs, files_digest, local_files
 from capsule_ros.policies.vla.policy import TASK_BUFFER
 from capsule_ros.policies.vla.rtc import RTCSettings
 from capsule_ros.policies.vla.tokens import (
@@ -106,14 +104,12 @@ def build(context: BuildContext):
     if context.weights is not None:
         raise ConfigError(f"policy.weights = {str(context.weights)!r}: a LeRobot policy reads its weights from "
                           f"{where}.pretrained_model; set policy.weights to ''")
-    task_port, features = task_and_features(settings, context)
     checkpoint = read_checkpoint(Path(settings.pretrained_model).expanduser())
     if checkpoint.policy_type != "smolvla":
         raise ConfigError(f"{checkpoint.directory}/config.json: type is {checkpoint.policy_type!r}, expected 'smolvla'")
-    check_vector_keys(checkpoint)
-    inputs = bind_features(checkpoint, features, reserved=RESERVED, resize_cameras=settings.resize_cameras)
-    smolvla.check_config(checkpoint)
     options = tokenizer_options(checkpoint, NEWLINE_STEP)
+    inputs, task_port = bind_inputs(checkpoint, settings, context, RESERVED, options.max_length)
+    smolvla.check_config(checkpoint)
     vlm_dir = local_files(settings.vlm_files, str(checkpoint.field("vlm_model_name", "")), f"{where}.vlm_files")
     vlm_config = read_vlm_config(vlm_dir, f"{where}.vlm_files")
     tokenizer = TaskTokenizer(load_tokenizer(vlm_dir, f"{where}.vlm_files"), options,

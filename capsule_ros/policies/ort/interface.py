@@ -3,7 +3,8 @@
 A recurrent controller exported to ONNX keeps its state outside the model: the state goes
 in as inputs and comes back as outputs (Isaac Lab: ``obs, h_in, c_in -> actions, h_out,
 c_out``; sb3-contrib's RecurrentPPO exported with its state: ``obs, lstm_h, lstm_c,
-episode_starts -> actions, lstm_h_out, lstm_c_out``). ``resolve_roles`` sorts them:
+episode_starts -> actions, lstm_h_out, lstm_c_out``). ``resolve_roles`` sorts them by
+``RULES``, the kind's table in the binding vocabulary (``capsule_ros.policies.binding``):
 
 - state pairs ``'<input>:<output>'`` from ``policy.onnx.state``; when it is empty, every
   input ``<b>_in`` with an output ``<b>_out`` and every input ``<n>`` with an output
@@ -23,10 +24,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
+from capsule_ros.policies.binding import BindingRules, Count, PairRule, Role, RoleRule, Side, Tensor, Wording, bind
 from capsule_ros.policies.ort.model import OnnxModel, OnnxModelError, TensorInfo
 
 EPISODE_START_NAMES = ("episode_starts", "episode_start", "is_init")
@@ -69,89 +71,33 @@ class ModelRoles:
                 "extra_outputs": [t.describe() for t in self.extra_outputs]}
 
 
-def _recognised_pairs(model: OnnxModel) -> List[Tuple[str, str]]:
-    outputs = {t.name for t in model.outputs}
-    pairs = []
-    for t in model.inputs:
-        base = t.name[:-3] if t.name.endswith("_in") else None
-        for candidate in ([f"{base}_out"] if base else []) + [f"{t.name}_out"]:
-            if candidate in outputs:
-                pairs.append((t.name, candidate))
-                break
-    return pairs
+RULES = BindingRules(
+    pairs=PairRule("policy.onnx.state", patterns=(("{}_in", "{}_out"), ("{}", "{}_out"))),
+    roles=(
+        RoleRule(Role.OBSERVATION, Side.INPUT, Count.ONE, setting="policy.onnx.observation", usual=OBSERVATION_NAMES,
+                 dtypes=(torch.float32,), allowed="float32", noun="observation input"),
+        RoleRule(Role.ACTION, Side.OUTPUT, Count.ONE, setting="policy.onnx.action", usual=ACTION_NAMES,
+                 dtypes=(torch.float32,), allowed="float32", noun="action output"),
+        RoleRule(Role.EPISODE_START, Side.INPUT, Count.OPTIONAL, setting="policy.onnx.episode_start",
+                 usual=EPISODE_START_NAMES, dtypes=(torch.int64,), floats=True, allowed="a float or int64 tensor",
+                 noun="episode-start flag"),
+        RoleRule(Role.EXTRA_OUTPUT, Side.OUTPUT, Count.ANY),
+    ),
+    wording=Wording(leftover="{where}: the model's inputs {names} are neither the observation "
+                             "({bound[observation]!r}), a state (policy.onnx.state) nor the episode-start flag "
+                             "(policy.onnx.episode_start); capsule_ros cannot feed them {shown}"),
+)
 
 
 def resolve_roles(model: OnnxModel, state: Sequence[str], observation: str, action: str, episode_start: str,
                   where: str) -> ModelRoles:
-    """The roles of ``model``'s tensors (see the module docstring); OnnxModelError naming
-    the tensor and the setting to change."""
-    inputs = {t.name: t for t in model.inputs}
-    outputs = {t.name: t for t in model.outputs}
-    shown = (f"(inputs {[t.describe() for t in model.inputs]}, outputs {[t.describe() for t in model.outputs]})")
-    if state:
-        names = []
-        for entry in state:
-            left, sep, right = entry.partition(":")
-            if not sep or not left or not right:
-                raise OnnxModelError(f"{where}: policy.onnx.state entry {entry!r}: expected '<input>:<output>'")
-            names.append((left, right))
-    else:
-        names = _recognised_pairs(model)
-    pairs = []
-    for left, right in names:
-        if left not in inputs or right not in outputs:
-            missing = f"input {left!r}" if left not in inputs else f"output {right!r}"
-            raise OnnxModelError(f"{where}: policy.onnx.state pairs {left!r} with {right!r}, but the model has no "
-                                 f"{missing} {shown}")
-        a, b = inputs[left], outputs[right]
-        if (a.shape, a.dtype) != (b.shape, b.dtype):
-            raise OnnxModelError(f"{where}: state {a.describe()} comes back as {b.describe()}; a state pair needs one "
-                                 "shape and dtype on both sides")
-        pairs.append(StatePair(a, b))
-    paired_in = {p.input.name for p in pairs}
-    paired_out = {p.output.name for p in pairs}
-    if len(paired_in) != len(pairs) or len(paired_out) != len(pairs):
-        raise OnnxModelError(f"{where}: policy.onnx.state uses a tensor in two pairs: {list(state)}")
-    start: Optional[TensorInfo] = None
-    if episode_start:
-        if episode_start not in inputs or episode_start in paired_in:
-            raise OnnxModelError(f"{where}: policy.onnx.episode_start = {episode_start!r} is not a free input of the "
-                                 f"model {shown}")
-        start = inputs[episode_start]
-    else:
-        start = next((inputs[n] for n in EPISODE_START_NAMES if n in inputs and n not in paired_in), None)
-    free_in = [t for t in model.inputs if t.name not in paired_in and (start is None or t.name != start.name)]
-    free_out = [t for t in model.outputs if t.name not in paired_out]
-    obs = _one(free_in, observation, OBSERVATION_NAMES, "input", "policy.onnx.observation", where, shown)
-    act = _one(free_out, action, ACTION_NAMES, "output", "policy.onnx.action", where, shown)
-    others = [t.name for t in free_in if t.name != obs.name]
-    if others:
-        raise OnnxModelError(f"{where}: the model's inputs {others} are neither the observation ({obs.name!r}), a "
-                             "state "
-                             "(policy.onnx.state) nor the episode-start flag (policy.onnx.episode_start); capsule_ros "
-                             f"cannot feed them {shown}")
-    for tensor, what in ((obs, "observation input"), (act, "action output")):
-        if tensor.dtype != torch.float32:
-            raise OnnxModelError(f"{where}: the {what} {tensor.describe()} must be float32")
-    if start is not None and not start.dtype.is_floating_point and start.dtype != torch.int64:
-        raise OnnxModelError(f"{where}: the episode-start flag {start.describe()} must be a float or int64 tensor")
-    extra = tuple(t for t in free_out if t.name != act.name)
-    return ModelRoles(obs, act, tuple(pairs), start, extra)
-
-
-def _one(candidates: List[TensorInfo], chosen: str, usual: Sequence[str], what: str, setting: str, where: str,
-         shown: str) -> TensorInfo:
-    """The tensor ``chosen`` names, else the only candidate, else one with a usual name."""
-    by_name: Dict[str, TensorInfo] = {t.name: t for t in candidates}
-    if chosen:
-        if chosen not in by_name:
-            raise OnnxModelError(f"{where}: {setting} = {chosen!r} is not a free {what} of the model {shown}")
-        return by_name[chosen]
-    if len(candidates) > 1:
-        for name in usual:
-            if name in by_name:
-                return by_name[name]
-    if len(candidates) != 1:
-        raise OnnxModelError(f"{where}: cannot tell which {what} is the {setting.rsplit('.', 1)[-1]}: "
-                             f"{sorted(by_name) or 'none'} are left after the state pairs; set {setting} {shown}")
-    return candidates[0]
+    """The roles of ``model``'s tensors (see the module docstring) by ``RULES``;
+    OnnxModelError naming the tensor and the setting to change."""
+    table = bind(RULES, inputs=[Tensor.of(t) for t in model.inputs], outputs=[Tensor.of(t) for t in model.outputs],
+                 pairs=state, chosen={"policy.onnx.observation": observation, "policy.onnx.action": action,
+                                      "policy.onnx.episode_start": episode_start},
+                 where=where, error=OnnxModelError)
+    pairs = tuple(StatePair(b.tensor.source, b.partner.source) for b in table.of(Role.STATE) if b.partner)
+    start = table.one(Role.EPISODE_START)
+    return ModelRoles(table.sources(Role.OBSERVATION)[0], table.sources(Role.ACTION)[0], pairs,
+                      start.tensor.source if start else None, table.sources(Role.EXTRA_OUTPUT))

@@ -1,5 +1,6 @@
-"""What the VLA policy kinds share in their configuration: the task port in the feature map,
-the local directory that stands in for the model hub, and the checks before anything loads.
+"""What the VLA policy kinds share in their configuration: their binding rules (the task port in
+the feature map), the local directory that stands in for the model hub, and the checks before
+anything loads.
 
 A VLA kind's section extends the LeRobot one (``pretrained_model``, ``features``,
 ``resize_cameras``) with ``vlm_files``, the local directory holding the files a LeRobot
@@ -7,22 +8,51 @@ checkpoint names by a hub id (the VLM's ``config.json``, its tokenizer and proce
 and accepts one more feature map entry, ``task:<port>``: a ``std_msgs/msg/String`` port whose
 messages are the task instruction (LeRobot's ``task``). Without it the task is
 ``policy.task``, for the whole session.
+
+The map is checked by the binding vocabulary (``capsule_ros.policies.binding``) with the rules
+``vla_rules``: cameras (``VISUAL``) fed by image ports, the robot state (``observation.state``,
+the only vector a VLA reads) by a vector port, and, when the map names it, the task: a tensor
+``task`` int64 [2, L] (token ids and their mask, L the checkpoint's token length) fed by a
+``std_msgs/msg/String`` port of that shape, with the wording of the LeRobot kinds.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
+
+import torch
 
 from capsule_ros.config import setting
 from capsule_ros.errors import ConfigError
-from capsule_ros.policies.lerobot.kinds import LeRobotSettings, feature_map
+from capsule_ros.policies.binding import (
+    IMAGE_MESSAGES,
+    RGB_IMAGE,
+    TEXT_MESSAGES,
+    VECTOR,
+    VECTOR_MESSAGES,
+    BindingRules,
+    Count,
+    Feed,
+    Role,
+    RoleRule,
+    Tensor,
+    bind,
+    ports_of,
+)
+from capsule_ros.policies.lerobot.checkpoint import Checkpoint
+from capsule_ros.policies.lerobot.features import OBS_STATE, STATE, VISUAL, WORDING, BoundInput, feature_tensors
+from capsule_ros.policies.lerobot.kinds import LeRobotSettings
 from capsule_ros.policies.registry import BuildContext
 from capsule_ros.runtime.arena import BufferSpec
 
 TASK_KEY = "task"                       # LeRobot's complementary-data key of the instruction
+TASK_LABEL = "TASK"
 TEXT_TYPE = "std_msgs/msg/String"
+# the task's buffer: token ids (row 0) and their mask (row 1), int64 [2, L] (vla/tokens.py)
+TASK_TOKENS = Feed("token ids and their mask [2, L]", rank=2, channels=2, dtype=torch.int64,
+                   expected="expected token ids and their mask [2, L]", port_noun="text")
 
 
 @dataclass(frozen=True)
@@ -37,24 +67,35 @@ class VLASettings(LeRobotSettings):
                              "local directory", read_only=True)
 
 
-def task_and_features(settings: LeRobotSettings, context: BuildContext) -> Tuple[Optional[BufferSpec],
-                                                                                 Dict[str, BufferSpec]]:
-    """(the task port's INPUT buffer or None, {feature key: port buffer} of the checkpoint's
-    input features), checked as ``kinds.feature_map`` checks the rest; the task port must be
-    a ``std_msgs/msg/String`` port and no other port may be one."""
-    mapping = feature_map(settings, context)
-    task = mapping.pop(TASK_KEY, None)
-    for key, spec in mapping.items():
-        port_type = str(getattr(context.ports.get(spec.name), "type", ""))
-        if port_type == TEXT_TYPE:
-            raise ConfigError(f"port {spec.name!r} ({TEXT_TYPE}) cannot feed {key!r}: a text port can only feed "
-                              f"'{TASK_KEY}' (map it as '{TASK_KEY}:{spec.name}')")
-    if task is not None:
-        port_type = str(getattr(context.ports.get(task.name), "type", ""))
-        if port_type != TEXT_TYPE:
-            raise ConfigError(f"port {task.name!r} ({port_type}) cannot feed '{TASK_KEY}': the task instruction "
-                              f"needs a {TEXT_TYPE} port")
-    return task, mapping
+def vla_rules(reserved: Collection[str] = ()) -> BindingRules:
+    """A VLA's inputs in the binding vocabulary (module docstring); ``reserved``: buffer names
+    the policy keeps for itself, which no port may take."""
+    return BindingRules(
+        roles=(RoleRule(Role.CAMERA, labels=(VISUAL,), feed=RGB_IMAGE, messages=IMAGE_MESSAGES, noun="camera feature"),
+               RoleRule(Role.ROBOT_STATE, labels=(STATE,), names=(OBS_STATE,), feed=VECTOR, messages=VECTOR_MESSAGES,
+                        noun="feature"),
+               RoleRule(Role.TASK, labels=(TASK_LABEL,), count=Count.OPTIONAL, feed=TASK_TOKENS,
+                        messages=TEXT_MESSAGES, dtypes=(torch.int64,), allowed="int64 token ids and their mask",
+                        noun="task")),
+        reserved_ports=tuple(reserved), wording=WORDING)
+
+
+def bind_inputs(checkpoint: Checkpoint, settings: LeRobotSettings, context: BuildContext, reserved: Collection[str],
+                token_length: int) -> Tuple[List[BoundInput], Optional[BufferSpec]]:
+    """(the checkpoint's input features with their ports, in its feature order; the task port's
+    INPUT buffer or None) from the kind's feature map over the node's ports, checked by
+    ``vla_rules``; ``token_length``: the checkpoint's L."""
+    feeds = settings.feature_ports()
+    tensors = feature_tensors(checkpoint)
+    if TASK_KEY in feeds:
+        tensors.append(Tensor(TASK_KEY, (2, token_length), torch.int64, label=TASK_LABEL))
+    table = bind(vla_rules(reserved), inputs=tensors, ports=ports_of(context.inputs, context.ports), feeds=feeds,
+                 resize=settings.resize_cameras, where=f"{checkpoint.directory}/config.json",
+                 section=settings.SECTION, fields={"policy": checkpoint.policy_type})
+    inputs = [BoundInput(b.tensor.name, b.tensor.label, b.tensor.shape, b.port) for b in table.fed()
+              if b.port is not None and b.role is not Role.TASK]
+    task = table.one(Role.TASK)
+    return inputs, task.port if task is not None else None
 
 
 def local_files(setting_value: str, hub_id: str, where: str) -> Path:

@@ -41,14 +41,13 @@ from capsule_ros.policies.lerobot.checkpoint import (
     read_checkpoint,
     read_normalization,
 )
-from capsule_ros.policies.lerobot.features import bind_features
 from capsule_ros.policies.lerobot.pi import policy as pi_policy
 from capsule_ros.policies.lerobot.pi.architecture import PiArchitecture, read_architecture
 from capsule_ros.policies.lerobot.pi.loading import load_weights
 from capsule_ros.policies.lerobot.pi.model import FLOAT32_PARAMS, PiModel
 from capsule_ros.policies.lerobot.pi.prompt import clean_task
 from capsule_ros.policies.registry import BuildContext, PolicyKind
-from capsule_ros.policies.vla.kind import VLASettings, files_digest, local_files, task_and_features
+from capsule_ros.policies.vla.kind import VLASettings, bind_inputs, files_digest, local_files
 from capsule_ros.policies.vla.policy import TASK_BUFFER
 from capsule_ros.policies.vla.rtc import RTCSettings
 from capsule_ros.policies.vla.tokens import TOKENIZER_STEP, TaskTokenizer, load_tokenizer, tokenizer_options
@@ -137,19 +136,14 @@ def build(context: BuildContext) -> pi_policy.PiPolicy:
     if context.weights is not None:
         raise ConfigError(f"policy.weights = {str(context.weights)!r}: a LeRobot policy reads its weights from "
                           f"{where}.pretrained_model; set policy.weights to ''")
-    task_port, features = task_and_features(settings, context)
     full = read_checkpoint(Path(settings.pretrained_model).expanduser())
     if full.policy_type != expected:
         raise ConfigError(f"{full.directory}/config.json: type is {full.policy_type!r}, expected {expected!r}")
     arch = read_architecture(full)
     checkpoint = without_empty_cameras(full, arch)
-    inputs = bind_features(checkpoint, features, reserved=RESERVED, resize_cameras=settings.resize_cameras)
-    for bound in inputs:
-        if not bound.is_camera and bound.key != OBS_STATE:
-            raise ConfigError(f"input feature {bound.key!r} ({bound.type}): {expected} reads only {OBS_STATE!r} and "
-                              "cameras")
-    check_processors(checkpoint)
     options = tokenizer_options(checkpoint, NEWLINE)
+    inputs, task_port = bind_inputs(checkpoint, settings, context, RESERVED, options.max_length)
+    check_processors(checkpoint)
     if options.padding != "max_length":
         raise ConfigError(f"{checkpoint.directory / PREPROCESSOR_FILE}: tokenizer_processor padding = "
                           f"{options.padding!r}: LeRobot's {expected} pads to max_length (a fixed token length)")
