@@ -244,7 +244,9 @@ def test_the_fingerprint_covers_what_changes_the_numbers(fixtures):
     assert len({plain, guided, stronger}) == 3
     architecture = fx.policy().architecture()
     assert architecture["denoise_steps"] == 5 and architecture["task"]["tokenizer"]["max_length"] == 12
-    assert architecture["vlm"]["transformers"] and architecture["vlm"]["tokenizer_files"]
+    assert architecture["vlm"]["tokenizer_files"] and architecture["transformers"] == "5.5.4"
+    parts = runtime_identity(fx.policy(), RuntimeConfig())[1]
+    assert "transformers 5.5.4" in parts.kernel and "tokenizers" in parts.kernel   # capsule-ros check: "kernel"
     assert architecture["task"]["tokenizer"]["vocabulary"] > 0
 
 

@@ -38,8 +38,10 @@ if TYPE_CHECKING:
 
 FINGERPRINT_VERSION = 2
 # Keys of a policy's architecture that name the kernels that run it rather than the model
-# (an ONNX policy's runtime version and execution provider): they count as "kernel".
-KERNEL_KEYS = ("onnxruntime", "execution_provider", "optimization", "intra_op_threads", "cuda_graph")
+# (an ONNX policy's runtime version and execution provider; the versions of the libraries
+# whose modules and tokenizers a VLA runs): they count as "kernel".
+KERNEL_KEYS = ("onnxruntime", "execution_provider", "optimization", "intra_op_threads", "cuda_graph", "transformers",
+               "tokenizers")
 # Why a capsule is invalid, by component (``FingerprintParts.causes``), in report order.
 CAUSES = {"weights": "weights", "architecture": "architecture", "layout": "state layout",
           "ports": "port mapping", "kernel": "kernel", "build": "build"}

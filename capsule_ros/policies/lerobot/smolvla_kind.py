@@ -129,12 +129,10 @@ def build(context: BuildContext):
 
 
 def vlm_description(directory: Path, vlm_config) -> Dict[str, object]:
-    """The VLM's part of the architecture (module docstring)."""
-    import tokenizers
-    import transformers
+    """The VLM's part of the architecture (module docstring; the library versions are the
+    VLA base's)."""
     return {"config": json.loads(vlm_config.to_json_string(use_diff=False)),
-            "tokenizer_files": files_digest(directory, TOKENIZER_FILES),
-            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+            "tokenizer_files": files_digest(directory, TOKENIZER_FILES)}
 
 
 SMOLVLA_KIND = PolicyKind("lerobot_smolvla", SmolVLASettings, build,

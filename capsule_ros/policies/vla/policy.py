@@ -165,7 +165,13 @@ class VLAPolicy(LeRobotPolicy):
         chunked_step(self, state, self.n_action_steps)
 
     def architecture(self) -> dict:
+        """Beside the checkpoint's: the task buffer and tokenizer, the denoising steps, the RTC
+        settings, and the versions of transformers and tokenizers (kernel keys of the
+        fingerprint: their code computes the layers and the tokens)."""
+        import tokenizers
+        import transformers
         out = super().architecture()
         out.update(task={"buffer": self.task_spec.name, "tokenizer": self.tokenizer.describe()},
-                   denoise_steps=self.flow.num_steps, rtc=self.rtc.describe())
+                   denoise_steps=self.flow.num_steps, rtc=self.rtc.describe(),
+                   transformers=transformers.__version__, tokenizers=tokenizers.__version__)
         return out
