@@ -23,7 +23,7 @@ for task in "${TASKS[@]}"; do
   if [[ "$task" == tests ]]; then
     python3 -m pytest test/test_runtime.py test/test_store.py test/test_lerobot_parity.py \
       test/test_policy_contract.py test/test_exported.py test/test_lerobot_bench.py test/test_chunking.py \
-      test/test_vla_parity.py test/test_lerobot_pi.py -m cuda -q \
+      test/test_modes.py test/test_vla_parity.py test/test_lerobot_pi.py -m cuda -q \
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.txt"
     continue
   fi

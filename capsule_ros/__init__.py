@@ -4,8 +4,11 @@ Layers, lowest first, each importable on its own (only ``capsule_ros.ros`` and a
 the generated ``capsule_ros.msg`` / ``capsule_ros.srv`` / ``capsule_ros.action``, need ROS;
 docs/architecture.md has the map):
 
-- ``capsule_ros.runtime``: the state arena, the policy protocol, the graph plan, the
-  runtime with its step guard, the graph fingerprint, safetensors weights.
+- ``capsule_ros.runtime``: the core: the state arena, the policy protocol, the execution
+  mode protocol (every step by default), the programs captured as CUDA graphs, the runtime
+  with its step guard and its builder, the fingerprint, safetensors weights.
+- ``capsule_ros.chunking``: the chunking mode above the core: a chunking policy's network
+  only when a chunk is due, its schedule, refill workers and capsule mark.
 - ``capsule_ros.policies``: the policy kinds: the reference hybrid policy and the shipped
   default weights, exported ``torch.export`` programs, LeRobot ACT / Diffusion, and ONNX
   models run by ONNX Runtime (``onnx``: Isaac Lab / rsl_rl and sb3-contrib exports).

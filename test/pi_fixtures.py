@@ -14,13 +14,13 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 from lerobot_fixtures import FIXTURES, REPO, extract_checkpoint, load_npz
-from vla_fixtures import IMAGE, JOINTS, TASK_PORT, TEXT, port_of, text_and_sensor_ports
+from vla_fixtures import IMAGE, JOINTS, TASK_PORT, TEXT, chunked_runtime, port_of, text_and_sensor_ports
 
 from capsule_ros.policies.lerobot.pi.kind import Pi0Settings, Pi05Settings, build
 from capsule_ros.policies.registry import BuildContext
 from capsule_ros.policies.vla.rtc import RTCSettings
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, RuntimeConfig
+from capsule_ros.runtime.engine import PolicyRuntime
 
 NAMES = ["pi0", "pi05", "pi0_bf16"]
 TOKENIZER = FIXTURES / "paligemma_tokenizer"
@@ -101,8 +101,7 @@ class PiFixture:
 
     def runtime(self, mode: str = "sync", delay: int = 0, rtc: Optional[RTCSettings] = None, worker: str = "auto",
                 **kw: Any) -> PolicyRuntime:
-        return PolicyRuntime(self.policy(rtc), RuntimeConfig(**kw),
-                             chunking=ChunkingOptions(mode, delay if mode == "async" else None, 0, worker=worker))
+        return chunked_runtime(self.policy(rtc), mode, delay, worker, **kw)
 
     def rtc_settings(self) -> RTCSettings:
         """The guided RTC settings the fixture's references were recorded with."""

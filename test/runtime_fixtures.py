@@ -12,6 +12,7 @@ from capsule_ros.capsules.store import CapsuleStore, CapsuleStoreConfig
 from capsule_ros.config import load_params_file
 from capsule_ros.policies.hybrid import HybridConfig, HybridPolicy
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
+from capsule_ros.runtime.builder import build_policy_runtime
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 
 INPUTS = [BufferSpec("joints", (4,), torch.float32, BufferKind.INPUT),
@@ -27,7 +28,7 @@ def make_policy(cfg: HybridConfig = SMALL, seed: int = 0) -> HybridPolicy:
 
 
 def make_runtime(cfg: HybridConfig = SMALL, seed: int = 0, device: str = "cpu", **runtime_kw) -> PolicyRuntime:
-    return PolicyRuntime(make_policy(cfg, seed), RuntimeConfig(device=device, **runtime_kw))
+    return build_policy_runtime(make_policy(cfg, seed), RuntimeConfig(device=device, **runtime_kw))
 
 
 def make_store(runtime: PolicyRuntime, device_mb: float = 4.0, host_mb: float = 4.0) -> CapsuleStore:
@@ -88,9 +89,9 @@ def feed(session, obs: np.ndarray, **tick) -> list:
     """One tick per row of the default policy's inputs (joints: 4, goal: 2); the records."""
     out = []
     for row in obs:
-        session.write_input("joints", row[:4])
-        session.write_input("goal", row[4:])
-        out.append(session.tick(**tick))
+        session.loop.write_input("joints", row[:4])
+        session.loop.write_input("goal", row[4:])
+        out.append(session.loop.tick(**tick))
     return out
 
 

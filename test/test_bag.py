@@ -314,8 +314,8 @@ def test_the_in_process_replay_counts_the_stale_steps_the_node_counted(node, tmp
         target = InProcessTarget(recording.config, None)
         verdict = Replayer(recording, target, ReplayOptions()).run()
     assert verdict.identical, (verdict.first_divergence, verdict.notes)
-    assert target.session.ports["goal"].counters.stale_steps == counted
-    assert target.session.ports["joints"].counters.stale_steps == 0
+    assert target.session.parts.loop.ports["goal"].counters.stale_steps == counted
+    assert target.session.parts.loop.ports["joints"].counters.stale_steps == 0
 
 
 @pytest.mark.ros

@@ -89,6 +89,7 @@ from capsule_ros.errors import (
 )
 from capsule_ros.policies.hybrid import HybridPolicy
 from capsule_ros.runtime.arena import BufferKind
+from capsule_ros.runtime.builder import build_policy_runtime
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.serving.config import ControlConfig
 from capsule_ros.serving.files import SaveFailed
@@ -146,7 +147,7 @@ def runtime_for(seed: int) -> PolicyRuntime:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             policy = HybridPolicy(CFG, INPUTS)
-        _RUNTIMES[seed] = PolicyRuntime(policy, RuntimeConfig(device="cpu", cpu_threads=1))
+        _RUNTIMES[seed] = build_policy_runtime(policy, RuntimeConfig(device="cpu", cpu_threads=1))
     runtime = _RUNTIMES[seed]
     runtime.arena.storage.zero_()
     runtime.input_staging.zero_()
@@ -226,18 +227,18 @@ class CapsuleMachine(RuleBasedStateMachine):
         self.released: set = set()                 # memory released by the user (store.move to DISK)
         self.since_boot = 0
         self.process += 1
-        self.session.reset()
+        self.session.verbs.reset()
         self.next_episode = 2
-        self.new_timeline(self.session.log_root_id)
+        self.new_timeline(self.session.parts.recompute.root_id)
         REPORT["sessions started"] += 1
 
     # -- model helpers ---------------------------------------------------------------------------
     @property
     def fp(self) -> str:
-        return self.session.runtime.fingerprint
+        return self.session.parts.runtime.fingerprint
 
     def live(self) -> bytes:
-        return self.session.runtime.arena.storage.numpy().tobytes()
+        return self.session.parts.runtime.arena.storage.numpy().tobytes()
 
     def note(self, capsule_id: str) -> None:
         if capsule_id not in self.ids:
@@ -260,7 +261,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         return self.intact(capsule_id) and self.disk[capsule_id].fingerprint == self.fp
 
     def in_memory(self, capsule_id: str) -> bool:
-        found = self.session.store.find(capsule_id)
+        found = self.session.parts.store.find(capsule_id)
         return found is not None and found.payload is not None
 
     def remember(self, capsule, data: bytes) -> None:
@@ -282,24 +283,25 @@ class CapsuleMachine(RuleBasedStateMachine):
         """The session started a timeline at ``root_id`` (reset, or re-entering a capsule
         that is not on the logged timeline)."""
         s = self.session
-        self.tl_root, self.tl_base, self.tl_len, self.tl_overflow = root_id, s.step, 0, False
+        self.tl_root, self.tl_base, self.tl_len, self.tl_overflow = root_id, s.episode.step, 0, False
         self.on_tl: Dict[str, int] = {}
-        capsule = s.store.get(root_id)
-        assert s.log_root_id == root_id
+        capsule = s.parts.store.get(root_id)
+        assert s.parts.recompute.root_id == root_id
         assert capsule.held, f"the timeline root {root_id} is not held"
         self.remember(capsule, self.live())
         self.on_tl[root_id] = capsule.step
 
     def recomputable(self, capsule_id: str) -> bool:
-        root = self.session.store.find(self.tl_root)
+        root = self.session.parts.store.find(self.tl_root)
         return (capsule_id in self.on_tl and not self.tl_overflow and LOG_STEPS > 0
                 and root is not None and root.payload is not None)
 
     def observe(self):
         s = self.session
-        listing = tuple(sorted((c.id, c.tier, c.path, c.pinned, c.held) for c in s.store.list()))
+        listing = tuple(sorted((c.id, c.tier, c.path, c.pinned, c.held) for c in s.parts.store.list()))
         files = tuple(sorted(os.listdir(self.root)))
-        return (self.live(), s.episode_id, s.step, s.state, s.lineage, s.interrupt_capsule_id, listing, files)
+        e = s.episode
+        return (self.live(), e.episode_id, e.step, e.state, e.lineage, interrupt_id(s), listing, files)
 
     def attempt(self, verb: str, call):
         """Run a verb; a refusal must change nothing. Returns (result, error)."""
@@ -316,7 +318,7 @@ class CapsuleMachine(RuleBasedStateMachine):
 
     def store_full(self) -> bool:
         """No slab can be freed: every payload in memory belongs to a pinned or held capsule."""
-        store = self.session.store
+        store = self.session.parts.store
         stats = store.stats()
         if any(stats.free_slabs.values()):
             return False
@@ -351,12 +353,12 @@ class CapsuleMachine(RuleBasedStateMachine):
     def steps(self, n, seed):
         s = self.session
         for row in observations(n, seed):
-            s.write_input("joints", row[:4])
-            s.write_input("goal", row[4:])
-            running, step, before = s.state == EpisodeState.RUNNING, s.step, self.live()
-            record = s.tick()
+            s.loop.write_input("joints", row[:4])
+            s.loop.write_input("goal", row[4:])
+            running, step, before = s.episode.state == EpisodeState.RUNNING, s.episode.step, self.live()
+            record = s.loop.tick()
             if running:
-                assert record is not None and record.step == step + 1 == s.step
+                assert record is not None and record.step == step + 1 == s.episode.step
                 if self.tl_overflow or self.tl_len >= LOG_STEPS:
                     self.tl_overflow = True
                 else:
@@ -370,15 +372,15 @@ class CapsuleMachine(RuleBasedStateMachine):
     @counted
     def commit(self, persist, pin):
         s = self.session
-        data, state = self.live(), s.state
-        capsule, exc = self.attempt("commit", lambda: s.commit("c", persist=persist, pin=pin))
+        data, state = self.live(), s.episode.state
+        capsule, exc = self.attempt("commit", lambda: s.verbs.commit("c", persist=persist, pin=pin))
         if state not in (EpisodeState.RUNNING, EpisodeState.INTERRUPTED):
             return self.expect_refusal(exc, WrongState)
         if exc is not None:
             assert isinstance(exc, ResourceExhausted) and self.store_full(), exc
             return
-        assert (capsule.episode_id, capsule.step, capsule.pinned) == (s.episode_id, s.step, pin)
-        assert self.live() == data and s.lineage == capsule.id
+        assert (capsule.episode_id, capsule.step, capsule.pinned) == (s.episode.episode_id, s.episode.step, pin)
+        assert self.live() == data and s.episode.lineage == capsule.id
         self.created(capsule, data)
         if pin:
             self.pinned.add(capsule.id)
@@ -395,19 +397,19 @@ class CapsuleMachine(RuleBasedStateMachine):
     @counted
     def interrupt(self, commit, mode):
         s = self.session
-        data, state = self.live(), s.state
-        capsule, exc = self.attempt("interrupt", lambda: s.interrupt(mode, commit=commit))
+        data, state = self.live(), s.episode.state
+        capsule, exc = self.attempt("interrupt", lambda: s.verbs.interrupt(mode, commit=commit))
         if state != EpisodeState.RUNNING:
             return self.expect_refusal(exc, WrongState)
         if exc is not None:
             assert isinstance(exc, ResourceExhausted) and commit and self.store_full(), exc
             return
-        assert s.state == EpisodeState.INTERRUPTED and self.live() == data
+        assert s.episode.state == EpisodeState.INTERRUPTED and self.live() == data
         if commit:
-            assert capsule.held and s.interrupt_capsule_id == capsule.id
+            assert capsule.held and interrupt_id(s) == capsule.id
             self.created(capsule, data)
         else:
-            assert capsule is None and s.interrupt_capsule_id == ""
+            assert capsule is None and interrupt_id(s) == ""
         REPORT["interrupts"] += 1
 
     @rule(index=IDX, which=st.sampled_from(["own", "any", "interrupt", "unknown", "malformed"]))
@@ -421,20 +423,20 @@ class CapsuleMachine(RuleBasedStateMachine):
             return self.do_reenter(made[-1 - index % len(made)])
         if which in ("own", "any") and self.ids:
             return self.do_reenter(self.pick(index))
-        if which == "interrupt" and s.interrupt_capsule_id:
-            return self.do_reenter(s.interrupt_capsule_id, by_id=False)
+        if which == "interrupt" and interrupt_id(s):
+            return self.do_reenter(interrupt_id(s), by_id=False)
         if which == "interrupt":
-            state, data = s.state, self.live()
-            result, exc = self.attempt("reenter ''", lambda: s.reenter(""))
+            state, data = s.episode.state, self.live()
+            result, exc = self.attempt("reenter ''", lambda: s.verbs.reenter(""))
             if state == EpisodeState.INTERRUPTED:     # no capsule: resume the untouched live state
-                assert exc is None and result.capsule is None and s.state == EpisodeState.RUNNING
+                assert exc is None and result.capsule is None and s.episode.state == EpisodeState.RUNNING
                 assert self.live() == data
                 REPORT["reenter '': resumed without a capsule"] += 1
             else:
                 self.expect_refusal(exc, WrongState)
             return
         capsule_id = "../escape" if which == "malformed" else "e9.s9.unknown"
-        _, exc = self.attempt("reenter", lambda: s.reenter(capsule_id))
+        _, exc = self.attempt("reenter", lambda: s.verbs.reenter(capsule_id))
         self.expect_refusal(exc, InvalidArgument if which == "malformed" else NotFound)
 
     def do_reenter(self, capsule_id: str, by_id: bool = True):
@@ -442,11 +444,11 @@ class CapsuleMachine(RuleBasedStateMachine):
         how, expected = self.restore_expectation(capsule_id)
         recomputable = self.recomputable(capsule_id)
         covered = capsule_id in self.on_tl and not self.tl_overflow
-        prev_episode, prev_step = s.episode_id, s.step
-        invalidations = s.store.counters.invalidations
-        was_interrupt = capsule_id == s.interrupt_capsule_id
+        prev_episode, prev_step = s.episode.episode_id, s.episode.step
+        invalidations = s.parts.store.counters.invalidations
+        was_interrupt = capsule_id == interrupt_id(s)
 
-        result, exc = self.attempt("reenter", lambda: s.reenter(capsule_id if by_id else ""))
+        result, exc = self.attempt("reenter", lambda: s.verbs.reenter(capsule_id if by_id else ""))
         if how != "none":
             if exc is not None:
                 assert isinstance(exc, ResourceExhausted) and how == "disk" and self.store_full(), \
@@ -466,15 +468,16 @@ class CapsuleMachine(RuleBasedStateMachine):
         else:
             self.expect_refusal(exc, *self.refusal_types(capsule_id))
             if isinstance(exc, FingerprintMismatch):
-                assert s.store.counters.invalidations > invalidations, "a foreign capsule was not counted"
+                assert s.parts.store.counters.invalidations > invalidations, "a foreign capsule was not counted"
             return
         # success: the session follows the capsule
         capsule = result.capsule
-        assert capsule.id == capsule_id and s.state == EpisodeState.RUNNING
-        assert (s.episode_id, s.step, s.lineage) == (capsule.episode_id, capsule.step, capsule_id)
+        assert capsule.id == capsule_id and s.episode.state == EpisodeState.RUNNING
+        e = s.episode
+        assert (e.episode_id, e.step, e.lineage) == (capsule.episode_id, capsule.step, capsule_id)
         assert result.rollback == (capsule.episode_id == prev_episode and capsule.step < prev_step)
         self.mem[capsule_id] = expected
-        if capsule_id in self.pinned and not s.store.get(capsule_id).pinned:
+        if capsule_id in self.pinned and not s.parts.store.get(capsule_id).pinned:
             self.pinned.discard(capsule_id)      # rebuilt by the fallback: a new, unpinned copy
         self.next_episode = max(self.next_episode, capsule.episode_id + 1)
         if covered:                               # a rollback on the logged timeline
@@ -490,16 +493,16 @@ class CapsuleMachine(RuleBasedStateMachine):
         capsule_id = data.draw(st.sampled_from([""] + self.ids), label="capsule")
         how, expected = self.restore_expectation(capsule_id) if capsule_id else ("initial", None)
         episode = self.next_episode
-        result, exc = self.attempt("reset", lambda: s.reset(capsule_id))
+        result, exc = self.attempt("reset", lambda: s.verbs.reset(capsule_id))
         if how == "none":          # reset has no recompute fallback
             return self.expect_refusal(exc, *self.refusal_types(capsule_id))
         if exc is not None:
             assert isinstance(exc, ResourceExhausted) and self.store_full(), exc
             return
-        assert result[0] == episode == s.episode_id and s.state == EpisodeState.RUNNING
-        assert s.interrupt_capsule_id == ""
+        assert result[0] == episode == s.episode.episode_id and s.episode.state == EpisodeState.RUNNING
+        assert interrupt_id(s) == ""
         if capsule_id:
-            kept = s.store.find(capsule_id)        # a reset restores from a file without caching it, and
+            kept = s.parts.store.find(capsule_id)        # a reset restores from a file without caching it, and
             if kept is not None and kept.payload is not None:   # may evict its source to make room for the root
                 self.mem[capsule_id] = expected
             else:
@@ -508,14 +511,14 @@ class CapsuleMachine(RuleBasedStateMachine):
             source = np.frombuffer(expected, np.uint8)
             # byte-exact but for the relabelled episode id
             differ = np.nonzero(live != source)[0]
-            lo, hi = s.runtime.layout.byte_range(BufferKind.META)
+            lo, hi = s.parts.runtime.layout.byte_range(BufferKind.META)
             assert ((differ >= lo) & (differ < hi)).all(), "reset from a capsule is not byte-exact"
-            assert result[1].id == capsule_id and s.step == result[1].step
+            assert result[1].id == capsule_id and s.episode.step == result[1].step
             REPORT[f"reset: from {how}"] += 1
         else:
             REPORT["reset: initial state"] += 1
         self.next_episode = episode + 1
-        self.new_timeline(s.log_root_id)
+        self.new_timeline(s.parts.recompute.root_id)
 
     @rule(data=st.data())
     @counted
@@ -523,8 +526,8 @@ class CapsuleMachine(RuleBasedStateMachine):
         s = self.session
         capsule_id = data.draw(st.sampled_from([""] + self.ids), label="capsule")
         if not capsule_id:
-            state, live = s.state, self.live()
-            capsule, exc = self.attempt("fork", lambda: s.fork(""))
+            state, live = s.episode.state, self.live()
+            capsule, exc = self.attempt("fork", lambda: s.verbs.fork(""))
             if state == EpisodeState.IDLE:
                 return self.expect_refusal(exc, WrongState)
             if exc is not None:
@@ -534,7 +537,7 @@ class CapsuleMachine(RuleBasedStateMachine):
             REPORT["fork: live state"] += 1
             return
         how, expected = self.restore_expectation(capsule_id)
-        capsule, exc = self.attempt("fork", lambda: s.fork(capsule_id))
+        capsule, exc = self.attempt("fork", lambda: s.verbs.fork(capsule_id))
         if how == "none":          # fork has no recompute fallback
             return self.expect_refusal(exc, *self.refusal_types(capsule_id))
         if exc is not None:
@@ -559,7 +562,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         s = self.session
         part = self.root / (capsule_id + PART_SUFFIX)
         in_memory = self.in_memory(capsule_id)
-        capsule, exc = self.attempt("save", lambda: s.save(capsule_id))
+        capsule, exc = self.attempt("save", lambda: s.verbs.save(capsule_id))
         if not in_memory:
             return self.expect_refusal(exc, NotFound, *DAMAGED)   # only on disk already / nothing
         if part.exists():
@@ -576,7 +579,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         capsule_id = self.pick(index)
         s = self.session
         was_in_memory, ok = self.in_memory(capsule_id), self.file_ok(capsule_id)
-        capsule, exc = self.attempt("load", lambda: s.load(capsule_id))
+        capsule, exc = self.attempt("load", lambda: s.verbs.load(capsule_id))
         if not ok:                        # load reads and verifies the file, in memory or not
             return self.expect_refusal(exc, *self.refusal_types(capsule_id))
         if was_in_memory:
@@ -600,16 +603,16 @@ class CapsuleMachine(RuleBasedStateMachine):
         from_disk = how == "disk"
         capsule_id = self.pick(index)
         s = self.session
-        in_store = s.store.find(capsule_id) is not None
+        in_store = s.parts.store.find(capsule_id) is not None
         on_disk = from_disk and self.path(capsule_id).is_file()
-        interrupt = s.state == EpisodeState.INTERRUPTED and capsule_id == s.interrupt_capsule_id
-        _, exc = self.attempt("drop", lambda: s.drop(capsule_id, from_disk=from_disk))
+        interrupt = s.episode.state == EpisodeState.INTERRUPTED and capsule_id == interrupt_id(s)
+        _, exc = self.attempt("drop", lambda: s.verbs.drop(capsule_id, from_disk=from_disk))
         if interrupt:
             return self.expect_refusal(exc, WrongState)
         if not in_store and not on_disk:
             return self.expect_refusal(exc, NotFound)
         assert exc is None, exc
-        assert s.store.find(capsule_id) is None
+        assert s.parts.store.find(capsule_id) is None
         self.mem.pop(capsule_id, None)
         self.pinned.discard(capsule_id)
         if on_disk:
@@ -620,7 +623,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         REPORT["drops"] += 1
 
     def move_to_disk(self, capsule_id):
-        store = self.session.store
+        store = self.session.parts.store
         found = store.find(capsule_id)
         _, exc = self.attempt("move_to_disk", lambda: store.move(capsule_id, Tier.DISK))
         if found is None:
@@ -649,14 +652,14 @@ class CapsuleMachine(RuleBasedStateMachine):
         s = self.session
         # this process's capsules still in memory, but not the timeline root (the drop rule
         # covers that) nor the interrupt capsule; those on the logged timeline first
-        candidates = [c for c in reversed(list(self.made)) if s.store.find(c) is not None and c != self.tl_root
-                      and not (s.state == EpisodeState.INTERRUPTED and c == s.interrupt_capsule_id)]
+        candidates = [c for c in reversed(list(self.made)) if s.parts.store.find(c) is not None and c != self.tl_root
+                      and not (s.episode.state == EpisodeState.INTERRUPTED and c == interrupt_id(s))]
         if not candidates:
             REPORT["forget: nothing to forget"] += 1
             return
         candidates.sort(key=lambda c: c not in self.on_tl)
         capsule_id = candidates[index % len(candidates)]
-        s.drop(capsule_id, from_disk=damage == "delete")
+        s.verbs.drop(capsule_id, from_disk=damage == "delete")
         self.mem.pop(capsule_id, None)
         self.pinned.discard(capsule_id)
         if damage == "delete":
@@ -709,7 +712,7 @@ class CapsuleMachine(RuleBasedStateMachine):
                 return self.commit_on_a_full_disk()
             else:
                 capsule_id = self.pick(index) if self.ids else self.tl_root
-                _, exc = self.attempt("save (disk full)", lambda: s.save(capsule_id))
+                _, exc = self.attempt("save (disk full)", lambda: s.verbs.save(capsule_id))
                 allowed = (CapsuleIOError, NotFound, Busy, *DAMAGED)
         finally:
             directory_module.write_capsule = saved
@@ -719,16 +722,16 @@ class CapsuleMachine(RuleBasedStateMachine):
         """A persisting commit whose save fails: the capsule is committed at the boundary (in
         memory, lineage changed) and the call answers SaveFailed naming it; no file, no .part."""
         s = self.session
-        data, state = self.live(), s.state
+        data, state = self.live(), s.episode.state
         if state == EpisodeState.IDLE or self.store_full():
-            _, exc = self.attempt("commit (disk full)", lambda: s.commit("full", persist=True))
+            _, exc = self.attempt("commit (disk full)", lambda: s.verbs.commit("full", persist=True))
             return self.expect_refusal(exc, WrongState if state == EpisodeState.IDLE else ResourceExhausted)
         files = sorted(os.listdir(self.root))
         with pytest.raises(SaveFailed) as failed:
-            s.commit("full", persist=True)
+            s.verbs.commit("full", persist=True)
         capsule = failed.value.capsule
         assert failed.value.code == CapsuleIOError.code and capsule.id in str(failed.value)
-        assert s.lineage == capsule.id and self.live() == data and capsule.path is None
+        assert s.episode.lineage == capsule.id and self.live() == data and capsule.path is None
         assert sorted(os.listdir(self.root)) == files          # nothing written, no .part left
         self.created(capsule, data)
         REPORT["commits whose save failed (kept in memory)"] += 1
@@ -767,7 +770,7 @@ class CapsuleMachine(RuleBasedStateMachine):
     @invariant()
     def store_matches_model(self):
         s = self.session
-        for capsule in s.store.list():
+        for capsule in s.parts.store.list():
             if capsule.payload is not None:
                 data = capsule_bytes(s, capsule.id)
                 assert data == self.mem.get(capsule.id), f"the store's copy of {capsule.id} is not the model's"
@@ -785,9 +788,9 @@ class CapsuleMachine(RuleBasedStateMachine):
     def protected_capsules_stay_in_memory(self):
         s = self.session
         for capsule_id in self.pinned:
-            found = s.store.find(capsule_id)
+            found = s.parts.store.find(capsule_id)
             assert found is not None and found.payload is not None and found.pinned, f"pinned {capsule_id} evicted"
-        for capsule in s.store.list():
+        for capsule in s.parts.store.list():
             if capsule.payload is not None:
                 self.released.discard(capsule.id)
             elif capsule.held:
@@ -796,14 +799,14 @@ class CapsuleMachine(RuleBasedStateMachine):
     @invariant()
     def live_state_matches_session(self):
         s = self.session
-        out = s.runtime.read_outputs()
-        assert (out.step, out.episode) == (s.step, s.episode_id)
+        out = s.parts.runtime.read_outputs()
+        assert (out.step, out.episode) == (s.episode.step, s.episode.episode_id)
 
     @invariant()
     def listing_is_memory_and_disk(self):
         s = self.session
-        listed = {c.id for c in s.list()}
-        in_store = {c.id for c in s.store.list()}
+        listed = {c.id for c in s.verbs.list()}
+        in_store = {c.id for c in s.parts.store.list()}
         on_disk = {n[:-len(SUFFIX)] for n in os.listdir(self.root) if n.endswith(SUFFIX)}
         assert in_store <= listed <= in_store | on_disk, (listed, in_store, on_disk)
 
@@ -828,9 +831,14 @@ class CapsuleMachine(RuleBasedStateMachine):
         assert count == self.quarantined, f"{count} files in quarantine, expected {self.quarantined}"
 
 
+def interrupt_id(session: PolicySession) -> str:
+    """The interrupt capsule's id ("" when there is none)."""
+    capsule = session.episode.interrupt_capsule
+    return capsule.id if capsule is not None else ""
+
 def capsule_bytes(session: PolicySession, capsule_id: str) -> bytes:
     """A capsule's bytes, through a loan (the store's way to read them)."""
-    with session.store.lend(capsule_id) as loan:
+    with session.parts.store.lend(capsule_id) as loan:
         return loan.copy().numpy().tobytes()
 
 
@@ -875,9 +883,9 @@ def _machine() -> CapsuleMachine:
 
 def _feed(session: PolicySession, n: int, seed: int) -> None:
     for row in observations(n, seed):
-        session.write_input("joints", row[:4])
-        session.write_input("goal", row[4:])
-        session.tick()
+        session.loop.write_input("joints", row[:4])
+        session.loop.write_input("goal", row[4:])
+        session.loop.tick()
 
 
 @pytest.fixture
@@ -892,35 +900,35 @@ def test_regression_a_refused_persisting_commit_evicts_nothing(machine, monkeypa
     nothing; one whose save fails is committed in memory like any commit (the LRU fork
     makes room, as it would for an in-memory commit) and answers SaveFailed naming it."""
     s = machine.session
-    forks = [s.fork("", label="pinned").id for _ in range(DEVICE_SLABS + HOST_SLABS - 1)]
+    forks = [s.verbs.fork("", label="pinned").id for _ in range(DEVICE_SLABS + HOST_SLABS - 1)]
     for capsule_id in forks:
-        s.store.get(capsule_id).pinned = True                 # the root + these fill every slab
+        s.parts.store.get(capsule_id).pinned = True                 # the root + these fill every slab
     with pytest.raises(ResourceExhausted):
-        s.commit("no room", persist=True)
-    assert [f for f in forks if f not in s.store] == [], "a refused commit evicted (lost) a capsule"
+        s.verbs.commit("no room", persist=True)
+    assert [f for f in forks if f not in s.parts.store] == [], "a refused commit evicted (lost) a capsule"
     for capsule_id in forks:
-        s.store.get(capsule_id).pinned = False
+        s.parts.store.get(capsule_id).pinned = False
     monkeypatch.setattr(directory_module, "write_capsule", disk_full)
     with pytest.raises(SaveFailed) as failed:
-        s.commit("disk full", persist=True)
+        s.verbs.commit("disk full", persist=True)
     kept = failed.value.capsule
-    assert kept.id in s.store and s.lineage == kept.id and kept.path is None
-    assert sum(f not in s.store for f in forks) == 1          # the least recently used fork made room
+    assert kept.id in s.parts.store and s.episode.lineage == kept.id and kept.path is None
+    assert sum(f not in s.parts.store for f in forks) == 1          # the least recently used fork made room
 
 
 def test_regression_root_capsules_of_two_processes_never_share_an_id(machine):
     s = machine.session
     _feed(s, 3, 1)
-    s.reset()
-    first_root = s.log_root_id
-    s.save(first_root)
+    s.verbs.reset()
+    first_root = s.parts.recompute.root_id
+    s.verbs.save(first_root)
     machine.boot()                                 # crash-restart, same weights, same directory
     s = machine.session
     _feed(s, 3, 2)
-    s.reset()                                      # the same episode number in the new process
-    assert s.log_root_id != first_root
-    mine = capsule_bytes(s, s.log_root_id)
-    theirs = s.load(first_root)                    # the old process's root loads as its own capsule
+    s.verbs.reset()                                      # the same episode number in the new process
+    assert s.parts.recompute.root_id != first_root
+    mine = capsule_bytes(s, s.parts.recompute.root_id)
+    theirs = s.verbs.load(first_root)                    # the old process's root loads as its own capsule
     assert theirs.id == first_root and capsule_bytes(s, first_root) != mine
 
 
@@ -928,34 +936,34 @@ def test_regression_a_refused_reset_leaves_the_live_state(machine):
     s = machine.session
     _feed(s, 4, 1)
     for _ in range(DEVICE_SLABS + HOST_SLABS - 1):
-        s.commit("pinned", pin=True)               # the root (held) + these: nothing can be evicted
-    before = (machine.live(), s.episode_id, s.step, s.lineage)
+        s.verbs.commit("pinned", pin=True)               # the root (held) + these: nothing can be evicted
+    before = (machine.live(), s.episode.episode_id, s.episode.step, s.episode.lineage)
     with pytest.raises(ResourceExhausted):
-        s.reset()
-    assert (machine.live(), s.episode_id, s.step, s.lineage) == before
+        s.verbs.reset()
+    assert (machine.live(), s.episode.episode_id, s.episode.step, s.episode.lineage) == before
 
 
 def test_regression_a_refused_fallback_keeps_the_capsule_entry(machine):
     s = machine.session
     _feed(s, 3, 1)
-    capsule = s.commit("x", persist=True)
-    s.store.move(capsule.id, Tier.DISK)            # disk-only entry
+    capsule = s.verbs.commit("x", persist=True)
+    s.parts.store.move(capsule.id, Tier.DISK)            # disk-only entry
     path = machine.path(capsule.id)
     blob = bytearray(path.read_bytes())
     blob[-1] ^= 1
     path.write_bytes(bytes(blob))
     for _ in range(DEVICE_SLABS + HOST_SLABS - 1):
-        s.commit("pinned", pin=True)
-    listing = sorted(c.id for c in s.store.list())
+        s.verbs.commit("pinned", pin=True)
+    listing = sorted(c.id for c in s.parts.store.list())
     with pytest.raises(ResourceExhausted):
-        s.reenter(capsule.id)
-    assert sorted(c.id for c in s.store.list()) == listing
+        s.verbs.reenter(capsule.id)
+    assert sorted(c.id for c in s.parts.store.list()) == listing
 
 
 def test_regression_a_reentered_interrupt_capsule_stays_a_held_root(machine):
     s = machine.session
     _feed(s, LOG_STEPS + 1, 1)                     # the episode outgrows the input log
-    interrupt = s.interrupt(commit=True)
-    s.reenter("")                                  # not on the logged timeline: it becomes the root
-    assert s.log_root_id == interrupt.id
-    assert s.store.get(interrupt.id).held, "the new timeline's root is evictable"
+    interrupt = s.verbs.interrupt(commit=True)
+    s.verbs.reenter("")                                  # not on the logged timeline: it becomes the root
+    assert s.parts.recompute.root_id == interrupt.id
+    assert s.parts.store.get(interrupt.id).held, "the new timeline's root is evictable"

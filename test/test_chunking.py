@@ -1,4 +1,4 @@
-"""Chunk-aware execution without ROS (``capsule_ros.runtime.chunking``), on the LeRobot
+"""The chunking mode without ROS (``capsule_ros.chunking``), on the LeRobot
 fixtures (``test/fixtures/lerobot``): the network runs only when a chunk is due; async mode
 equals LeRobot's own ``predict_action_chunk`` in the fixed-delay loop of
 ``tools/lerobot_fixtures/make_references.py`` (``async.npz``) bit for bit; capsules taken at
@@ -20,13 +20,15 @@ import torch
 from lerobot_fixtures import FIXTURES, PORTS, Fixture, load_npz
 
 from capsule_ros.capsules.directory import CapsuleDirectory
+from capsule_ros.chunking.mark import ChunkingMark
+from capsule_ros.chunking.mode import ChunkProgram
+from capsule_ros.chunking.schedule import ChunkingSettings, ChunkSchedule
+from capsule_ros.chunking.workers import InlineRefill, ThreadRefill
 from capsule_ros.errors import ConfigError, CorruptCapsule, FingerprintMismatch
 from capsule_ros.polling import wait_until
-from capsule_ros.runtime.chunking import ChunkSchedule, InlineRefill, Program, ThreadRefill
-from capsule_ros.runtime.chunkmark import ChunkMark
-from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime
+from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.config import ServingConfig
-from capsule_ros.serving.factory import build_policy, build_session, chunking_options, prepare_serving
+from capsule_ros.serving.factory import build_runtime, build_session, prepare_serving
 from capsule_ros.serving.records import ActionSource, StepFault
 
 torch.set_num_threads(1)
@@ -47,7 +49,11 @@ def config(fixture: Fixture, chunking: str = "sync", delay: str = "auto", **cont
 
 def runtime_for(fixture: Fixture, chunking: str = "sync", delay: int = 0, worker: str = "auto") -> PolicyRuntime:
     cfg = config(fixture, chunking, str(delay) if delay else "auto")
-    return PolicyRuntime(build_policy(cfg), cfg.runtime, chunking=chunking_options(cfg, worker=worker))
+    return build_runtime(cfg, worker=worker)
+
+
+def mark_of(capsule) -> ChunkingMark:
+    return ChunkingMark.parse(capsule.mark, capsule.id)
 
 
 def stage(runtime: PolicyRuntime, fixture: Fixture, episode: int, step: int) -> None:
@@ -70,13 +76,13 @@ def ticks(session, fixture: Fixture, episode: int, steps: range, wait: bool = Tr
     """Ticks on the fixture's inputs, each after the refill in flight (async) is done: no
     takeover is late, whatever the machine's load (the slowed-refill test makes one late)."""
     out = []
-    worker = session.runtime.executor.worker
+    worker = session.parts.runtime.mode.worker
     for t in steps:
         if worker is not None and wait:
             wait_until(worker.ready, 30.0, "the refill in flight", interval=0.001)
         for key, value in fixture.features.items():
-            session.write_input(PORTS[key], value[episode, t])
-        out.append(session.tick())
+            session.loop.write_input(PORTS[key], value[episode, t])
+        out.append(session.loop.tick())
     return out
 
 
@@ -90,10 +96,10 @@ def values(records) -> bytes:
 def test_sync_mode_plans_once_per_chunk_and_equals_lerobot_select_action(name, fixtures):
     fixture = fixtures[name]
     runtime = runtime_for(fixture)
-    horizon = runtime.schedule.horizon
-    before = dataclasses.replace(runtime.executor.counters)
+    horizon = runtime.mode.schedule.execution_horizon
+    before = dataclasses.replace(runtime.mode.counters)
     actions = rollout(runtime, fixture, 0, 60)
-    counters = runtime.executor.counters
+    counters = runtime.mode.counters
     assert counters.refills - before.refills == 60 // horizon + (60 % horizon > 0)
     assert counters.consumes - before.consumes == 60 - (counters.refills - before.refills)
     assert actions.tobytes() == fixture.outputs["action"][0, :60].tobytes()
@@ -105,10 +111,10 @@ def test_consume_steps_of_act_upload_no_inputs(fixtures):
     runtime = runtime_for(fixture)
     runtime.reset(episode=0, seed=fixture.seed(0))
     stage(runtime, fixture, 0, 0)
-    assert runtime.executor.reads_inputs()                   # the first step plans
+    assert runtime.mode.reads_inputs()                   # the first step plans
     runtime.load_inputs()
     runtime.step()
-    assert not runtime.executor.reads_inputs()
+    assert not runtime.mode.reads_inputs()
     staged = {name: view.copy() for name, view in runtime.staging.items()}
     arena = runtime.arena.storage.clone()
     for view in runtime.staging.values():
@@ -128,8 +134,8 @@ def test_async_mode_equals_lerobots_fixed_delay_loop_bit_for_bit(name, fixtures)
     episodes = reference[f"action_d{int(reference['delays'][0])}"].shape[0]
     for delay, horizon in zip(reference["delays"], reference["horizons"], strict=True):
         runtime = runtime_for(fixture, "async", int(delay))
-        assert isinstance(runtime.executor.worker, ThreadRefill)
-        assert (runtime.schedule.delay, runtime.schedule.horizon) == (delay, horizon)
+        assert isinstance(runtime.mode.worker, ThreadRefill)
+        assert (runtime.mode.schedule.delay, runtime.mode.schedule.execution_horizon) == (delay, horizon)
         expected = reference[f"action_d{int(delay)}"]
         for episode in range(episodes):
             got = rollout(runtime, fixture, episode, expected.shape[1])
@@ -147,16 +153,17 @@ def test_async_runs_every_program_and_plans_off_the_calling_thread(fixtures):
     seen = []
     runtime.reset(episode=0, seed=fixture.seed(0))
     threads = set()
-    plan = runtime.executor.worker.run_plan
-    runtime.executor.worker.run_plan = lambda: (threads.add(threading.current_thread().name), plan())
+    plan = runtime.mode.worker.run_plan
+    runtime.mode.worker.run_plan = lambda: (threads.add(threading.current_thread().name), plan())
     for t in range(20):
         stage(runtime, fixture, 0, t)
         runtime.load_inputs()
         seen.append(runtime.step().program)
         runtime.read_outputs()
-    assert seen[:9] == [Program.REFILL, *[Program.CONSUME] * 4, Program.REQUEST, Program.CONSUME, Program.CONSUME,
-                        Program.ADOPT]
-    assert seen[9:14] == [Program.CONSUME, Program.REQUEST, Program.CONSUME, Program.CONSUME, Program.ADOPT]
+    assert seen[:9] == [ChunkProgram.REFILL, *[ChunkProgram.CONSUME] * 4, ChunkProgram.REQUEST, ChunkProgram.CONSUME,
+                        ChunkProgram.CONSUME, ChunkProgram.ADOPT]
+    assert seen[9:14] == [ChunkProgram.CONSUME, ChunkProgram.REQUEST, ChunkProgram.CONSUME, ChunkProgram.CONSUME,
+                          ChunkProgram.ADOPT]
     assert threads and all(name.startswith("capsule-refill") for name in threads)
 
 
@@ -164,7 +171,7 @@ def test_inline_and_thread_workers_give_the_same_bits(fixtures):
     fixture = fixtures["diffusion"]
     a = rollout(runtime_for(fixture, "async", 4, worker="inline"), fixture, 1, 40)
     b = rollout(runtime_for(fixture, "async", 4), fixture, 1, 40)
-    assert isinstance(runtime_for(fixture, "async", 4, worker="inline").executor.worker, InlineRefill)
+    assert isinstance(runtime_for(fixture, "async", 4, worker="inline").mode.worker, InlineRefill)
     assert a.tobytes() == b.tobytes()
 
 
@@ -175,22 +182,22 @@ def test_a_capsule_at_every_row_of_a_chunk_restores_byte_exactly_and_replays_bit
         fixtures, tmp_path, chunking, delay):
     fixture = fixtures["act_queue"]
     session = build_session(config(fixture, chunking, delay))
-    schedule = session.runtime.schedule
+    schedule = session.parts.runtime.mode.schedule
     steps = range(4 * schedule.end)
     original = ticks(session, fixture, 0, steps)
     seen_pending = False
     for k in range(2 * schedule.end, 3 * schedule.end + 1):      # a whole chunk cycle, from a mid-episode state
-        session.reset()
+        session.verbs.reset()
         ticks(session, fixture, 0, range(k))
-        capsule = session.commit(label=f"row {k}")
-        snapshot = session.runtime.arena.storage.clone()
-        seen_pending |= capsule.chunk.pending
+        capsule = session.verbs.commit(label=f"row {k}")
+        snapshot = session.parts.runtime.arena.storage.clone()
+        seen_pending |= mark_of(capsule).pending
         ticks(session, fixture, 0, range(k, k + 3))               # move on, then come back
-        session.reenter(capsule.id)
-        assert torch.equal(session.runtime.arena.storage, snapshot), f"restore at step {k} not byte-exact"
+        session.verbs.reenter(capsule.id)
+        assert torch.equal(session.parts.runtime.arena.storage, snapshot), f"restore at step {k} not byte-exact"
         again = ticks(session, fixture, 0, range(k, len(steps)))
-        assert values(again) == values(original[k:]), f"capsule at step {k} ({capsule.chunk.describe()})"
-        session.drop(capsule.id)
+        assert values(again) == values(original[k:]), f"capsule at step {k} ({mark_of(capsule).describe()})"
+        session.verbs.drop(capsule.id)
     assert seen_pending == (chunking == "async")                 # some capsules held an in-flight request
 
 
@@ -201,30 +208,30 @@ def test_a_capsule_with_a_refill_in_flight_survives_disk_and_a_fresh_process_run
     params["capsules"]["directory"] = str(tmp_path / "capsules")
     cfg = ServingConfig.from_params(params)
     session = build_session(cfg)
-    schedule = session.runtime.schedule
-    ticks(session, fixture, 2, range(schedule.horizon + 2))          # a request is out
-    capsule = session.commit(label="in flight", persist=True)
-    assert capsule.chunk.pending and capsule.chunk.delay == 4
-    expected = ticks(session, fixture, 2, range(schedule.horizon + 2, 40))
+    schedule = session.parts.runtime.mode.schedule
+    ticks(session, fixture, 2, range(schedule.execution_horizon + 2))          # a request is out
+    capsule = session.verbs.commit(label="in flight", persist=True)
+    assert mark_of(capsule).pending and mark_of(capsule).delay == 4
+    expected = ticks(session, fixture, 2, range(schedule.execution_horizon + 2, 40))
     other = build_session(cfg)                                           # another runtime, from the file
-    loaded = other.load(capsule.id)
-    assert loaded.chunk == capsule.chunk
-    other.reenter(capsule.id)
-    assert values(ticks(other, fixture, 2, range(schedule.horizon + 2, 40))) == values(expected)
+    loaded = other.verbs.load(capsule.id)
+    assert loaded.mark == capsule.mark
+    other.verbs.reenter(capsule.id)
+    assert values(ticks(other, fixture, 2, range(schedule.execution_horizon + 2, 40))) == values(expected)
 
 
 def test_reset_and_reenter_discard_a_stale_refill(fixtures):
     fixture = fixtures["act_queue"]
     session = build_session(config(fixture, "async", "3"))
     fresh = ticks(session, fixture, 1, range(12))
-    session.reset()
+    session.verbs.reset()
     ticks(session, fixture, 0, range(6))                      # step 5 requested a chunk from episode 0
-    assert session.runtime.executor.pending
-    session.reset()                                              # ... which must not take over here
+    assert session.parts.runtime.mode.pending
+    session.verbs.reset()                                              # ... which must not take over here
     assert values(ticks(session, fixture, 1, range(12))) == values(fresh)
     ticks(session, fixture, 0, range(6))
-    root = session.log_root_id
-    session.reenter(root)                                        # a rollback to the episode's start
+    root = session.parts.recompute.root_id
+    session.verbs.reenter(root)                                        # a rollback to the episode's start
     assert values(ticks(session, fixture, 1, range(12))) == values(fresh)
 
 
@@ -236,11 +243,11 @@ def test_a_slowed_refill_is_a_deadline_event_with_the_safe_action_not_a_divergen
     fixture = fixtures["act_queue"]
     reference = build_session(config(fixture, "async", "2"))
     expected = ticks(reference, fixture, 0, range(30))
-    assert reference.counters.late_refills == 0
-    schedule = reference.runtime.schedule
-    takeover = schedule.horizon + schedule.delay                 # the first request is at step `horizon`
+    assert reference.parts.loop.counters.late_refills == 0
+    schedule = reference.parts.runtime.mode.schedule
+    takeover = schedule.execution_horizon + schedule.delay       # the first request is at step `horizon`
     session = build_session(config(fixture, "async", "2", deadline_action="zero"))
-    worker = session.runtime.executor.worker
+    worker = session.parts.runtime.mode.worker
     plan, release, held = worker.run_plan, threading.Event(), []
 
     def slow_plan():
@@ -249,19 +256,19 @@ def test_a_slowed_refill_is_a_deadline_event_with_the_safe_action_not_a_divergen
             release.wait(10)
         plan()
     worker.run_plan = slow_plan
-    got = ticks(session, fixture, 0, range(schedule.horizon + 1))        # ... the request at step `horizon`
-    got += ticks(session, fixture, 0, range(schedule.horizon + 1, takeover), wait=False)
+    got = ticks(session, fixture, 0, range(schedule.execution_horizon + 1))        # ... the request at step `horizon`
+    got += ticks(session, fixture, 0, range(schedule.execution_horizon + 1, takeover), wait=False)
     threading.Timer(0.2, release.set).start()                   # the refill ends 0.2 s into its takeover step
     got += ticks(session, fixture, 0, range(takeover, takeover + 1), wait=False)
     got += ticks(session, fixture, 0, range(takeover + 1, 30))
     late = [i for i, r in enumerate(got) if r.fault == StepFault.LATE]
     assert late == [takeover], late
     assert got[takeover].source == ActionSource.ZERO and not got[takeover].values.any()
-    assert session.counters.late_refills == 1 and session.counters.deadline_misses == 1
-    assert "had not finished in time" in session.counters.last_fault
+    assert session.parts.loop.counters.late_refills == 1 and session.parts.loop.counters.deadline_misses == 1
+    assert "had not finished in time" in session.parts.loop.counters.last_fault
     others = [i for i in range(30) if i != takeover]
     assert [got[i].values.tobytes() for i in others] == [expected[i].values.tobytes() for i in others]
-    assert session.runtime.schedule.delay == 2                   # the delay never changes
+    assert session.parts.runtime.mode.schedule.delay == 2              # the delay never changes
 
 
 # -- what is refused ---------------------------------------------------------------------------------
@@ -291,27 +298,27 @@ def test_capsules_of_another_schedule_or_with_a_forged_cursor_are_refused_and_ch
     params["control"].update(chunking="async", inference_delay_steps="3", deadline_ms=0.0)
     session = build_session(ServingConfig.from_params(params))
     ticks(session, fixture, 0, range(7))
-    capsule = session.commit(label="c", persist=True)
+    capsule = session.verbs.commit(label="c", persist=True)
     params["control"]["inference_delay_steps"] = "2"
     other = build_session(ServingConfig.from_params(params))
     ticks(other, fixture, 0, range(4))
-    live = other.runtime.arena.storage.clone()
+    live = other.parts.runtime.arena.storage.clone()
     with pytest.raises(FingerprintMismatch, match=r"made under control.chunking async with inference delay 3 .* "
                                                   r"this runtime runs async with delay 2"):
-        other.reenter(capsule.id)
-    assert torch.equal(other.runtime.arena.storage, live)
+        other.verbs.reenter(capsule.id)
+    assert torch.equal(other.parts.runtime.arena.storage, live)
     # a forged header: a cursor the bytes do not hold
     directory = CapsuleDirectory(tmp_path / "caps", max_file_bytes=1 << 30)
     header = directory.header(capsule.id)
-    assert header.chunk == capsule.chunk
-    forged = dataclasses.replace(capsule, chunk=dataclasses.replace(capsule.chunk, cursor=capsule.chunk.cursor + 1))
-    with session.store.lend(capsule.id) as loan:
+    assert header.mark == capsule.mark
+    forged = dataclasses.replace(mark_of(capsule), cursor=mark_of(capsule).cursor + 1).to_mode_mark()
+    with session.parts.store.lend(capsule.id) as loan:
         mark_data = loan.host_bytes().clone()
     with pytest.raises(CorruptCapsule, match=r"chunk cursor \d+ / pending \d disagree with its metadata"):
-        session.runtime.check_chunk_mark(forged.chunk, mark_data, capsule.id)
+        session.parts.runtime.admit(forged, lambda: mark_data, capsule.id)
     with pytest.raises(CorruptCapsule, match=r"cannot occur under this schedule"):
-        session.runtime.check_chunk_mark(ChunkMark("async", 3, 5, 99, capsule.chunk.pending),
-                                         _with_cursor(session.runtime, mark_data, 99), "x")
+        session.parts.runtime.admit(ChunkingMark("async", 3, 5, 99, mark_of(capsule).pending).to_mode_mark(),
+                              lambda: _with_cursor(session.parts.runtime, mark_data, 99), "x")
 
 
 def _with_cursor(runtime: PolicyRuntime, data: torch.Tensor, cursor: int) -> torch.Tensor:
@@ -324,13 +331,13 @@ def _with_cursor(runtime: PolicyRuntime, data: torch.Tensor, cursor: int) -> tor
 def test_the_auto_delay_is_measured_once_and_recorded(fixtures):
     fixture = fixtures["diffusion"]
     session = build_session(config(fixture, "async", "auto", rate_hz=5.0))      # room for a slow machine
-    schedule = session.runtime.schedule
-    p99 = max(session.runtime.refill_seconds)
-    assert len(session.runtime.refill_seconds) == ChunkingOptions().auto_runs
+    schedule = session.parts.runtime.mode.schedule
+    p99 = max(session.parts.runtime.mode.setup.refill_seconds)
+    assert len(session.parts.runtime.mode.setup.refill_seconds) == ChunkingSettings().auto_runs
     assert schedule.delay >= 1 and schedule.delay >= p99 * 5.0          # at least the refill's time in steps
-    assert session.control.inference_delay_steps == str(schedule.delay)   # what bags and capsules record
+    assert session.loop.control.inference_delay_steps == str(schedule.delay)   # what bags and capsules record
     ticks(session, fixture, 0, range(3))
-    assert session.commit().chunk.delay == schedule.delay
+    assert mark_of(session.verbs.commit()).delay == schedule.delay
 
 
 def test_an_auto_delay_the_chunk_cannot_take_is_refused_with_the_measurement(fixtures):
@@ -345,7 +352,7 @@ def test_chunk_schedule_numbers():
     cadence = ChunkCadence(length=100, horizon=100, reads=("x",))
     assert ChunkSchedule.resolve(cadence, "sync", 0).end == 100
     s = ChunkSchedule.resolve(cadence, "async", 6)
-    assert (s.delay, s.horizon, s.end) == (6, 94, 100)                  # ACT 100/100: 94 rows per chunk
+    assert (s.delay, s.execution_horizon, s.end) == (6, 94, 100)        # ACT 100/100: 94 rows per chunk
     assert "rows 6..99" in s.describe()
     with pytest.raises(ValueError, match="horizon 0 must be in"):
         ChunkCadence(length=4, horizon=0, reads=("x",))
@@ -356,7 +363,7 @@ def test_chunk_schedule_numbers():
 def cuda_runtime(fixture: Fixture, chunking: str, delay: int, graphs: bool, worker: str = "auto") -> PolicyRuntime:
     cfg = config(fixture, chunking, str(delay) if delay else "auto")
     runtime_cfg = dataclasses.replace(cfg.runtime, device="cuda", cuda_graphs=graphs)
-    return PolicyRuntime(build_policy(cfg), runtime_cfg, chunking=chunking_options(cfg, worker=worker))
+    return build_runtime(dataclasses.replace(cfg, runtime=runtime_cfg), worker=worker)
 
 
 @pytest.mark.cuda
@@ -366,13 +373,13 @@ def test_cuda_graph_programs_equal_their_eager_plan_and_stay_close_to_lerobot(na
     """Every program of the schedule captured as a CUDA graph (async: the refill captured on
     its own stream) gives the eager CUDA plan's actions bit for bit, and LeRobot's CPU actions
     within the CUDA tolerance of test_lerobot_parity (other kernels, TF32 convolutions)."""
-    from capsule_ros.runtime.chunking import StreamRefill
+    from capsule_ros.chunking.workers import StreamRefill
     fixture = fixtures[name]
     graphed = cuda_runtime(fixture, chunking, delay, graphs=True)
     eager = cuda_runtime(fixture, chunking, delay, graphs=False, worker="inline")
-    assert graphed.plan.captured and set(graphed.plan._graphs) == set(graphed.plan.programs)
+    assert graphed.graphs.captured and set(graphed.graphs._graphs) == set(graphed.graphs.programs)
     if chunking == "async":
-        assert isinstance(graphed.executor.worker, StreamRefill) and graphed.executor.worker._plan_graph is not None
+        assert isinstance(graphed.mode.worker, StreamRefill) and graphed.mode.worker._plan_graph is not None
     got = {key: np.stack(list(_stepped(runtime, fixture, 0, 40))) for key, runtime in (("graph", graphed),
                                                                                          ("eager", eager))}
     assert got["graph"].tobytes() == got["eager"].tobytes()
@@ -399,17 +406,17 @@ def test_cuda_capsules_at_every_row_restore_byte_exactly_and_replay_bit_identica
     params["control"].update(chunking=chunking, inference_delay_steps=delay, deadline_ms=0.0)
     params["runtime"]["device"] = "cuda"
     session = build_session(ServingConfig.from_params(params))
-    assert session.runtime.plan.captured
-    end = session.runtime.schedule.end
+    assert session.parts.runtime.graphs.captured
+    end = session.parts.runtime.mode.schedule.end
     original = ticks(session, fixture, 0, range(3 * end))
     for k in range(end, 2 * end + 1):
-        session.reset()
+        session.verbs.reset()
         ticks(session, fixture, 0, range(k))
-        capsule = session.commit(label=f"row {k}")
-        snapshot = session.runtime.arena.storage.clone()
+        capsule = session.verbs.commit(label=f"row {k}")
+        snapshot = session.parts.runtime.arena.storage.clone()
         ticks(session, fixture, 0, range(k, k + 2))
-        session.reenter(capsule.id)
+        session.verbs.reenter(capsule.id)
         torch.cuda.synchronize()
-        assert torch.equal(session.runtime.arena.storage, snapshot), k
+        assert torch.equal(session.parts.runtime.arena.storage, snapshot), k
         assert values(ticks(session, fixture, 0, range(k, 3 * end))) == values(original[k:]), k
-        session.drop(capsule.id)
+        session.verbs.drop(capsule.id)

@@ -29,15 +29,18 @@ import torch
 from runtime_fixtures import GRU_FACTORY, eager_gru, feed, gru_config, observations
 from torch import nn
 
+from capsule_ros.chunking.mark import ChunkingMark
+from capsule_ros.chunking.mode import mode_for
+from capsule_ros.chunking.workers import InlineRefill, ThreadRefill
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.export import InterfaceError, export_module
 from capsule_ros.policies.exported import ExportedConfig, ExportedPolicy, ProgramError
 from capsule_ros.policies.registry import kind_names, policy_kind
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.chunking import InlineRefill, ThreadRefill
+from capsule_ros.runtime.builder import build_policy_runtime
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.rng import counter_normal
-from capsule_ros.serving.factory import build_policy, build_runtime, build_session, chunking_options, port_bindings
+from capsule_ros.serving.factory import build_runtime, build_session
 
 torch.set_num_threads(1)
 HORIZON = 8       # policy.gru_chunk.chunk_horizon of examples/gru_policy/config/gru_chunk.yaml
@@ -83,7 +86,7 @@ def test_the_example_kind_is_registered_by_entry_point_with_its_own_settings():
 
 def test_gru_chunk_executes_one_row_per_step_of_a_chunk_planned_every_horizon_steps(tmp_path):
     runtime = build_runtime(gru_config(tmp_path))
-    refills = runtime.executor.counters.refills
+    refills = runtime.mode.counters.refills
     out = step_all(runtime, observations(3 * HORIZON, 1))
     chunks = [out[t][1] for t in (0, HORIZON, 2 * HORIZON)]          # predicted at steps 1, 9, 17
     assert chunks[0].tobytes() != chunks[1].tobytes() != chunks[2].tobytes()
@@ -93,18 +96,18 @@ def test_gru_chunk_executes_one_row_per_step_of_a_chunk_planned_every_horizon_st
         assert chunk.tobytes() == upcoming.tobytes(), t
         assert action.tobytes() == predicted[index].tobytes(), t
     assert int(runtime.arena["chunk.cursor"][0]) == HORIZON          # three whole chunks executed
-    assert runtime.executor.counters.refills - refills == 3          # the head ran three times in 24 steps
+    assert runtime.mode.counters.refills - refills == 3          # the head ran three times in 24 steps
 
 
 @pytest.mark.parametrize("exported", [False, True], ids=["gru_chunk", "exported"])
 def test_exported_programs_and_the_example_kind_plan_only_when_a_chunk_is_due(tmp_path, program, exported):
     runtime = build_runtime(gru_config(tmp_path, program if exported else None))
-    assert runtime.schedule is not None and runtime.schedule.describe() == f"sync, {HORIZON} of {HORIZON} actions " \
-                                                                           "per chunk"
-    refills, consumes = runtime.executor.counters.refills, runtime.executor.counters.consumes
+    schedule = runtime.mode.schedule
+    assert schedule is not None and schedule.describe() == f"sync, {HORIZON} of {HORIZON} actions per chunk"
+    refills, consumes = runtime.mode.counters.refills, runtime.mode.counters.consumes
     step_all(runtime, observations(3 * HORIZON, 1))
-    assert runtime.executor.counters.refills - refills == 3
-    assert runtime.executor.counters.consumes - consumes == 3 * (HORIZON - 1)
+    assert runtime.mode.counters.refills - refills == 3
+    assert runtime.mode.counters.consumes - consumes == 3 * (HORIZON - 1)
 
 
 @pytest.mark.parametrize("exported", [False, True], ids=["gru_chunk", "exported"])
@@ -117,21 +120,21 @@ def test_async_chunking_of_the_example_equals_its_inline_plan_and_survives_a_cap
     config = dataclasses.replace(config, control=dataclasses.replace(config.control, chunking="async",
                                                                      inference_delay_steps="2"))
     threaded = build_runtime(config)
-    inline = PolicyRuntime(build_policy(config), config.runtime, inputs=port_bindings(config),
-                           chunking=chunking_options(config, worker="inline"))
-    assert isinstance(threaded.executor.worker, ThreadRefill) and isinstance(inline.executor.worker, InlineRefill)
-    schedule = threaded.schedule
-    assert (schedule.delay, schedule.horizon, schedule.end) == (2, HORIZON - 2, HORIZON)
+    inline = build_runtime(config, worker="inline")
+    assert isinstance(threaded.mode.worker, ThreadRefill) and isinstance(inline.mode.worker, InlineRefill)
+    schedule = threaded.mode.schedule
+    assert (schedule.delay, schedule.execution_horizon, schedule.end) == (2, HORIZON - 2, HORIZON)
     obs = observations(3 * HORIZON + 3, 5)
-    in_flight = schedule.horizon + 1          # the first chunk's request went out at row e and is not adopted yet
+    in_flight = schedule.execution_horizon + 1    # the first chunk's request went out at row e and is not adopted yet
     head = step_all(threaded, obs[:in_flight])
-    mark, state = threaded.chunk_mark(), threaded.arena.storage.clone()
-    assert mark.pending and schedule.horizon < mark.cursor < schedule.end
+    mark, state = threaded.mark(), threaded.arena.storage.clone()
+    carried = ChunkingMark.parse(mark)
+    assert carried.pending and schedule.execution_horizon < carried.cursor < schedule.end
     tail = step_all(threaded, obs[in_flight:])
     assert as_bytes(head + tail) == as_bytes(step_all(inline, obs))
     restored = build_runtime(config)
     restored.load_state(state)
-    assert restored.chunk_mark() == mark
+    assert restored.mark() == mark
     assert as_bytes(step_all(restored, obs[in_flight:])) == as_bytes(tail)
 
 
@@ -151,10 +154,10 @@ def test_exported_program_serves_the_eager_modules_actions_bit_for_bit_on_cpu(tm
 def test_capsules_roll_an_exported_program_back_bit_identically(tmp_path, program):
     session = build_session(gru_config(tmp_path, program))
     feed(session, observations(5, 3))
-    capsule = session.commit(label="k")
+    capsule = session.verbs.commit(label="k")
     obs = observations(2 * HORIZON + 5, 4)
     first = [r.values.tobytes() + r.chunk.tobytes() for r in feed(session, obs)]
-    session.reenter(capsule.id)
+    session.verbs.reenter(capsule.id)
     again = [r.values.tobytes() + r.chunk.tobytes() for r in feed(session, obs)]
     assert again == first and len(set(first)) > HORIZON
 
@@ -402,7 +405,7 @@ def test_initial_values_and_the_seeded_rng_are_kept_by_an_exported_program(tmp_p
     path = tmp_path / "acc.pt2"
     report = export_module(module, path)
     assert report.mismatch is None, report.summary()
-    runtime = PolicyRuntime(ExportedPolicy.from_file(path), RuntimeConfig(seed=7))
+    runtime = build_policy_runtime(ExportedPolicy.from_file(path), RuntimeConfig(seed=7))
     assert runtime.arena["bias"].tolist() == [1.0, 1.0] and runtime.arena["rng"].tolist() == [7, 0]
     xs = np.random.default_rng(5).normal(size=(6, 3)).astype(np.float32)
     state = [torch.zeros(1, 3), torch.ones(1, 2), torch.tensor([[7, 0]])]
@@ -419,8 +422,9 @@ def test_initial_values_and_the_seeded_rng_are_kept_by_an_exported_program(tmp_p
 
 @pytest.mark.cuda
 def test_graph_captured_exported_step_equals_the_exported_module_run_eagerly_on_the_gpu(program):
-    runtime = PolicyRuntime(ExportedPolicy.from_file(program), RuntimeConfig(device="cuda", cuda_graphs=True))
-    assert runtime.plan.captured
+    policy = ExportedPolicy.from_file(program)
+    runtime = build_policy_runtime(policy, RuntimeConfig(device="cuda", cuda_graphs=True), mode=mode_for(policy))
+    assert runtime.graphs.captured
     eager = ExportedPolicy.from_file(program).to("cuda")          # the programs, called in the module's own loop
     observe, plan, emit = (eager.programs[phase] for phase in ("observe", "plan", "emit"))
     state = [torch.zeros((1, *s.shape), dtype=s.dtype, device="cuda") for s in eager.interface.state]

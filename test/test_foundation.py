@@ -125,7 +125,7 @@ ROS_FREE_TESTS = ("test_runtime.py", "test_store.py", "test_fallback.py", "test_
                   "test_policy_contract.py", "test_exported.py", "test_session_loop.py", "test_verbs.py",
                   "test_prose.py", "test_chunking.py",
                   "test_lerobot_kinds.py", "test_lerobot_bench.py", "test_lerobot_guide.py", "test_weights.py",
-                  "test_onnx.py")
+                  "test_onnx.py", "test_session_parts.py")
 
 
 def test_ros_free_tests_run_without_ros():

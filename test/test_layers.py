@@ -18,10 +18,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "capsule_ros"
 # Lowest first. Generated interfaces (msg / srv / action) sit just below the ROS layer.
 LAYERS = (
     ("capsule_ros",),                                   # config, errors, metrics, paths, polling
-    ("capsule_ros.runtime", "capsule_ros.sim"),         # mechanism; the simulated arm (numpy)
+    ("capsule_ros.runtime", "capsule_ros.sim"),         # mechanism, the core; the simulated arm (numpy)
+    ("capsule_ros.chunking",),                          # an execution mode above the core (the core never imports it)
     ("capsule_ros.policies",),                          # model code over the runtime's protocol
     ("capsule_ros.capsules",),                          # store, files, directory
     ("capsule_ros.serving",),                           # the session: what the node does, without ROS
+    ("capsule_ros.updates",),                           # model updates: check, regenerate, the node's background
     ("capsule_ros.bag",),                               # rosbag2 record and replay engine (no ROS)
     ("capsule_ros.msg", "capsule_ros.srv", "capsule_ros.action"),
     ("capsule_ros.ros",),                               # the node and everything rclpy
@@ -29,8 +31,8 @@ LAYERS = (
     ("capsule_ros.benchmarks",),
     ("capsule_ros.cli",),
 )
-ROS_FREE = ("capsule_ros", "capsule_ros.runtime", "capsule_ros.sim", "capsule_ros.policies", "capsule_ros.capsules",
-            "capsule_ros.serving", "capsule_ros.bag")
+ROS_FREE = ("capsule_ros", "capsule_ros.runtime", "capsule_ros.sim", "capsule_ros.chunking", "capsule_ros.policies",
+            "capsule_ros.capsules", "capsule_ros.serving", "capsule_ros.updates", "capsule_ros.bag")
 
 
 def layer_of(module: str) -> Tuple[int, str]:
@@ -105,11 +107,20 @@ def import_graph() -> dict:
     return graph
 
 
-@pytest.mark.parametrize("package", ["capsule_ros.capsules", "capsule_ros.serving", "capsule_ros.bag",
-                                     "capsule_ros.ros", "capsule_ros.bt"])
+SUBPACKAGES = sorted({".".join(module.split(".")[:2]) for module, path in modules() if path.name == "__init__.py"
+                      and module.count(".") == 1})
+
+
+def test_the_circle_test_covers_every_subpackage():
+    assert {"capsule_ros.runtime", "capsule_ros.chunking", "capsule_ros.capsules", "capsule_ros.serving",
+            "capsule_ros.updates", "capsule_ros.bag", "capsule_ros.ros", "capsule_ros.bt"} <= set(SUBPACKAGES)
+
+
+@pytest.mark.parametrize("package", SUBPACKAGES)
 def test_no_import_circle_inside_a_layer(package):
-    """Within a layer, modules import each other one way: the node builds its servers and
-    its facade, the servers know the facade only (no node <-> services <-> run_policy)."""
+    """Within a subpackage, modules import each other one way: the node builds its servers
+    and its facade, the servers know the facade only (no node <-> services <-> run_policy);
+    the runtime's builder calls the state check, which knows the runtime, never the reverse."""
     graph = import_graph()
     inside = {m for m in graph if m.startswith(package + ".")}
     circles, state, path = [], {}, []
@@ -164,4 +175,13 @@ def test_test_modules_import_helpers_from_the_harness_not_from_each_other():
     tests = PACKAGE.parent / "test"
     found = [f"{path.name}:{line} imports {module}" for path in sorted(tests.glob("*.py"))
              for line, module in imports(path) if module.split(".")[0].startswith("test_")]
+    assert found == []
+
+
+def test_model_updates_make_no_json():
+    """capsule_ros/updates/ hands out typed reports and outcomes (also over the background
+    child's pipe); JSON is made only at the edge, by the commands in capsule_ros/cli/."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for module, path in modules()
+             if layer_of(module)[1] == "capsule_ros.updates"
+             for line, target in imports(path) if target.split(".")[0] == "json"]
     assert found == []

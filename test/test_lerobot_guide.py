@@ -22,6 +22,7 @@ from capsule_ros.benchmarks.lerobot_act import write_act_checkpoint
 from capsule_ros.errors import ConfigError
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_session
+from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.outputs import OutputAdapter
 from capsule_ros.serving.records import ActionSource
 
@@ -56,13 +57,13 @@ def guide(tmp_path_factory):
 def test_the_guides_parameter_file_serves_its_checkpoint_and_feeds_its_outputs(guide):
     features, _, config = guide
     assert config.policy.kind == "lerobot_act"
-    session = build_session(config)
-    session.enforce_deadline = False        # the guide's 30 ms is for its GPU; this checks the function
+    # the guide's 30 ms is for its GPU; this checks the function
+    session = build_session(config, options=SessionOptions(enforce_deadline=False))
     rng = np.random.default_rng(0)
     for name, port in config.ports.items():
         values = (rng.integers(0, 256, port.shape) if port.dtype == "uint8" else rng.normal(size=port.shape))
-        session.write_input(name, values.astype(port.dtype))
-    record = session.tick(1)
+        session.loop.write_input(name, values.astype(port.dtype))
+    record = session.loop.tick(1)
     assert record is not None and record.source == ActionSource.POLICY
     (action_dim,) = features["output_features"]["action"]["shape"]
     assert record.values.shape == (action_dim,) and np.isfinite(record.values).all()

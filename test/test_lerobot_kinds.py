@@ -17,11 +17,13 @@ import pytest
 import torch
 from lerobot_fixtures import PORTS, Fixture
 
+from capsule_ros.chunking.mode import mode_for
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot import build_policy
 from capsule_ros.policies.lerobot.checkpoint import MODEL_FILE
 from capsule_ros.policies.lerobot.common import resize_image
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
+from capsule_ros.runtime.builder import build_policy_runtime
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.weights import read_weights, save_weights
 from capsule_ros.serving.config import ServingConfig
@@ -274,9 +276,8 @@ def test_diffusion_resize_shape_is_applied_and_checked(fixtures, tmp_path):
 def test_in_process_runtime_of_the_kind_matches_build_policy(fixtures):
     """The kind adds checks, nothing else: the same policy as build_policy, bit for bit."""
     fixture = fixtures["act_ensemble"]
-    direct = PolicyRuntime(build_policy(fixture.checkpoint, {k: BufferSpec(PORTS[k], v.shape[2:], torch.float32,
-                                                                           BufferKind.INPUT)
-                                                             for k, v in fixture.features.items()}),
-                           RuntimeConfig(device="cpu"))
+    policy = build_policy(fixture.checkpoint, {k: BufferSpec(PORTS[k], v.shape[2:], torch.float32, BufferKind.INPUT)
+                                               for k, v in fixture.features.items()})
+    direct = build_policy_runtime(policy, RuntimeConfig(device="cpu"), mode=mode_for(policy))
     via_kind = serve(fixture, fixture.serving_params())
     assert run_steps(direct, fixture, STEPS).tobytes() == run_steps(via_kind, fixture, STEPS).tobytes()

@@ -21,10 +21,12 @@ import pytest
 import torch
 from lerobot_fixtures import FIXTURES, NAMES, extract_checkpoint, feature_map, load_npz
 
+from capsule_ros.chunking.mode import mode_for
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot import build_act, build_diffusion, build_policy
 from capsule_ros.policies.lerobot.checkpoint import MODEL_FILE, read_checkpoint
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
+from capsule_ros.runtime.builder import build_policy_runtime
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.rng import counter_normal
 
@@ -48,7 +50,8 @@ class Case:
         self.ports = feature_map(self.inputs)
 
     def runtime(self, device: str = "cpu", **kw) -> PolicyRuntime:
-        return PolicyRuntime(build_policy(self.checkpoint, self.ports), RuntimeConfig(device=device, **kw))
+        policy = build_policy(self.checkpoint, self.ports)
+        return build_policy_runtime(policy, RuntimeConfig(device=device, **kw), mode=mode_for(policy))
 
     def seed(self, episode: int) -> int:
         return int(self.inputs["seeds"][episode])
@@ -296,7 +299,8 @@ def test_a_diffusion_checkpoint_trained_with_compile_model_is_served(checkpoints
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "compile_model": True}))
     case = cases["diffusion"]
-    runtime = PolicyRuntime(build_policy(directory, case.ports), RuntimeConfig(device="cpu"))
+    policy = build_policy(directory, case.ports)
+    runtime = build_policy_runtime(policy, RuntimeConfig(device="cpu"), mode=mode_for(policy))
     runtime.reset(episode=0, seed=case.seed(0))
     got = np.stack([case.feed(runtime, 0, t) for t in range(20)])
     assert got.tobytes() == case.outputs["action"][0, :20].tobytes()
@@ -334,7 +338,7 @@ def test_cuda_graph_step_matches_eager_and_lerobot(name, cases):
     default), so not bit-identical (H200, 2026-11-30: ACT 2.5e-3, Diffusion 6.7e-3 at most)."""
     case = cases[name]
     graphed, eager = case.runtime("cuda", cuda_graphs=True), case.runtime("cuda", cuda_graphs=False)
-    assert graphed.plan.captured
+    assert graphed.graphs.captured
     steps = 40
     got = {}
     for key, runtime in (("graph", graphed), ("eager", eager)):

@@ -25,6 +25,7 @@ import pytest
 import torch
 from pi_fixtures import NAMES, TASK_PORT, PiFixture, port_of
 from safetensors.torch import load_file, save_file
+from vla_fixtures import chunked_runtime
 
 from capsule_ros.benchmarks.lerobot_pi import (
     PALIGEMMA_3B,
@@ -34,6 +35,7 @@ from capsule_ros.benchmarks.lerobot_pi import (
     with_cameras,
     write_pi_checkpoint,
 )
+from capsule_ros.chunking.mark import ChunkingMark
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.checkpoint import read_checkpoint
 from capsule_ros.policies.lerobot.pi.architecture import LEROBOT_VARIANTS, PALIGEMMA_VISION, read_architecture
@@ -43,7 +45,8 @@ from capsule_ros.policies.lerobot.pi.prompt import state_prompt
 from capsule_ros.policies.registry import BuildContext
 from capsule_ros.policies.vla.rtc import RTCSettings
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig, runtime_identity
+from capsule_ros.runtime.builder import runtime_identity
+from capsule_ros.runtime.engine import RuntimeConfig
 
 torch.set_num_threads(1)
 
@@ -122,7 +125,7 @@ def test_policy_task_default_without_a_task_port(fixtures):
     fx = fixtures["pi05"]
     policy = build(fx.context(task=fx.task(0, 0), task_port=False))
     assert policy.text_inputs() == {}
-    runtime = PolicyRuntime(policy, RuntimeConfig())
+    runtime = chunked_runtime(policy)
     runtime.reset(episode=1, seed=fx.seed(0))
     actions = []
     for t in range(29):                               # episode 0 keeps its first task up to step 28
@@ -148,13 +151,14 @@ def test_pi05_through_the_session_with_its_task_on_a_string_port_is_lerobots(fix
     fx = fixtures["pi05"]
     episode, actions, rows = 1, [], []
     session = build_session(ServingConfig.from_params(fx.serving_params(episode)))
-    session.reset()
+    session.verbs.reset()
     for t in range(fx.steps):
         for key, value in fx.features.items():
-            session.write_input(port_of(key), value[episode, t])
-        session.receive(TASK_PORT, bytes(serialize_message(String(data=fx.task(episode, t)))))
-        actions.append(session.tick().values.copy())
-        rows.append(session.runtime.input_staging.clone())
+            session.loop.write_input(port_of(key), value[episode, t])
+        fed = session.loop.feed(TASK_PORT, bytes(serialize_message(String(data=fx.task(episode, t)))), stage_only=True)
+        assert fed.accepted, fed.drop
+        actions.append(session.loop.tick().values.copy())
+        rows.append(session.parts.runtime.input_staging.clone())
     assert_same_actions(np.stack(actions)[None], fx.outputs["action"][episode:episode + 1], "pi05 session")
     replay = fx.runtime("sync")
     replay.reset(episode=episode + 1, seed=fx.seed(episode))
@@ -180,7 +184,7 @@ def test_a_capsule_at_every_cursor_restores_byte_exactly_and_replays_bit_identic
     fx = fixtures[name]
     runtime = fx.runtime(mode, delay, fx.rtc_settings() if guided else None, device=device)
     try:
-        end = runtime.schedule.end
+        end = runtime.mode.schedule.end
         steps = 3 * end + 2
         runtime.reset(episode=1, seed=fx.seed(0))
         original = np.stack([fx.act(runtime, 0, t) for t in range(steps)])
@@ -191,7 +195,7 @@ def test_a_capsule_at_every_cursor_restores_byte_exactly_and_replays_bit_identic
                 fx.act(runtime, 0, t)
             runtime.synchronize()
             snapshot = runtime.arena.storage.clone()
-            seen_pending |= runtime.chunk_mark().pending
+            seen_pending |= ChunkingMark.parse(runtime.mark()).pending
             for t in range(k, k + 3):                    # move on (other inputs), then come back
                 fx.act(runtime, 1, t)
             runtime.load_state(snapshot)
@@ -218,7 +222,7 @@ def test_cuda_graph_programs_equal_the_eager_cuda_plan(fixtures, name, mode, rec
     graphed = fx.runtime(mode, delay, rtc, device="cuda", cuda_graphs=True)
     eager = fx.runtime(mode, delay, rtc, device="cuda", cuda_graphs=False, worker="inline")
     try:
-        assert graphed.plan.captured and set(graphed.plan._graphs) == set(graphed.plan.programs)
+        assert graphed.graphs.captured and set(graphed.graphs._graphs) == set(graphed.graphs.programs)
         got = {}
         for key, runtime in (("graph", graphed), ("eager", eager)):
             runtime.reset(episode=1, seed=fx.seed(0))
@@ -362,10 +366,10 @@ def test_guided_rtc_needs_async(fixtures):
 
 def test_the_fingerprint_covers_what_changes_the_numbers(fixtures):
     fx = fixtures["pi0_bf16"]
-    plain = runtime_identity(fx.policy(), RuntimeConfig())[0]
-    assert runtime_identity(fx.policy(), RuntimeConfig())[0] == plain
-    guided = runtime_identity(fx.policy(fx.rtc_settings()), RuntimeConfig())[0]
-    other = runtime_identity(fx.policy(RTCSettings("guided", 3.0, "ONES", 5)), RuntimeConfig())[0]
+    plain = runtime_identity(fx.policy(), RuntimeConfig()).fingerprint
+    assert runtime_identity(fx.policy(), RuntimeConfig()).fingerprint == plain
+    guided = runtime_identity(fx.policy(fx.rtc_settings()), RuntimeConfig()).fingerprint
+    other = runtime_identity(fx.policy(RTCSettings("guided", 3.0, "ONES", 5)), RuntimeConfig()).fingerprint
     assert len({plain, guided, other}) == 3
     architecture = fx.policy().architecture()
     assert architecture["denoise_steps"] == 10 and architecture["task"]["tokenizer"]["max_length"] == 48
@@ -393,12 +397,12 @@ def test_a_refill_and_a_guided_request_never_need_a_host_sync(fixtures):
     fx = fixtures["pi05"]
     runtime = fx.runtime("async", 3, fx.rtc_settings(), worker="inline")
     runtime.reset(episode=1, seed=fx.seed(0))
-    for t in range(runtime.schedule.end + 2):
+    for t in range(runtime.mode.schedule.end + 2):
         fx.stage(runtime, 0, t)
         runtime.load_inputs()                      # the host's prompt work is outside the detector
         with Detector():
             runtime.step()
-    assert runtime.executor.counters.refills >= 2 and not calls, calls
+    assert runtime.mode.counters.refills >= 2 and not calls, calls
 
 
 # --- the benchmark checkpoints -------------------------------------------------------------------------
@@ -419,7 +423,7 @@ def test_the_benchmark_writer_makes_a_checkpoint_that_serves(tmp_path):
                                                 features=tuple(ports)),
                            inputs=inputs, ports={k: SimpleNamespace(type=v) for k, v in types.items()}, weights=None,
                            seed=0, device=torch.device("cpu"), task="pick up the cube")
-    runtime = PolicyRuntime(build(context), RuntimeConfig())
+    runtime = chunked_runtime(build(context))
     runtime.staging["camera0"][...] = 128
     runtime.load_inputs()
     runtime.step()

@@ -66,25 +66,27 @@ def test_transitions_build_interrupt_resume_and_release_the_session(make_node):
     assert node.session is None and answer(node, "list").error_code == ErrorCode.WRONG_STATE   # inactive
     assert node.trigger_activate() == make_node.SUCCESS
     session = node.session
-    assert session.state == EpisodeState.RUNNING and node.active
+    assert session.episode.state == EpisodeState.RUNNING and node.active
     committed = answer(node, "commit", label="in process")
     assert committed.success and committed.capsule.label == "in process"
 
     published = node.actions.published
     assert node.trigger_deactivate() == make_node.SUCCESS                # interrupt: capsule + safe action
-    assert not node.active and session.state == EpisodeState.INTERRUPTED and session.interrupt_capsule is not None
+    episode = session.episode
+    assert not node.active and episode.state == EpisodeState.INTERRUPTED and episode.interrupt_capsule is not None
     assert node.actions.published == published + 1 and node.actions.last.source == ActionSource.HOLD
     assert answer(node, "commit").error_code == ErrorCode.WRONG_STATE
-    interrupted_at = session.interrupt_capsule.id
+    interrupted_at = session.episode.interrupt_capsule.id
 
     assert node.trigger_activate() == make_node.SUCCESS                  # resumes from the deactivate's capsule
-    assert node.session is session and session.state == EpisodeState.RUNNING and session.lineage == interrupted_at
+    episode = session.episode
+    assert node.session is session and episode.state == EpisodeState.RUNNING and episode.lineage == interrupted_at
 
     assert node.trigger_deactivate() == make_node.SUCCESS
     assert node.trigger_cleanup() == make_node.SUCCESS                   # released
     assert node.session is None and not node.actions.outputs
     with pytest.raises(Exception, match="released"):
-        session.commit()
+        session.verbs.commit()
     assert answer(node, "reset").error_code == ErrorCode.WRONG_STATE
 
 
@@ -109,14 +111,14 @@ def test_run_time_parameters_go_through_the_sessions_reconfigure(make_node):
                                    Parameter("control.service_timeout_ms", value=250.0),
                                    Parameter("ports.goal.staleness_ms", value=40.0)])
     assert all(r.successful for r in results), results
-    assert session.control.deadline_ms == 123.0 and session.boundary.timeout_s == pytest.approx(0.25)
-    assert session.ports["goal"].config.staleness_ms == 40.0 and node.config.control.deadline_ms == 123.0
+    assert session.loop.control.deadline_ms == 123.0 and session.parts.boundary.timeout_s == pytest.approx(0.25)
+    assert session.parts.loop.ports["goal"].config.staleness_ms == 40.0 and node.config.control.deadline_ms == 123.0
     bad = node.set_parameters([Parameter("control.deadline_action", value="explode")])[0]
-    assert not bad.successful and "'explode'" in bad.reason and session.control.deadline_action == "hold"
+    assert not bad.successful and "'explode'" in bad.reason and session.loop.control.deadline_action == "hold"
     read_only = node.set_parameters([Parameter("ports.goal.dtype", value="float64")])[0]
-    assert not read_only.successful and session.ports["goal"].config.dtype == "float32"
+    assert not read_only.successful and session.parts.loop.ports["goal"].config.dtype == "float32"
     assert node.set_parameters([Parameter("control.mode", value="timer")])[0].successful
-    assert session.control.mode == "timer" and node.config.control.mode == "timer"
+    assert session.loop.control.mode == "timer" and node.config.control.mode == "timer"
 
 
 def active_node(make_node, **params):
@@ -146,7 +148,7 @@ def test_a_verb_that_reaches_the_boundary_after_deactivate_is_refused_and_activa
     node = active_node(make_node)
     session = node.session
     capsule = answer(node, "commit", label="C", persist=True).capsule.id
-    boundary, results, release, holding = session.boundary, {}, threading.Event(), threading.Event()
+    boundary, results, release, holding = session.parts.boundary, {}, threading.Event(), threading.Event()
 
     def a_step_in_progress():
         with boundary.blocking():
@@ -169,9 +171,9 @@ def test_a_verb_that_reaches_the_boundary_after_deactivate_is_refused_and_activa
     for verb in ("drop", "reenter"):                      # reached the boundary after deactivate
         assert results[verb].error_code == ErrorCode.WRONG_STATE and "inactive" in results[verb].message, \
             results[verb]
-    interrupted_at = session.interrupt_capsule.id
+    interrupted_at = session.episode.interrupt_capsule.id
     assert node.trigger_activate() == make_node.SUCCESS, node.transition_error
-    assert session.state == EpisodeState.RUNNING and session.lineage == interrupted_at
+    assert session.episode.state == EpisodeState.RUNNING and session.episode.lineage == interrupted_at
     assert answer(node, "reenter", capsule_id=capsule).success          # served again
 
 
@@ -192,7 +194,7 @@ def test_deactivate_and_activate_racing_capsule_verbs_always_leave_a_node_that_a
     rng = random.Random(22)
     answered = {name: {"served": 0, "refused": 0} for name in verbs}
     for trial in range(300):
-        if persisted in session.store:
+        if persisted in session.parts.store:
             assert answer(node, "drop", capsule_id=persisted).success       # memory only: its file stays
         name = rng.choice(sorted(verbs))
         offset_s, verb_first = rng.uniform(0.0, 0.003), rng.random() < 0.5
@@ -211,7 +213,7 @@ def test_deactivate_and_activate_racing_capsule_verbs_always_leave_a_node_that_a
         response = results[name]
         assert response.success or response.error_code == ErrorCode.WRONG_STATE, (context, response.message)
         answered[name]["served" if response.success else "refused"] += 1
-        if session.state == EpisodeState.INTERRUPTED:    # the racing interrupt won: resume for the next trial
+        if session.episode.state == EpisodeState.INTERRUPTED:    # the racing interrupt won: resume for the next trial
             assert answer(node, "reenter").success, context
     assert answer(node, "commit", label="after the storm").success
     assert all(counts["served"] and counts["refused"] for counts in answered.values()), answered   # both sides won
@@ -266,22 +268,22 @@ def _live_effects(tmp_path):
 
     def future_drop(node):
         session = node.session
-        return session.feed("goal", goal_message(session.clock_ns() + 500_000_000)).drop
+        return session.loop.feed("goal", goal_message(session.parts.loop.now() + 500_000_000)).drop
 
     return [
-        ("control.mode", "timer", lambda n: n.session.control.mode == "timer"
+        ("control.mode", "timer", lambda n: n.session.loop.control.mode == "timer"
             and timer_period_ns(n, ros) == 50_000_000),
-        ("control.rate_hz", 40.0, lambda n: n.session.control.rate_hz == 40.0
+        ("control.rate_hz", 40.0, lambda n: n.session.loop.control.rate_hz == 40.0
             and timer_period_ns(n, ros) == 25_000_000),
-        ("control.trigger_port", "goal", lambda n: n.session.control.trigger_port == "goal"),
-        ("control.deadline_ms", 123.0, lambda n: n.session.control.effective_deadline_s() == pytest.approx(0.123)),
-        ("control.deadline_action", "zero", lambda n: n.session.control.deadline_action == "zero"),
+        ("control.trigger_port", "goal", lambda n: n.session.loop.control.trigger_port == "goal"),
+        ("control.deadline_ms", 123.0, lambda n: n.session.loop.control.effective_deadline_s() == pytest.approx(0.123)),
+        ("control.deadline_action", "zero", lambda n: n.session.loop.control.deadline_action == "zero"),
         ("control.future_tolerance_ms", 100.0, lambda n: future_drop(n).reason == "future"),   # 500 ms ahead
         ("control.frame_id", "gripper_base", lambda n: frame_of_a_published_action(n) == "gripper_base"),
         ("control.status_rate_hz", 20.0, lambda n: timer_period_ns(n, steady) == 50_000_000),
-        ("control.service_timeout_ms", 250.0, lambda n: n.session.boundary.timeout_s == pytest.approx(0.25)),
-        ("ports.joints.staleness_ms", 40.0, lambda n: n.session.ports["joints"].config.staleness_ms == 40.0),
-        ("ports.goal.staleness_ms", 60.0, lambda n: n.session.ports["goal"].config.staleness_ms == 60.0),
+        ("control.service_timeout_ms", 250.0, lambda n: n.session.parts.boundary.timeout_s == pytest.approx(0.25)),
+        ("ports.joints.staleness_ms", 40.0, lambda n: n.session.parts.loop.ports["joints"].config.staleness_ms == 40.0),
+        ("ports.goal.staleness_ms", 60.0, lambda n: n.session.parts.loop.ports["goal"].config.staleness_ms == 60.0),
         ("outputs.arm.time_step_ms", 20.0, lambda n: n.actions.outputs[0].adapter.time_step_s == pytest.approx(0.02)),
         ("outputs.arm.points", 3, lambda n: n.actions.outputs[0].adapter.config.points == 3),
         ("record.directory", str(tmp_path / "other_bags"),
@@ -289,18 +291,19 @@ def _live_effects(tmp_path):
         ("record.storage", "sqlite3", lambda n: any(Path(recorded_to(n, answer)).glob("*.db3"))),
         ("record.enabled", True, lambda n: n.recording.active),
         ("record.enabled", False, lambda n: not n.recording.active),
-        ("use_sim_time", True, lambda n: n.get_clock().ros_time_is_active and n.session.counters.clock_jumps == 1),
+        ("use_sim_time", True,
+         lambda n: n.get_clock().ros_time_is_active and n.session.parts.loop.counters.clock_jumps == 1),
     ]
 
 
 # configure-time parameters: a new value, and what holds after cleanup -> set -> configure -> activate
 CONFIGURE_EFFECTS = [
-    ("control.autostart", False, lambda n: n.session.state == EpisodeState.IDLE),
-    ("control.input_log_steps", 0, lambda n: n.session.recompute.log.capacity == 0),
+    ("control.autostart", False, lambda n: n.session.episode.state == EpisodeState.IDLE),
+    ("control.input_log_steps", 0, lambda n: n.session.parts.recompute.log.capacity == 0),
     ("control.input_log_max_mb", 4096.0, lambda n: n.config.control.input_log_max_mb == 4096.0),
-    ("runtime.seed", 7, lambda n: n.session.runtime.config.seed == 7),
-    ("runtime.debug_checks", True, lambda n: n.session.runtime.plan.debug_checks is True),
-    ("policy.prefix", [], lambda n: n.session.prefix == ()),
+    ("runtime.seed", 7, lambda n: n.session.parts.runtime.config.seed == 7),
+    ("runtime.debug_checks", True, lambda n: n.session.parts.runtime.graphs.debug_checks is True),
+    ("policy.prefix", [], lambda n: n.session.parts.machine.prefix == ()),
 ]
 
 

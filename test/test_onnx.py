@@ -102,8 +102,8 @@ def feed(session, rows: Dict[str, np.ndarray], steps: range) -> List[bytes]:
     out = []
     for t in steps:
         for name in ("imu", "cmd_vel", "base_twist", "joints"):
-            session.write_input(name, rows[name][t])
-        out.append(session.tick().values.tobytes())
+            session.loop.write_input(name, rows[name][t])
+        out.append(session.loop.tick().values.tobytes())
     return out
 
 
@@ -300,14 +300,14 @@ def rows() -> Dict[str, np.ndarray]:
 def test_rollback_fork_and_reset_are_bit_identical(tmp_path, rows):
     session = build_session(quadruped(tmp_path, FIXTURES / "rsl_rl_lstm" / "policy.onnx"))
     start = feed(session, rows, range(20))
-    capsule = session.commit(label="k")
+    capsule = session.verbs.commit(label="k")
     first = feed(session, rows, range(20, 45))
-    fork = session.fork(capsule.id, label="branch")
-    session.reenter(capsule.id)
+    fork = session.verbs.fork(capsule.id, label="branch")
+    session.verbs.reenter(capsule.id)
     assert feed(session, rows, range(20, 45)) == first                  # rollback
-    session.reenter(fork.id)
+    session.verbs.reenter(fork.id)
     assert feed(session, rows, range(20, 45)) == first                  # the fork holds the same state
-    session.reset()
+    session.verbs.reset()
     assert feed(session, rows, range(20)) == start                   # a reset is the initial state
     assert len(set(first)) == len(first)
 
@@ -319,17 +319,17 @@ def test_restoring_h_without_c_or_the_last_action_diverges(tmp_path, rows, kept)
     are not restored); the actions that follow differ from the timeline's."""
     session = build_session(quadruped(tmp_path, FIXTURES / "rsl_rl_lstm" / "policy.onnx"))
     feed(session, rows, range(20))
-    capsule = session.commit(label="k")
+    capsule = session.verbs.commit(label="k")
     first = feed(session, rows, range(20, 40))
-    arena = session.runtime.arena
+    arena = session.parts.runtime.arena
     live = {name: arena[name].clone() for name in kept}
-    session.reenter(capsule.id)
+    session.verbs.reenter(capsule.id)
     assert not all(torch.equal(arena[n], live[n]) for n in kept)        # the capsule's values differ
     for name, value in live.items():
         arena[name].copy_(value)                                         # ... and are not restored
     ablated = feed(session, rows, range(20, 40))
     assert ablated[0] != first[0] and sum(a != b for a, b in zip(ablated, first, strict=True)) >= 10
-    session.reenter(capsule.id)
+    session.verbs.reenter(capsule.id)
     assert feed(session, rows, range(20, 40)) == first                  # restoring everything is exact
 
 
@@ -459,12 +459,12 @@ def test_cuda_provider_graph_equals_eager_and_capsules_roll_back(tmp_path, rows)
         params = quadruped_params(tmp_path / mode, model, execution_provider="cuda", cuda_graph=mode)
         params["runtime"]["device"] = "cuda"
         session = build_session(ServingConfig.from_params(params))
-        assert int(session.runtime.arena["step"][0]) == 0                   # capture runs left no trace (32243)
-        assert torch.count_nonzero(session.runtime.arena["onnx.h_in"]) == 0
+        assert int(session.parts.runtime.arena["step"][0]) == 0                   # capture runs left no trace (32243)
+        assert torch.count_nonzero(session.parts.runtime.arena["onnx.h_in"]) == 0
         feed(session, rows, range(10))
-        capsule = session.commit(label="k")
+        capsule = session.verbs.commit(label="k")
         first = feed(session, rows, range(10, 30))
-        session.reenter(capsule.id)
+        session.verbs.reenter(capsule.id)
         assert feed(session, rows, range(10, 30)) == first
         results[mode] = first
     assert results["on"] == results["off"]

@@ -19,12 +19,15 @@ import pytest
 import torch
 from runtime_fixtures import arena_bytes, default_config, gru_config, make_policy
 
+from capsule_ros.chunking.mode import mode_for
+from capsule_ros.chunking.reference import chunked_step
+from capsule_ros.chunking.schedule import ChunkingSettings
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.chunking import chunked_step
+from capsule_ros.runtime.builder import build_policy_runtime, replica_of, runtime_identity
 from capsule_ros.runtime.contract import PolicyStateError
-from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, RuntimeConfig
-from capsule_ros.runtime.plan import PolicyStepError
+from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
+from capsule_ros.runtime.graphs import PolicyStepError
 from capsule_ros.runtime.policy import ACTION, STEP, ChunkCadence, StatefulPolicy, chunk_specs, standard_specs
 from capsule_ros.serving.factory import build_policy
 
@@ -132,7 +135,13 @@ class _ChunkerCounter(_CountsCalls, _Chunker):
     """Its network counts its runs in a Python attribute."""
 
 
-CHUNK_SCHEDULES = {"sync": ChunkingOptions("sync"), "async": ChunkingOptions("async", delay=1, horizon=2)}
+CHUNK_SCHEDULES = {"sync": ChunkingSettings("sync"), "async": ChunkingSettings("async", delay=1, execution_horizon=2)}
+
+
+def runtime_of(policy: StatefulPolicy, config: RuntimeConfig,
+               settings: ChunkingSettings = ChunkingSettings()) -> PolicyRuntime:  # noqa: B008 - frozen
+    """The policy's runtime in its mode (chunking under ``settings`` for a policy with a cadence)."""
+    return build_policy_runtime(policy, config, mode=mode_for(policy, settings, device=config.resolve_device()))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -141,7 +150,7 @@ def test_the_check_runs_every_program_of_a_chunk_schedule(device, mode):
     """The repeated steps cover the schedule's every program: async mode includes an
     episode's first (synchronous) refill, not only the refill worker's plans."""
     from capsule_ros.runtime.contract import check_state_contract
-    runtime = PolicyRuntime(_Chunker(), RuntimeConfig(device=device), chunking=CHUNK_SCHEDULES[mode])
+    runtime = runtime_of(_Chunker(), RuntimeConfig(device=device), CHUNK_SCHEDULES[mode])
     before = arena_bytes(runtime)
     programs = check_state_contract(runtime)
     if mode == "sync":
@@ -158,16 +167,16 @@ def test_a_chunking_policy_with_state_outside_its_buffers_is_refused(device, mod
     and its adopted chunk (async, planned by the refill worker) write other actions."""
     with pytest.raises(PolicyStateError, match=r"policy chunkercounter keeps state outside its declared buffers: "
                                                r".*\['action'\] after repeated step"):
-        PolicyRuntime(_ChunkerCounter(), RuntimeConfig(device=device), chunking=CHUNK_SCHEDULES[mode])
-    PolicyRuntime(_ChunkerCounter(), RuntimeConfig(device=device, state_check=False),
-                  chunking=CHUNK_SCHEDULES[mode])          # the documented opt-out serves it
+        runtime_of(_ChunkerCounter(), RuntimeConfig(device=device), CHUNK_SCHEDULES[mode])
+    runtime_of(_ChunkerCounter(), RuntimeConfig(device=device, state_check=False),
+               CHUNK_SCHEDULES[mode])          # the documented opt-out serves it
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("policy, hidden", [(_PythonCounter, "a Python counter"), (_HiddenTensor, "a tensor")])
 def test_state_outside_the_declared_buffers_is_refused_at_start_naming_it(device, policy, hidden):
     with pytest.raises(PolicyStateError) as refused:
-        PolicyRuntime(policy(), RuntimeConfig(device=device))
+        build_policy_runtime(policy(), RuntimeConfig(device=device))
     message = str(refused.value)
     assert isinstance(refused.value, ConfigError), "the node must exit 2 with one line"
     assert message.startswith(f"policy {policy.__name__.strip('_').lower()} keeps state outside its declared "
@@ -179,22 +188,24 @@ def test_the_check_runs_when_start_up_brings_its_fingerprint():
     """The node's activate builds the runtime with the fingerprint computed at configure;
     only a replica (whose policy passed with the original) skips the check."""
     with pytest.raises(PolicyStateError):
-        PolicyRuntime(_PythonCounter(), RuntimeConfig(), _fingerprint="f" * 64)
-    original = PolicyRuntime(_Scaler(), RuntimeConfig())
-    assert original.replica().fingerprint == original.fingerprint
+        build_policy_runtime(_PythonCounter(), RuntimeConfig(),
+                             identity=dataclasses.replace(runtime_identity(_PythonCounter(), RuntimeConfig()),
+                                                          fingerprint="f" * 64))
+    original = build_policy_runtime(_Scaler(), RuntimeConfig())
+    assert replica_of(original).fingerprint == original.fingerprint
 
 
 def test_policies_that_keep_the_contract_pass_and_keep_their_initial_arena(tmp_path):
     for config in (default_config(tmp_path / "default"), gru_config(tmp_path / "gru")):
-        checked = PolicyRuntime(build_policy(config), config.runtime)
-        unchecked = PolicyRuntime(build_policy(config), dataclasses.replace(config.runtime, state_check=False))
+        checked = runtime_of(build_policy(config), config.runtime)
+        unchecked = runtime_of(build_policy(config), dataclasses.replace(config.runtime, state_check=False))
         assert arena_bytes(checked) == arena_bytes(unchecked)
-    scaler = PolicyRuntime(_Scaler(), RuntimeConfig())
+    scaler = build_policy_runtime(_Scaler(), RuntimeConfig())
     assert scaler.read_outputs().step == 0
 
 
 def test_with_the_check_off_such_a_policy_is_served():
-    runtime = PolicyRuntime(_PythonCounter(), RuntimeConfig(state_check=False))
+    runtime = build_policy_runtime(_PythonCounter(), RuntimeConfig(state_check=False))
     runtime.staging["x"][:] = [1.0, 2.0]
     runtime.load_inputs()
     runtime.step()
@@ -205,7 +216,7 @@ def test_the_check_costs_a_few_steps_of_the_reference_policy():
     """Five steps and three arena copies: measured against the step itself."""
     import time
     policy = make_policy()
-    runtime = PolicyRuntime(policy, RuntimeConfig(state_check=False))
+    runtime = build_policy_runtime(policy, RuntimeConfig(state_check=False))
     start = time.perf_counter()
     for _ in range(20):
         runtime.step()
@@ -227,16 +238,16 @@ def test_the_check_costs_a_few_steps_of_the_reference_policy():
 def test_a_step_that_cannot_be_captured_fails_start_up_saying_how_to_go_on():
     with pytest.raises(PolicyStepError, match=r"cannot be captured as a CUDA graph .*"
                                               r"runtime.graph_fallback: eager") as refused:
-        PolicyRuntime(_Item(), RuntimeConfig(device="cuda"))
+        build_policy_runtime(_Item(), RuntimeConfig(device="cuda"))
     assert ".item()" in str(refused.value)
-    assert PolicyRuntime(_Item(), RuntimeConfig(device="cuda", cuda_graphs=False)).plan.captured is False
+    assert build_policy_runtime(_Item(), RuntimeConfig(device="cuda", cuda_graphs=False)).graphs.captured is False
 
 
 @pytest.mark.cuda
 def test_graph_fallback_eager_serves_it_without_a_graph_and_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="capsule_ros.runtime.plan"):
-        runtime = PolicyRuntime(_Item(), RuntimeConfig(device="cuda", graph_fallback="eager"))
-    assert not runtime.plan.captured
+    with caplog.at_level(logging.WARNING, logger="capsule_ros.runtime.graphs"):
+        runtime = build_policy_runtime(_Item(), RuntimeConfig(device="cuda", graph_fallback="eager"))
+    assert not runtime.graphs.captured
     assert any("runtime.graph_fallback is eager" in r.getMessage() for r in caplog.records), caplog.text
     x = np.array([0.5, -2.0], np.float32)
     runtime.staging["x"][:] = x

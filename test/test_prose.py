@@ -20,7 +20,7 @@ MODULE_REF = re.compile(r"\bcapsule_ros(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 TEST_REF = re.compile(r"\b(?:test/)?(test_[a-z0-9_]+)\.py(?:::(test_[a-z0-9_]+))?")
 BARE_TEST_REF = re.compile(r"(?<![\w./-])(test_[a-z0-9_]+)\b(?!\.py|\(|\s*=)")
 PATH_REF = re.compile(r"(?<![\w./-])((?:docs|config|launch|bench|examples|tools|scripts|srv|msg|action|runtime|"
-                      r"policies|capsules|serving|bag|ros|bt|cli|benchmarks|sim)/[\w./-]*\.[a-z0-9]+)\b")
+                      r"policies|capsules|serving|updates|bag|ros|bt|cli|benchmarks|sim)/[\w./-]*\.[a-z0-9]+)\b")
 # files at the top of the repository, cited by their bare name (a user's own pyproject.toml is not one of them)
 TOP_REF = re.compile(r"(?<![\w./-])([A-Z][A-Z0-9_-]*\.md|CMakeLists\.txt|package\.xml|setup\.py|setup\.sh|Makefile|"
                      r"ruff\.toml|mypy\.ini|pytest\.ini)\b")

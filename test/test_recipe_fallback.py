@@ -38,7 +38,7 @@ from capsule_ros.serving.factory import build_session
 
 
 def arena(session) -> bytes:
-    return bytes(session.runtime.arena.storage.numpy())
+    return bytes(session.parts.runtime.arena.storage.numpy())
 
 
 def test_capsules_of_an_earlier_session_are_rebuilt_from_their_recipes(tmp_path):
@@ -46,14 +46,14 @@ def test_capsules_of_an_earlier_session_are_rebuilt_from_their_recipes(tmp_path)
     first = build_session(config)
     obs = observations(40, seed=21)
     feed(first, obs[:12])
-    c1 = first.commit("c1", persist=True)
+    c1 = first.verbs.commit("c1", persist=True)
     feed(first, obs[12:20])
-    c2 = first.commit("c2", persist=True)
-    first.reset(c1.id)                                     # episode 2 starts from c1's state
+    c2 = first.verbs.commit("c2", persist=True)
+    first.verbs.reset(c1.id)                                     # episode 2 starts from c1's state
     feed(first, obs[20:30])
-    c3 = first.commit("c3", persist=True)
+    c3 = first.verbs.commit("c3", persist=True)
     first.release()                                        # the process ends; its files stay
-    directory = first.directory
+    directory = first.parts.directory
     root_of = {c.id: directory.header(c.id).recipe.root for c in (c1, c2, c3)}
     assert root_of[c1.id].kind == INITIAL and root_of[c1.id].episode == 1
     assert (root_of[c3.id].kind, root_of[c3.id].capsule_id, root_of[c3.id].episode) == (CAPSULE, c1.id, 2)
@@ -61,36 +61,36 @@ def test_capsules_of_an_earlier_session_are_rebuilt_from_their_recipes(tmp_path)
 
     second = build_session(config)
     feed(second, obs[30:35])
-    result = second.reenter(c3.id)
+    result = second.verbs.reenter(c3.id)
     assert result.fallback and "checksum mismatch" in result.fallback_reason, result.fallback_reason
-    assert (second.episode_id, second.step, second.lineage) == (2, c3.step, c3.id)
+    assert (second.episode.episode_id, second.episode.step, second.episode.lineage) == (2, c3.step, c3.id)
     path = directory.path_of(c3.id)
     path.write_bytes(originals[c3.id])
     assert arena(second) == state_bytes(path), "the rebuild is not byte-exact"
     damage_state(path)
-    rebuilt = second.store.get(c3.id)
+    rebuilt = second.parts.store.get(c3.id)
     assert (rebuilt.label, rebuilt.parent_id) == ("c3", c3.parent_id)       # as its file says
-    second.save(c3.id)                                     # the rebuilt bytes replace the damaged file ...
+    second.verbs.save(c3.id)                                     # the rebuilt bytes replace the damaged file ...
     saved = directory.header(c3.id)
     assert saved.recipe.regenerable and saved.recipe.root == root_of[c3.id]   # ... with its recipe kept
     assert state_bytes(path) == arena(second)
-    assert not second.reenter(c2.id).fallback              # an intact file restores as ever
-    assert second.counters.fallback_recomputes == 1
+    assert not second.verbs.reenter(c2.id).fallback              # an intact file restores as ever
+    assert second.parts.loop.counters.fallback_recomputes == 1
 
 
 def test_a_capsule_of_another_fingerprint_is_never_rebuilt_silently(tmp_path):
     config = default_config(tmp_path)
     first = build_session(config)
     feed(first, observations(6, seed=5))
-    capsule = first.commit("old model", persist=True)
+    capsule = first.verbs.commit("old model", persist=True)
     first.release()
     changed = dataclasses.replace(config, policy=dataclasses.replace(config.policy, init_seed=1))   # other weights
     second = build_session(changed)
-    before = arena(second), second.step, second.lineage
+    before = arena(second), second.episode.step, second.episode.lineage
     with pytest.raises(FingerprintMismatch) as info:
-        second.reenter(capsule.id)
+        second.verbs.reenter(capsule.id)
     assert "capsule-ros regenerate" in str(info.value) and info.value.code == ErrorCode.FINGERPRINT_MISMATCH
-    assert (arena(second), second.step, second.lineage) == before
+    assert (arena(second), second.episode.step, second.episode.lineage) == before
 
 
 # -- a camera policy ----------------------------------------------------------------------------------------
@@ -109,17 +109,17 @@ def act_config(fixture: Fixture, tmp_path, **capsules) -> ServingConfig:
 def feed_act(session, fixture: Fixture, start: int, stop: int) -> None:
     for t in range(start, stop):
         for key, values in fixture.features.items():
-            session.write_input(PORTS[key], values[0, t])
-        assert session.tick() is not None
+            session.loop.write_input(PORTS[key], values[0, t])
+        assert session.loop.tick() is not None
 
 
 def test_a_camera_policys_recipe_holds_a_row_per_chunk_and_honours_its_bound(act, tmp_path):
     config = act_config(act, tmp_path)
     session = build_session(config)
     feed_act(session, act, 0, 45)
-    capsule = session.commit("camera", persist=True)
-    info = session.directory.header(capsule.id).recipe
-    horizon = session.runtime.schedule.horizon
+    capsule = session.verbs.commit("camera", persist=True)
+    info = session.parts.directory.header(capsule.id).recipe
+    horizon = session.parts.runtime.mode.schedule.execution_horizon
     assert info.regenerable and info.steps == 45 and info.rows == -(-45 // horizon) < 45, info
     assert info.row_bytes >= 48 * 64 * 3 and info.nbytes == -(-45 // 8) + 45 * info.action_dim * 4 + info.rows * \
         info.row_bytes
@@ -129,15 +129,15 @@ def test_a_camera_policys_recipe_holds_a_row_per_chunk_and_honours_its_bound(act
 
     tight = build_session(act_config(act, tmp_path / "tight", recipe_max_mb=bound_mb))
     feed_act(tight, act, 0, 45)
-    cut = tight.directory.header(tight.commit("camera", persist=True).id).recipe
+    cut = tight.parts.directory.header(tight.verbs.commit("camera", persist=True).id).recipe
     assert not cut.regenerable and cut.nbytes == 0
     assert f"its recipe would take {info.nbytes:,} bytes" in cut.reason and "capsules.recipe_max_mb" in cut.reason
     tight.release()
 
-    path = session.directory.path_of(capsule.id)
+    path = session.parts.directory.path_of(capsule.id)
     original = damage_state(path)
     again = build_session(config)                          # another session rebuilds it from its recipe
-    result = again.reenter(capsule.id)
+    result = again.verbs.reenter(capsule.id)
     path.write_bytes(original)
     assert result.fallback and arena(again) == state_bytes(path)
 

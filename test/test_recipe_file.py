@@ -264,13 +264,14 @@ def test_a_version_1_header_cannot_claim_a_recipe(tmp_path):
 def test_fingerprint_formula_unchanged_and_parts_name_the_cause(tmp_path):
     from runtime_fixtures import default_config
 
-    from capsule_ros.runtime.engine import runtime_identity
+    from capsule_ros.runtime.builder import runtime_identity
     from capsule_ros.serving.factory import build_policy, port_bindings
     config = default_config(tmp_path)                 # random weights from init_seed 0, as the fixture's node had
     fixture = read_header(next((FIXTURES / "capsules").glob("*.capsule")), max_bytes=1 << 30)
 
     def identity(cfg, policy=None):
-        return runtime_identity(policy or build_policy(cfg), cfg.runtime, port_bindings(cfg))
+        made = runtime_identity(policy or build_policy(cfg), cfg.runtime, port_bindings(cfg))
+        return made.fingerprint, made.parts
 
     fingerprint, parts = identity(config)
     assert fingerprint == fixture.fingerprint, "the fingerprint formula changed: capsules of before would not load"

@@ -76,7 +76,7 @@ def cli(*args) -> subprocess.CompletedProcess:
 
 
 def arena(session) -> bytes:
-    return bytes(session.runtime.arena.storage.numpy())
+    return bytes(session.parts.runtime.arena.storage.numpy())
 
 
 def bits(records) -> list:
@@ -95,12 +95,12 @@ def made(tmp_path_factory) -> Made:
     config = with_weights(config, old, tmp / "capsules")
     session = build_session(config)
     feed(session, OBS[:30])
-    c1 = session.commit("c1", persist=True)
+    c1 = session.verbs.commit("c1", persist=True)
     feed(session, OBS[30:50])
-    c2 = session.commit("c2", persist=True)
-    session.reset(c1.id)
+    c2 = session.verbs.commit("c2", persist=True)
+    session.verbs.reset(c1.id)
     feed(session, OBS[50:70])
-    c3 = session.commit("c3", persist=True)
+    c3 = session.verbs.commit("c3", persist=True)
     session.release()
     return Made(tmp / "capsules", {"c1": c1.id, "c2": c2.id, "c3": c3.id}, config, new, tmp)
 
@@ -121,19 +121,19 @@ def test_perturbed_weights_regenerated_capsules_act_as_the_new_model_from_reset(
     served = build_session(new)
     reference = build_session(with_weights(made.config, made.new_weights, tmp_path / "reference"))
     feed(reference, OBS[:50])                              # the new model from reset, c2's inputs
-    result = served.reenter(made.ids["c2"])
+    result = served.verbs.reenter(made.ids["c2"])
     assert not result.fallback and arena(served) == arena(reference)
     assert bits(feed(served, OBS[70:80])) == bits(feed(reference, OBS[70:80]))
 
     reference = build_session(with_weights(made.config, made.new_weights, tmp_path / "reference2"))
     feed(reference, OBS[:30])
-    root = reference.commit("new c1")
-    reference.reset(root.id)                               # episode 2 from it, as c3 was made
+    root = reference.verbs.commit("new c1")
+    reference.verbs.reset(root.id)                               # episode 2 from it, as c3 was made
     feed(reference, OBS[50:70])
-    served.reenter(made.ids["c3"])
+    served.verbs.reenter(made.ids["c3"])
     assert arena(served) == arena(reference), "the capsule rooted at c1 is not the new model's"
     assert bits(feed(served, OBS[70:80])) == bits(feed(reference, OBS[70:80]))
-    header = served.directory.header(made.ids["c3"])
+    header = served.parts.directory.header(made.ids["c3"])
     assert header.recipe.root.capsule_id == made.ids["c1"] and header.recipe.root.fingerprint == header.fingerprint
     shown = json.loads(cli("inspect", dst / f"{made.ids['c3']}.capsule", "--json").stdout)
     assert shown["valid"] and shown["header"]["regenerable"] and shown["header"]["format_version"] == 2
@@ -159,7 +159,7 @@ def test_capsules_without_a_recipe_exit_2_with_their_reason(made, tmp_path):
                                                                          directory=str(tmp_path / "off")))
     session = build_session(plain)
     feed(session, OBS[:5])
-    off = session.commit("no recipe", persist=True)
+    off = session.verbs.commit("no recipe", persist=True)
     session.release()
     shutil.copy(tmp_path / "off" / f"{off.id}.capsule", src)
     result = cli("regenerate", src, "--params", params_file(tmp_path / "new.yaml", made.new_weights),
@@ -216,7 +216,7 @@ def long_src(made) -> Path:
     rows = observations(1000, seed=5)
     for start in range(0, 1000, 250):
         feed(session, rows[start:start + 250])
-        session.commit(f"at {start + 250}", persist=True)
+        session.verbs.commit(f"at {start + 250}", persist=True)
     session.release()
     return made.tmp / "long"
 

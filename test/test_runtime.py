@@ -21,7 +21,8 @@ from capsule_ros.capsules.store import Tier
 from capsule_ros.errors import FingerprintMismatch, InvalidArgument
 from capsule_ros.policies.hybrid import chunked_scan
 from capsule_ros.runtime.arena import KIND_ORDER, ArenaLayout, BufferKind, BufferSpec
-from capsule_ros.runtime.plan import GraphAddressError
+from capsule_ros.runtime.builder import replica_of
+from capsule_ros.runtime.graphs import GraphAddressError
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -83,7 +84,7 @@ def test_fork_branches_are_identical_on_same_inputs_diverge_on_others_and_are_in
     store = make_store(main)
     run(main, observations(10, 6))
     capsule = store.snapshot(main, episode_id=1, step=10)
-    branch = main.replica()
+    branch = replica_of(main)
     assert branch.fingerprint == main.fingerprint and branch.arena.storage.data_ptr() != main.arena.storage.data_ptr()
     store.restore(capsule.id, branch)
     obs = observations(40, 7)
@@ -206,7 +207,7 @@ def test_prefill_writes_the_ring_and_position_then_steps_deterministically():
 @pytest.mark.cuda
 def test_cuda_graph_is_captured_and_the_address_check_catches_moved_buffers():
     runtime = make_runtime(device="cuda", debug_checks=True)
-    assert runtime.plan.captured
+    assert runtime.graphs.captured
     run(runtime, observations(3, 17))
     runtime.arena._views["L0.ssm"] = runtime.arena["L0.ssm"].clone()   # a buffer that moved
     with pytest.raises(GraphAddressError):
@@ -237,22 +238,22 @@ def test_session_rollback_and_recompute_fallback_are_bit_identical(device, tmp_p
     def feed(rows):
         out = []
         for row in rows:
-            session.write_input("joints", row[:4])
-            session.write_input("goal", row[4:])
-            out.append(session.tick().values)
+            session.loop.write_input("joints", row[:4])
+            session.loop.write_input("goal", row[4:])
+            out.append(session.loop.tick().values)
         return np.stack(out)
 
     feed(obs[:20])
-    capsule = session.commit("k", persist=True)
+    capsule = session.verbs.commit("k", persist=True)
     original = feed(obs[20:])
-    assert session.reenter(capsule.id).rollback
+    assert session.verbs.reenter(capsule.id).rollback
     assert first_divergence(feed(obs[20:]), original) is None
-    session.store.move(capsule.id, Tier.DISK)         # only its file is left ...
+    session.parts.store.move(capsule.id, Tier.DISK)         # only its file is left ...
     path = tmp_path / "capsules" / f"{capsule.id}.capsule"
     blob = bytearray(path.read_bytes())
     blob[-100] ^= 0x10                                  # ... and it is damaged
     path.write_bytes(bytes(blob))
-    result = session.reenter(capsule.id)
+    result = session.verbs.reenter(capsule.id)
     assert result.fallback and result.recompute_seconds > 0 and "checksum" in result.fallback_reason
     assert first_divergence(feed(obs[20:]), original) is None
 
@@ -268,7 +269,8 @@ def test_cleanup_returns_the_gpu_memory(tmp_path):
 
     from runtime_fixtures import default_config
 
-    from capsule_ros.runtime.engine import StreamKeeper, release_device_memory
+    from capsule_ros.runtime.engine import release_device_memory
+    from capsule_ros.runtime.streams import StreamKeeper
     from capsule_ros.serving.factory import prepare_serving, start_session
     config = default_config(tmp_path)
     config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device="cuda"))
@@ -277,10 +279,10 @@ def test_cleanup_returns_the_gpu_memory(tmp_path):
     def cycle(streams: StreamKeeper) -> int:
         session = start_session(prepare_serving(config), streams=streams)
         for row in observations(5, 31):
-            session.write_input("joints", row[:4])
-            session.write_input("goal", row[4:])
-            assert session.tick() is not None
-        session.commit()
+            session.loop.write_input("joints", row[:4])
+            session.loop.write_input("goal", row[4:])
+            assert session.loop.tick() is not None
+        session.verbs.commit()
         taken = torch.cuda.memory_allocated(device)
         session.release()
         del session

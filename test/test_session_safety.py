@@ -30,10 +30,12 @@ from capsule_ros.capsules import directory as directory_module
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.errors import ConfigError, CorruptCapsule, FingerprintMismatch, InvalidArgument, NotFound
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
-from capsule_ros.runtime.plan import PolicyStepError
+from capsule_ros.runtime.builder import build_policy_runtime
+from capsule_ros.runtime.engine import RuntimeConfig
+from capsule_ros.runtime.graphs import PolicyStepError
 from capsule_ros.runtime.policy import StatefulPolicy, standard_specs
 from capsule_ros.serving.factory import build_runtime, build_session
+from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.records import ActionSource, EventKind, StepFault
 
 torch.set_num_threads(1)
@@ -41,9 +43,9 @@ torch.set_num_threads(1)
 
 def state_bytes(session) -> bytes:
     """Everything a step writes (the arena minus its inputs)."""
-    start, _ = session.runtime.layout.byte_range(BufferKind.KV, BufferKind.RECURRENT, BufferKind.CONV,
+    start, _ = session.parts.runtime.layout.byte_range(BufferKind.KV, BufferKind.RECURRENT, BufferKind.CONV,
                                                  BufferKind.CHUNK, BufferKind.META, BufferKind.OUTPUT)
-    return session.runtime.arena.storage[start:].numpy().tobytes()
+    return session.parts.runtime.arena.storage[start:].numpy().tobytes()
 
 
 def values(records) -> list:
@@ -57,14 +59,14 @@ def test_nonfinite_outputs_publish_the_safe_action_count_and_leave_the_state_unt
     reference = feed(build_session(default_config(tmp_path / "ref")), obs)
     session = build_session(default_config(tmp_path / "s"))
     before = feed(session, obs[:5])
-    state, step = state_bytes(session), session.step
+    state, step = state_bytes(session), session.episode.step
     # inf in a buffer (a port would refuse it: this is the policy producing NaN on its own)
-    session.write_input("joints", np.array([np.inf, 0.0, 0.0, 0.0], np.float32))
-    bad = session.tick()
+    session.loop.write_input("joints", np.array([np.inf, 0.0, 0.0, 0.0], np.float32))
+    bad = session.loop.tick()
     assert bad.fault == StepFault.NONFINITE and bad.source == ActionSource.HOLD and bad.chunk is None
     assert bad.values.tobytes() == before[-1].values.tobytes() and np.isfinite(bad.values).all()
-    assert session.counters.nonfinite_steps == 1 and session.counters.steps == 5
-    assert state_bytes(session) == state and session.step == step == bad.step
+    assert session.parts.loop.counters.nonfinite_steps == 1 and session.parts.loop.counters.steps == 5
+    assert state_bytes(session) == state and session.episode.step == step == bad.step
     after = feed(session, obs[5:])
     assert values(before + after) == values(reference), "the state was not put back as before the bad step"
 
@@ -75,17 +77,17 @@ def test_a_step_that_raises_publishes_the_safe_action_and_is_undone(tmp_path, mo
     session = build_session(default_config(tmp_path / "s", deadline_action="zero"))
     before = feed(session, obs[:4])
     state = state_bytes(session)
-    real_step = session.runtime.plan.step
+    real_step = session.parts.runtime.graphs.step
 
     def half_then_raise(*args, **kwargs):
         real_step()                                   # the state is written ...
         raise RuntimeError("Kernel size can't be greater than actual input size")   # ... then it fails
-    monkeypatch.setattr(session.runtime.plan, "step", half_then_raise)
+    monkeypatch.setattr(session.parts.runtime.graphs, "step", half_then_raise)
     failed = feed(session, obs[4:5])[0]
-    monkeypatch.setattr(session.runtime.plan, "step", real_step)
+    monkeypatch.setattr(session.parts.runtime.graphs, "step", real_step)
     assert failed.fault == StepFault.ERROR and failed.source == ActionSource.ZERO
     assert failed.values.tolist() == [0.0, 0.0] and failed.step == 4
-    assert session.counters.step_errors == 1 and "Kernel size" in session.counters.last_fault
+    assert session.parts.loop.counters.step_errors == 1 and "Kernel size" in session.parts.loop.counters.last_fault
     assert state_bytes(session) == state
     after = feed(session, obs[4:])
     assert values(before + after) == values(reference)
@@ -126,9 +128,9 @@ class _NeedsEvenInputs(StatefulPolicy):
 
 
 def test_a_step_that_cannot_run_on_its_inputs_fails_start_up_naming_them():
-    PolicyRuntime(_NeedsEvenInputs(4), RuntimeConfig(device="cpu"))
+    build_policy_runtime(_NeedsEvenInputs(4), RuntimeConfig(device="cpu"))
     with pytest.raises(PolicyStepError, match=r"fails on the configured inputs \(x float32\[3\]\).*shape '\[-1, 2\]'"):
-        PolicyRuntime(_NeedsEvenInputs(3), RuntimeConfig(device="cpu"))
+        build_policy_runtime(_NeedsEvenInputs(3), RuntimeConfig(device="cpu"))
 
 
 # -- deadline misses ---------------------------------------------------------------------------------------
@@ -144,20 +146,21 @@ def test_hold_on_a_deadline_miss_holds_the_last_on_time_action_never_a_late_one(
         "HOLD published something other than the last on-time action"
     assert values(late) != values(reference[4:9])          # the late steps' own outputs were different
     assert [r.step for r in late] == [5, 6, 7, 8, 9]      # a late step keeps its state
-    assert session.counters.deadline_misses == 5
+    assert session.parts.loop.counters.deadline_misses == 5
     resumed = feed(session, obs[9:])
     assert values(resumed) == values(reference[9:])
 
 
 def test_the_watchdog_publishes_the_last_on_time_action_while_a_step_overruns(tmp_path, monkeypatch):
-    session = build_session(default_config(tmp_path, deadline_ms=20.0))
     published = []
-    session.start_watchdog(published.append)
+    session = build_session(default_config(tmp_path, deadline_ms=20.0),
+                            options=SessionOptions(on_safe_action=published.append))
     try:
         on_time = feed(session, observations(3, 4))
         assert all(r.source == ActionSource.POLICY for r in on_time) and not published
-        real_step = session.runtime.plan.step
-        monkeypatch.setattr(session.runtime.plan, "step", lambda *a, **kw: (time.sleep(0.1), real_step(*a, **kw)))
+        real_step = session.parts.runtime.graphs.step
+        monkeypatch.setattr(session.parts.runtime.graphs, "step",
+                            lambda *a, **kw: (time.sleep(0.1), real_step(*a, **kw)))
         late = feed(session, observations(2, 5))
     finally:
         session.close()
@@ -169,9 +172,9 @@ def test_the_watchdog_publishes_the_last_on_time_action_while_a_step_overruns(tm
 # -- persisting commits while the robot steps ------------------------------------------------------------
 
 def test_a_persisting_commit_changes_the_lineage_at_its_boundary_while_steps_run(tmp_path, monkeypatch):
-    session = build_session(default_config(tmp_path))
     events = []
-    session.on_event = events.append
+    session = build_session(default_config(tmp_path), options=SessionOptions(on_event=events.append))
+    del events[:]                                     # the autostart's RESET
     real_write = directory_module.write_capsule
 
     def slow_write(*args, **kwargs):
@@ -180,7 +183,7 @@ def test_a_persisting_commit_changes_the_lineage_at_its_boundary_while_steps_run
     monkeypatch.setattr(directory_module, "write_capsule", slow_write)
     feed(session, observations(3, 6))
     done = []
-    committer = threading.Thread(target=lambda: done.append(session.commit("persisting", persist=True)))
+    committer = threading.Thread(target=lambda: done.append(session.verbs.commit("persisting", persist=True)))
     records = []
     committer.start()
     rows = iter(observations(1000, 7))
@@ -215,38 +218,38 @@ def _gated_writes(monkeypatch):
 def test_a_drop_during_a_save_is_never_undone(tmp_path, monkeypatch):
     session = build_session(default_config(tmp_path))
     feed(session, observations(3, 8))
-    capsule = session.commit("to drop")
+    capsule = session.verbs.commit("to drop")
     entered, release = _gated_writes(monkeypatch)
     outcome = []
 
     def save():
         try:
-            outcome.append(session.save(capsule.id))
+            outcome.append(session.verbs.save(capsule.id))
         except NotFound as exc:
             outcome.append(exc)
     saver = threading.Thread(target=save)
     saver.start()
     assert entered.wait(10)
-    session.drop(capsule.id, from_disk=True)          # answers success while the save is writing
+    session.verbs.drop(capsule.id, from_disk=True)          # answers success while the save is writing
     release.set()
     saver.join()
     assert isinstance(outcome[0], NotFound) and "dropped while it was being saved" in str(outcome[0])
-    path = session.directory.path_of(capsule.id)
+    path = session.parts.directory.path_of(capsule.id)
     assert not path.exists() and not list(path.parent.glob("*.part"))
     with pytest.raises(NotFound):
-        session.reenter(capsule.id)
-    assert capsule.id not in {c.id for c in session.list()}
+        session.verbs.reenter(capsule.id)
+    assert capsule.id not in {c.id for c in session.verbs.list()}
 
 
 def test_a_drop_after_a_save_removes_the_file(tmp_path):
     session = build_session(default_config(tmp_path))
     feed(session, observations(3, 9))
-    capsule = session.commit("saved then dropped", persist=True)
+    capsule = session.verbs.commit("saved then dropped", persist=True)
     assert Path(capsule.path).is_file()
-    session.drop(capsule.id, from_disk=True)
+    session.verbs.drop(capsule.id, from_disk=True)
     assert not Path(capsule.path).exists()
     with pytest.raises(NotFound):
-        session.reenter(capsule.id)
+        session.verbs.reenter(capsule.id)
 
 
 # -- the fingerprint covers the port-to-buffer mapping -------------------------------------------------
@@ -257,13 +260,13 @@ def test_reordering_a_ports_fields_changes_the_fingerprint_and_refuses_old_capsu
     moved = default_config(tmp_path, ports={"joints": {"topic": "robot/joint_states"}})
     first = build_session(config)
     feed(first, observations(3, 10))
-    capsule = first.commit("made with position, velocity", persist=True)
-    assert build_runtime(moved).fingerprint == first.runtime.fingerprint      # a topic is not a meaning
+    capsule = first.verbs.commit("made with position, velocity", persist=True)
+    assert build_runtime(moved).fingerprint == first.parts.runtime.fingerprint      # a topic is not a meaning
     other = build_session(swapped)
-    assert other.runtime.fingerprint != first.runtime.fingerprint
+    assert other.parts.runtime.fingerprint != first.parts.runtime.fingerprint
     with pytest.raises(FingerprintMismatch):
-        other.load(capsule.id)
-    assert other.store.counters.invalidations == 1
+        other.verbs.load(capsule.id)
+    assert other.parts.store.counters.invalidations == 1
 
 
 # -- files that are not what their name says ------------------------------------------------------------
@@ -275,20 +278,20 @@ def open_fds() -> int:
 def test_a_directory_named_like_a_capsule_is_refused_typed_without_leaking(tmp_path):
     session = build_session(default_config(tmp_path))
     feed(session, observations(3, 11))
-    capsule = session.commit("will become a directory", persist=True)
+    capsule = session.verbs.commit("will become a directory", persist=True)
     path = Path(capsule.path)
-    session.drop(capsule.id)                           # only its file is left ...
+    session.verbs.drop(capsule.id)                           # only its file is left ...
     path.unlink()
     path.mkdir()                                       # ... and that is a directory now
     with pytest.raises(CorruptCapsule, match=r"is a directory") as refused:
-        session.load(capsule.id)
+        session.verbs.load(capsule.id)
     assert str(path) in str(refused.value)
     fds = open_fds()
     for _ in range(500):
         with pytest.raises(CorruptCapsule):
-            session.load(capsule.id)
+            session.verbs.load(capsule.id)
     assert open_fds() == fds, "loading a directory leaks file descriptors"
-    result = session.reenter(capsule.id)              # the documented fallback: rebuilt from the input log
+    result = session.verbs.reenter(capsule.id)              # the documented fallback: rebuilt from the input log
     assert result.fallback and "is a directory" in result.fallback_reason
     key_dir = tmp_path / "key"
     key_dir.mkdir()
@@ -305,9 +308,10 @@ def test_status_never_waits_for_a_service_nor_reads_the_store_meanwhile(tmp_path
     held, done = threading.Event(), threading.Event()
 
     def service():
-        with session.boundary.held():           # a verb that holds the boundary a while
+        with session.parts.boundary.held():           # a verb that holds the boundary a while
             held.set()
-            session.store.snapshot(session.runtime, label="meanwhile", episode_id=1, step=session.step)
+            parts = session.parts
+            parts.store.snapshot(parts.runtime, label="meanwhile", episode_id=1, step=session.episode.step)
             done.wait(5)
     thread = threading.Thread(target=service)
     thread.start()
@@ -331,7 +335,7 @@ def test_an_input_log_over_its_memory_limit_fails_start_up_saying_what_fits(tmp_
     from capsule_ros.errors import ConfigError
     from capsule_ros.serving.factory import build_session
     config = default_config(tmp_path)
-    row_bytes = build_session(config).runtime.input_staging.numel()
+    row_bytes = build_session(config).parts.runtime.input_staging.numel()
     limit_mb = 1000 * row_bytes / 2**20                         # room for 1,000 steps
     tight = dataclasses.replace(config, control=dataclasses.replace(
         config.control, input_log_steps=1001, input_log_max_mb=limit_mb))
@@ -341,4 +345,4 @@ def test_an_input_log_over_its_memory_limit_fails_start_up_saying_what_fits(tmp_
     assert "control.input_log_steps = 1001" in message and "control.input_log_max_mb" in message, message
     assert "at most 1000" in message, message
     fits = dataclasses.replace(tight, control=dataclasses.replace(tight.control, input_log_steps=1000))
-    assert build_session(fits).recompute.log is not None
+    assert build_session(fits).parts.recompute.log is not None

@@ -123,7 +123,8 @@ def test_shipped_policy_reaches_goals_in_process():
     closed loop, stepped exactly like serving (PolicyRuntime on CPU, current observation)."""
     import torch
 
-    from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
+    from capsule_ros.runtime.builder import build_policy_runtime
+    from capsule_ros.runtime.engine import RuntimeConfig
     from capsule_ros.runtime.weights import read_weights
     from capsule_ros.serving.config import ServingConfig
     from capsule_ros.serving.factory import build_policy, resolve_weights
@@ -139,7 +140,7 @@ def test_shipped_policy_reaches_goals_in_process():
     assert report["evaluation"]["policy_success_rate"] >= 0.9
 
     threads = torch.get_num_threads()
-    runtime = PolicyRuntime(build_policy(config), RuntimeConfig(device="cpu"))
+    runtime = build_policy_runtime(build_policy(config), RuntimeConfig(device="cpu"))
     reached = 0
     try:
         for episode, seed in enumerate(range(1000, 1020), start=1):

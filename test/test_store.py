@@ -95,6 +95,24 @@ def test_the_store_keeps_its_small_face_and_the_package_uses_all_of_it():
     assert unused == [], f"public only for the tests: {unused}"
 
 
+def test_the_store_knows_no_execution_mode():
+    """A capsule carries its runtime's mode mark opaquely: no member of the store's face,
+    of a capsule or of what the store asks of a runtime names chunking, and the capsules
+    package imports nothing of a mode."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    from capsule_ros.capsules.store import ArenaOwner, Capsule, CapsuleStore
+    names = set(vars(CapsuleStore)) | {f.name for f in dataclasses.fields(Capsule)} | set(vars(ArenaOwner)) \
+        | set(ArenaOwner.__annotations__)
+    assert [name for name in names if "chunk" in name.lower()] == []
+    package = Path(__file__).resolve().parents[1] / "capsule_ros" / "capsules"
+    imported = {node.module for path in package.glob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.module}
+    assert not [m for m in imported if m.startswith("capsule_ros.chunking") or m == "capsule_ros.runtime.mode"]
+
+
 def test_a_reservation_is_all_or_nothing_and_given_back_once():
     runtime = make_runtime()
     store = make_store(runtime, device_mb=slabs_mb(runtime, 1), host_mb=0)

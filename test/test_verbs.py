@@ -58,10 +58,10 @@ def test_the_srv_files_and_the_cmake_interface_list_are_the_tables():
 
 
 def test_each_verb_is_the_method_of_its_name_taking_its_requests_fields():
-    from capsule_ros.serving.session import PolicySession
+    from capsule_ros.serving.session import SessionVerbs
     for verb in VERBS:
         if verb.session:
-            method = getattr(PolicySession, verb.name)
+            method = getattr(SessionVerbs, verb.name)
         else:                                   # record: the node's, through its facade
             from capsule_ros.ros.facade import NodeFacade
             method = getattr(NodeFacade, verb.name)

@@ -19,11 +19,11 @@ from rclpy.serialization import serialize_message
 from std_msgs.msg import String
 from vla_fixtures import TASK_PORT, VLAFixture, port_of
 
+from capsule_ros.chunking.mark import ChunkingMark
 from capsule_ros.polling import wait_until
 from capsule_ros.runtime.policy import CHUNK_ACTIONS, CHUNK_CURSOR, RNG
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_session
-from capsule_ros.serving.ports import PortDrop
 
 torch.set_num_threads(1)
 
@@ -45,18 +45,23 @@ def task_message(text: str) -> bytes:
     return bytes(serialize_message(String(data=text)))
 
 
+def mark_of(capsule) -> ChunkingMark:
+    return ChunkingMark.parse(capsule.mark, capsule.id)
+
+
 def ticks(session, fx: VLAFixture, episode: int, steps, wait: bool = True) -> List:
     """Ticks on the fixture's inputs, the task through its port as serialized String messages,
     each after the refill in flight is done (no takeover is late, whatever the load)."""
     out = []
-    worker = session.runtime.executor.worker
+    worker = session.parts.runtime.mode.worker
     for t in steps:
         if worker is not None and wait:
             wait_until(worker.ready, 30.0, "the refill in flight", interval=0.001)
         for key, value in fx.features.items():
-            session.write_input(port_of(key), value[episode, t])
-        session.receive(TASK_PORT, task_message(fx.task(episode, t)))
-        out.append(session.tick())
+            session.loop.write_input(port_of(key), value[episode, t])
+        fed = session.loop.feed(TASK_PORT, task_message(fx.task(episode, t)), stage_only=True)
+        assert fed.accepted, fed.drop
+        out.append(session.loop.tick())
     return out
 
 
@@ -69,23 +74,24 @@ def test_a_capsule_at_every_cursor_restores_byte_exactly_and_replays_bit_identic
                                                                                        rtc):
     fx = fixtures["smolvla_two_cams"]
     session = build_session(config(fx, chunking, delay, rtc))
-    schedule = session.runtime.schedule
+    runtime, verbs = session.parts.runtime, session.verbs
+    schedule = runtime.mode.schedule
     episode, steps = 1, range(fx.steps)                          # the task changes at steps 12 and 26
-    session.reset()
+    verbs.reset()
     original = ticks(session, fx, episode, steps)
     seen_pending = False
     for k in range(2 * schedule.end, 3 * schedule.end + 1):      # a whole chunk cycle, mid-episode
-        session.reset()
+        verbs.reset()
         ticks(session, fx, episode, range(k))
-        capsule = session.commit(label=f"cursor {session.runtime.executor.cursor}")
-        snapshot = session.runtime.arena.storage.clone()
-        seen_pending |= capsule.chunk.pending
+        capsule = verbs.commit(label=f"cursor {runtime.mode.cursor}")
+        snapshot = runtime.arena.storage.clone()
+        seen_pending |= mark_of(capsule).pending
         ticks(session, fx, episode, range(k, k + 4))             # move on, then come back
-        session.reenter(capsule.id)
-        assert torch.equal(session.runtime.arena.storage, snapshot), f"restore at step {k} not byte-exact"
+        verbs.reenter(capsule.id)
+        assert torch.equal(runtime.arena.storage, snapshot), f"restore at step {k} not byte-exact"
         again = ticks(session, fx, episode, range(k, fx.steps))
-        assert values(again) == values(original[k:]), f"capsule at step {k} ({capsule.chunk.describe()})"
-        session.drop(capsule.id)
+        assert values(again) == values(original[k:]), f"capsule at step {k} ({mark_of(capsule)})"
+        verbs.drop(capsule.id)
     assert seen_pending == (chunking == "async")
 
 
@@ -93,22 +99,21 @@ def test_a_refill_in_flight_survives_disk_another_runtime_and_a_fork(fixtures, t
     fx = fixtures["smolvla_bf16_one_cam"]
     cfg = config(fx, "async", "3", "guided", capsules={"directory": str(tmp_path / "capsules")})
     session = build_session(cfg)
-    schedule = session.runtime.schedule
-    session.reset()
-    ticks(session, fx, 2, range(2 * schedule.end + schedule.horizon + 1))     # a request is out
-    capsule = session.commit(label="in flight", persist=True)
-    assert capsule.chunk.pending and capsule.chunk.delay == 3
-    expected = ticks(session, fx, 2, range(2 * schedule.end + schedule.horizon + 1, fx.steps))
-    fork = session.fork(capsule.id, label="branch")
-    session.reenter(fork.id)                                             # a rollback, through a fork
-    assert values(ticks(session, fx, 2, range(2 * schedule.end + schedule.horizon + 1, fx.steps))) == \
-        values(expected)
+    schedule = session.parts.runtime.mode.schedule
+    at = 2 * schedule.end + schedule.execution_horizon + 1
+    session.verbs.reset()
+    ticks(session, fx, 2, range(at))                                     # a request is out
+    capsule = session.verbs.commit(label="in flight", persist=True)
+    assert mark_of(capsule).pending and mark_of(capsule).delay == 3
+    expected = ticks(session, fx, 2, range(at, fx.steps))
+    fork = session.verbs.fork(capsule.id, label="branch")
+    session.verbs.reenter(fork.id)                                       # a rollback, through a fork
+    assert values(ticks(session, fx, 2, range(at, fx.steps))) == values(expected)
     other = build_session(cfg)                                           # another runtime, from the file
-    loaded = other.load(capsule.id)
-    assert loaded.chunk == capsule.chunk
-    other.reenter(capsule.id)
-    assert values(ticks(other, fx, 2, range(2 * schedule.end + schedule.horizon + 1, fx.steps))) == \
-        values(expected)
+    loaded = other.verbs.load(capsule.id)
+    assert mark_of(loaded) == mark_of(capsule)
+    other.verbs.reenter(capsule.id)
+    assert values(ticks(other, fx, 2, range(at, fx.steps))) == values(expected)
 
 
 @pytest.mark.parametrize("ablated", [RNG, CHUNK_ACTIONS])
@@ -117,15 +122,16 @@ def test_restoring_without_the_noise_counter_or_the_queue_diverges(fixtures, abl
     counter (the next chunk draws other noise) or the queue (the next rows are other actions)."""
     fx = fixtures["smolvla_two_cams"]
     session = build_session(config(fx))
-    session.reset()
+    runtime = session.parts.runtime
+    session.verbs.reset()
     k = 7                                                         # mid-chunk: 2 rows executed of the second
     ticks(session, fx, 0, range(k))
-    capsule = session.commit()
+    capsule = session.verbs.commit()
     expected = ticks(session, fx, 0, range(k, 20))
-    live = session.runtime.arena[ablated].clone()
-    session.reenter(capsule.id)
-    session.runtime.arena[ablated].copy_(live)
-    assert session.runtime.arena[CHUNK_CURSOR].item() == session.runtime.executor.cursor
+    live = runtime.arena[ablated].clone()
+    session.verbs.reenter(capsule.id)
+    runtime.arena[ablated].copy_(live)
+    assert runtime.arena[CHUNK_CURSOR].item() == runtime.mode.cursor
     got = ticks(session, fx, 0, range(k, 20))
     assert values(got) != values(expected)
     first = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True))
@@ -139,19 +145,20 @@ def test_task_messages_through_the_port(fixtures):
     that are not Strings are dropped and counted, leaving the staged tokens as they were."""
     fx = fixtures["smolvla_two_cams"]
     session = build_session(config(fx))
-    encode = session.runtime.policy.text_inputs()[TASK_PORT].encode
-    staged = session.runtime.staging[TASK_PORT]
+    runtime = session.parts.runtime
+    encode = runtime.policy.text_inputs()[TASK_PORT].encode
+    staged = runtime.staging[TASK_PORT]
     assert np.array_equal(staged, encode(fx.tasks[0]))           # policy.task until a message arrives
-    session.receive(TASK_PORT, task_message("open the drawer"))
-    assert np.array_equal(staged, encode("open the drawer"))
+    assert runtime.texts[TASK_PORT] == fx.tasks[0]
+    assert session.loop.feed(TASK_PORT, task_message("open the drawer"), stage_only=True).accepted
+    assert np.array_equal(staged, encode("open the drawer")) and runtime.texts[TASK_PORT] == "open the drawer"
     before = staged.copy()
     raw = bytearray(task_message("abcd"))
     raw[8] = 0xFF                                                 # not UTF-8
     for bad in (bytes(raw), b"\x00\x01\x00\x00\xff\xff\xff\x7f", b"", String(data="x").data):
-        with pytest.raises(PortDrop) as info:
-            session.receive(TASK_PORT, bad)
-        assert info.value.reason == "type"
-    assert np.array_equal(staged, before)
-    assert session.ports[TASK_PORT].counters.dropped["type"] == 4
+        fed = session.loop.feed(TASK_PORT, bad, stage_only=True)
+        assert not fed.accepted and fed.drop is not None and fed.drop.reason == "type"
+    assert np.array_equal(staged, before) and runtime.texts[TASK_PORT] == "open the drawer"
+    assert session.parts.loop.ports[TASK_PORT].counters.dropped["type"] == 4
     record = ticks(session, fx, 0, range(1))[0]
     assert np.isfinite(record.values).all()

@@ -23,14 +23,15 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from vla_fixtures import NAMES, VLAFixture, port_of
+from vla_fixtures import NAMES, VLAFixture, chunked_runtime, port_of
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.smolvla_kind import build
 from capsule_ros.policies.vla.rtc import RTCSettings
 from capsule_ros.policies.vla.tokens import MASK
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig, runtime_identity
+from capsule_ros.runtime.builder import runtime_identity
+from capsule_ros.runtime.engine import RuntimeConfig
 from capsule_ros.runtime.rng import counter_normal
 
 
@@ -139,7 +140,7 @@ def test_policy_task_default_without_a_task_port(fixtures):
     fx = fixtures["smolvla_two_cams"]
     policy = build(fx.context(task=fx.tasks[0], task_port=False))
     assert policy.text_inputs() == {}
-    runtime = PolicyRuntime(policy, RuntimeConfig())
+    runtime = chunked_runtime(policy)
     runtime.reset(episode=1, seed=fx.seed(0))
     actions = []
     for t in range(12):                               # the fixture's episode 0 keeps task 0 up to step 16
@@ -237,15 +238,16 @@ def test_guided_rtc_needs_async(fixtures):
 
 def test_the_fingerprint_covers_what_changes_the_numbers(fixtures):
     fx = fixtures["smolvla_bf16_one_cam"]
-    plain = runtime_identity(fx.policy(), RuntimeConfig())[0]
-    assert runtime_identity(fx.policy(), RuntimeConfig())[0] == plain
-    guided = runtime_identity(fx.policy(RTCSettings("guided")), RuntimeConfig())[0]
-    stronger = runtime_identity(fx.policy(RTCSettings("guided", max_guidance_weight=3.0)), RuntimeConfig())[0]
+    plain = runtime_identity(fx.policy(), RuntimeConfig()).fingerprint
+    assert runtime_identity(fx.policy(), RuntimeConfig()).fingerprint == plain
+    guided = runtime_identity(fx.policy(RTCSettings("guided")), RuntimeConfig()).fingerprint
+    stronger = runtime_identity(fx.policy(RTCSettings("guided", max_guidance_weight=3.0)),
+                                RuntimeConfig()).fingerprint
     assert len({plain, guided, stronger}) == 3
     architecture = fx.policy().architecture()
     assert architecture["denoise_steps"] == 5 and architecture["task"]["tokenizer"]["max_length"] == 12
     assert architecture["vlm"]["tokenizer_files"] and architecture["transformers"] == "5.5.4"
-    parts = runtime_identity(fx.policy(), RuntimeConfig())[1]
+    parts = runtime_identity(fx.policy(), RuntimeConfig()).parts
     assert "transformers 5.5.4" in parts.kernel and "tokenizers" in parts.kernel   # capsule-ros check: "kernel"
     assert architecture["task"]["tokenizer"]["vocabulary"] > 0
 
@@ -266,7 +268,7 @@ def test_cuda_graphs_equal_the_eager_cuda_plan_and_stay_close_to_lerobot(fixture
     kw = dict(device="cuda")
     graphed = fx.runtime(mode, delay, settings, **kw)
     eager = fx.runtime(mode, delay, settings, worker="inline", cuda_graphs=False, **kw)
-    assert graphed.plan.captured
+    assert graphed.graphs.captured
     got = {key: fx.rollout(runtime, episodes=1) for key, runtime in (("graph", graphed), ("eager", eager))}
     assert np.array_equal(bits(got["graph"]), bits(got["eager"]))
     reference = fx.outputs["action"] if mode == "sync" else fx.references[rtc[0]] if rtc else None

@@ -16,11 +16,14 @@ import numpy as np
 import torch
 from lerobot_fixtures import FIXTURES, REPO, joint_names, load_npz
 
+from capsule_ros.chunking.mode import mode_for
+from capsule_ros.chunking.schedule import ChunkingSettings
 from capsule_ros.policies.lerobot.smolvla_kind import SmolVLASettings, build
 from capsule_ros.policies.registry import BuildContext
 from capsule_ros.policies.vla.rtc import RTCSettings
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, RuntimeConfig
+from capsule_ros.runtime.builder import build_policy_runtime, place_policy
+from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 
 NAMES = ["smolvla_two_cams", "smolvla_bf16_one_cam"]
 TASK_PORT = "task"
@@ -42,6 +45,16 @@ def extract(archive: Path, target: Path) -> Path:
             assert source is not None
             out.write_bytes(source.read())
     return target
+
+
+def chunked_runtime(policy, mode: str = "sync", delay: int = 0, worker: str = "auto", **config: Any) -> PolicyRuntime:
+    """``policy``'s runtime in the chunking mode ``mode`` (``sync`` / ``async`` with ``delay``
+    steps; ``worker``: the refill worker), ``config``: RuntimeConfig fields."""
+    runtime_config = RuntimeConfig(**config)
+    placed = place_policy(policy, runtime_config)
+    settings = ChunkingSettings(mode, delay if mode == "async" else None, 0, worker=worker)
+    setup = mode_for(placed.policy, settings, device=placed.device, use_graphs=runtime_config.cuda_graphs)
+    return build_policy_runtime(placed.policy, runtime_config, mode=setup)
 
 
 def port_of(key: str) -> str:
@@ -150,8 +163,7 @@ class VLAFixture:
 
     def runtime(self, mode: str = "sync", delay: int = 0, rtc: Optional[RTCSettings] = None, worker: str = "auto",
                 **kw: Any) -> PolicyRuntime:
-        return PolicyRuntime(self.policy(rtc), RuntimeConfig(**kw),
-                             chunking=ChunkingOptions(mode, delay if mode == "async" else None, 0, worker=worker))
+        return chunked_runtime(self.policy(rtc), mode, delay, worker, **kw)
 
     # -- driving ---------------------------------------------------------------------------------
     def stage(self, runtime: PolicyRuntime, episode: int, step: int) -> None:

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from capsule_ros.policies.hybrid import HybridPolicy
+from capsule_ros.runtime.builder import build_policy_runtime
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig, configure_torch
 from capsule_ros.runtime.weights import save_weights
 from capsule_ros.serving.config import ServingConfig
@@ -230,7 +231,7 @@ def serving_runtime(config: ServingConfig, trained: HybridPolicy) -> PolicyRunti
     """A CPU PolicyRuntime over a copy of the trained weights (the trained module stays trainable)."""
     policy = build_policy(config, weights="")
     policy.load_state_dict(trained.state_dict())
-    return PolicyRuntime(policy, RuntimeConfig(device="cpu"))
+    return build_policy_runtime(policy, RuntimeConfig(device="cpu"))
 
 
 def policy_action(runtime: PolicyRuntime, obs: Observation) -> np.ndarray:

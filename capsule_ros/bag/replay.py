@@ -494,7 +494,7 @@ class Replayer:
         if self.target.has(capsule_id):
             self._capsules[capsule_id] = capsule_id
             return capsule_id
-        if self.target.files is None or not self.target.files.exists(capsule_id):
+        if self.target.directory is None or not self.target.directory.exists(capsule_id):
             return None
         self.target.load(capsule_id)
         self._capsules[capsule_id] = capsule_id
@@ -566,17 +566,17 @@ def replay_bag(bag, options: ReplayOptions = ReplayOptions(), node_target=None) 
         directory = options.capsule_dir or (capsule_directory_path(cfg.capsules.directory, recording.meta.node)
                                             if cfg.capsules.directory else None)
         try:
-            files = CapsuleDirectory(directory, key_file=cfg.capsules.key_file, read_only=True,
-                                     max_file_bytes=int(cfg.capsules.max_file_mb * 2**20)) if directory else None
+            capsule_dir = CapsuleDirectory(directory, key_file=cfg.capsules.key_file, read_only=True,
+                                           max_file_bytes=int(cfg.capsules.max_file_mb * 2**20)) if directory else None
         except CapsuleRosError as exc:
             raise ReplaySetupError(f"capsule directory {directory}: {exc}") from None
         recording.scan()                            # a bad bag fails before anything starts
         with contextlib.ExitStack() as stack:
             if options.node:
                 workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="capsule_replay_")))
-                target = stack.enter_context(node_target(cfg, files, workdir, options.timeout_s))
+                target = stack.enter_context(node_target(cfg, capsule_dir, workdir, options.timeout_s))
             else:
-                target = stack.enter_context(InProcessTarget(cfg, files, ablation))
+                target = stack.enter_context(InProcessTarget(cfg, capsule_dir, ablation))
             replayer = Replayer(recording, target, options)
             replayer.verdict.numerics_recorded, replayer.verdict.numerics_replay = recording.meta.numerics, level
             replayer.verdict.topics_ignored = [t.describe() for t in recording.ignored]

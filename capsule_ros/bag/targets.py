@@ -21,7 +21,8 @@ from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.errors import NotFound
 from capsule_ros.runtime.schema import BufferKind
 from capsule_ros.serving.config import ServingConfig
-from capsule_ros.serving.records import ActionRecord, HoldMode
+from capsule_ros.serving.options import SessionOptions
+from capsule_ros.serving.records import ActionRecord, EventKind, EventRecord, HoldMode
 
 
 @runtime_checkable
@@ -32,7 +33,7 @@ class ReplayTarget(Protocol):
     kind: str                             # the verdict's name for it
     reenacts_deadline_misses: bool        # step / feed with late=True hand out a recorded miss's safe action
     stages_without_stepping: bool         # feed(tick=False) stages a trigger message without a step
-    files: Optional[CapsuleDirectory]     # capsule files the bag did not make (read-only), if any
+    directory: Optional[CapsuleDirectory]  # a read-only capsule directory: files the bag did not make, if any
 
     @property
     def fingerprint(self) -> str:
@@ -79,7 +80,7 @@ class ReplayTarget(Protocol):
         """Forget a capsule from memory."""
 
     def load(self, capsule_id: str) -> None:
-        """Read a capsule file of ``files`` into memory (verified, same fingerprint)."""
+        """Read a capsule file of ``directory`` into memory (verified, same fingerprint)."""
 
     # -- queries and lifetime ---------------------------------------------------------------------
     def has(self, capsule_id: str) -> bool:
@@ -99,24 +100,26 @@ class InProcessTarget:
     """A PolicySession built from the recorded config, in this process. Its clock is the
     recording's log time, less the jumps of the node's clock the recording went on across
     (``clock_jump``: log times never go back), so the session counts what the node counted
-    (dropped and stale inputs, steps waiting for inputs) where the node counted it."""
+    (dropped and stale inputs) where the node counted it."""
 
     kind = "in-process"
     reenacts_deadline_misses = True       # tick(late=True): the session hands out its safe action
     stages_without_stepping = True        # feed(tick=False) stages a trigger message without a step
 
-    def __init__(self, config: ServingConfig, files: Optional[CapsuleDirectory],
+    def __init__(self, config: ServingConfig, directory: Optional[CapsuleDirectory],
                  ablation: Sequence[BufferKind] = ()):
         from capsule_ros.serving.factory import build_session
-        # the replay's own capsule directory is the read-only one it was given: it never writes a file
-        config = dataclasses.replace(config, capsules=dataclasses.replace(config.capsules, directory=""))
-        self.session = build_session(config, directory=files)
-        self.session.enforce_deadline = False      # verify the function, not this machine's timing
-        self.session.notices.muted = True          # the verdict reports what the replay saw
         self._now = 0                              # the log time of the message being replayed
         self._jumped_ns = 0                        # minus the node's clock jumps so far (NodeRecording)
-        self.session.clock_ns = lambda: self._now - self._jumped_ns
-        self.files = files
+        self._interrupt_action: Optional[ActionRecord] = None     # the last INTERRUPT's safe action
+        # the replay's own capsule directory is the read-only one it was given: it never writes a file
+        config = dataclasses.replace(config, capsules=dataclasses.replace(config.capsules, directory=""))
+        # deadlines not enforced: verify the function, not this machine's timing; no warnings:
+        # the verdict reports what the replay saw
+        options = SessionOptions(clock_ns=self._clock_ns, enforce_deadline=False, warnings=False,
+                                 on_event=self._on_event)
+        self.session = build_session(config, directory=directory, options=options)
+        self.directory = directory
         self.ablation = tuple(ablation)
 
     def __enter__(self) -> InProcessTarget:
@@ -127,7 +130,7 @@ class InProcessTarget:
 
     @property
     def fingerprint(self) -> str:
-        return self.session.runtime.fingerprint
+        return self.session.status().fingerprint
 
     def feed(self, port: str, raw: bytes, msg: Any, tick: bool, expect: bool = False,
              log_ns: Optional[int] = None, late: bool = False) -> List[Act]:
@@ -135,61 +138,69 @@ class InProcessTarget:
         undecodable one is counted and dropped), at the recording's log time: when the
         node received it."""
         self._at(log_ns)
-        adapter = self.session.ports.get(port)
-        fed = self.session.feed(port, raw if adapter is not None and adapter.takes_raw else msg, stage_only=not tick,
-                                late=late)
+        adapter = self.session.parts.loop.ports.get(port)
+        fed = self.session.loop.feed(port, raw if adapter is not None and adapter.takes_raw else msg,
+                                     stage_only=not tick, late=late)
         return _acts(fed.record)
 
     def step(self, stamp: Optional[int] = None, late: bool = False, log_ns: Optional[int] = None) -> List[Act]:
         self._at(log_ns)
-        return _acts(self.session.tick(stamp or 0, late=late))
+        return _acts(self.session.loop.tick(stamp or 0, late=late))
 
     def settle(self) -> List[Act]:
         return []
 
     def missing_inputs(self) -> List[str]:
         """Ports that have not received a value yet (a step waits for all of them)."""
-        return self.session.inputs.missing()
+        return self.session.loop.missing_inputs()
 
     def clock_jump(self, delta_ns: int, log_ns: Optional[int] = None) -> bool:
         """The session's clock jumps as the node's did, where the node's did."""
         self._at(log_ns)
         self._jumped_ns -= delta_ns
-        self.session.clock_jumped(delta_ns)
+        self.session.loop.clock_jumped(delta_ns)
         return True
 
     # -- the replayed verbs: each returns what the replay maps to the recording ---------------------
     def commit(self, label: str) -> str:
-        return self.session.commit(label).id
+        return self.session.verbs.commit(label).id
 
     def reset(self, capsule_id: str) -> int:
-        return self.session.reset(capsule_id).episode_id
+        return self.session.verbs.reset(capsule_id).episode_id
 
     def interrupt(self, hold_mode: HoldMode, commit: bool) -> Tuple[str, List[Act]]:
         """Interrupt, and the safe action the node publishes with it."""
-        capsule = self.session.interrupt(hold_mode, commit)
-        return (capsule.id if capsule else ""), _acts(self.session.safe_record(self.session.hold_mode))
+        self._interrupt_action = None
+        capsule = self.session.verbs.interrupt(hold_mode, commit)
+        return (capsule.id if capsule else ""), _acts(self._interrupt_action)
 
     def reenter(self, capsule_id: str) -> Optional[int]:
-        self.session.reenter(capsule_id, only=self.ablation if capsule_id else ())
-        return self.session.episode_id
+        self.session.verbs.reenter(capsule_id, only=self.ablation if capsule_id else ())
+        return self.session.episode.episode_id
 
     def fork(self, capsule_id: str, label: str) -> str:
-        return self.session.fork(capsule_id, label).id
+        return self.session.verbs.fork(capsule_id, label).id
 
     def drop(self, capsule_id: str) -> None:
-        self.session.drop(capsule_id)
+        self.session.verbs.drop(capsule_id)
 
     def load(self, capsule_id: str) -> None:
-        if self.files is None:
+        if self.directory is None:
             raise NotFound(f"no capsule file {capsule_id}.capsule: no capsule directory (use --capsule-dir)")
-        self.session.load(capsule_id)
+        self.session.verbs.load(capsule_id)
 
     def has(self, capsule_id: str) -> bool:
-        return capsule_id in self.session.store
+        return capsule_id in self.session.parts.store
 
     def close(self) -> None:
         pass
+
+    def _clock_ns(self) -> int:
+        return self._now - self._jumped_ns
+
+    def _on_event(self, event: EventRecord) -> None:
+        if event.kind == EventKind.INTERRUPT:
+            self._interrupt_action = event.action
 
     def _at(self, log_ns: Optional[int]) -> None:
         if log_ns is not None:

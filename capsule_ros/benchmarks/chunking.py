@@ -61,14 +61,13 @@ from capsule_ros.benchmarks import lerobot_pi, lerobot_smolvla
 from capsule_ros.benchmarks.common import emit, environment, print_table, resolve_device
 from capsule_ros.benchmarks.lerobot_act import CAMERA, PORTS, STATE, serving_config, write_act_checkpoint
 from capsule_ros.benchmarks.lerobot_diffusion import write_diffusion_checkpoint
+from capsule_ros.chunking.mode import TAKEOVERS, ChunkingMode, ChunkProgram
 from capsule_ros.errors import ConfigError
-from capsule_ros.runtime.chunking import Program
 from capsule_ros.serving.config import ServingConfig
 
 REPO = Path(__file__).resolve().parents[2]
 LEROBOT_SCRIPT = REPO / "tools" / "lerobot_bench" / "select_action_loop.py"
 DEFAULT_LEROBOT_PYTHON = REPO / "tools" / "lerobot_bench" / ".venv" / "bin" / "python"
-TAKEOVERS = (Program.REFILL, Program.ADOPT, Program.ADOPT_REQUEST)
 
 
 @dataclass(frozen=True)
@@ -179,16 +178,18 @@ def session_side(base: ServingConfig, ports_of: Dict[str, str], obs: Dict[str, n
     """The steps through a session serving ``base`` (see the module docstring); ``ports_of``:
     feature key -> the port that feeds it."""
     from capsule_ros.serving.factory import build_session
+    from capsule_ros.serving.options import SessionOptions
     control = dataclasses.replace(base.control, mode="timer", rate_hz=rate, deadline_ms=0.0, chunking=chunking,
                                   inference_delay_steps="auto", autostart=True,
                                   input_log_steps=len(obs[STATE]),       # the episode's inputs, as a node logs them
                                   input_log_max_mb=1e7)                  # (rows are touched only when logged)
     runtime = dataclasses.replace(base.runtime, device=str(device), cpu_threads=1, seed=0)
-    session = build_session(dataclasses.replace(base, control=control, runtime=runtime))
-    session.enforce_deadline = paced
-    executor, schedule = session.runtime.executor, session.runtime.schedule
-    assert executor is not None and schedule is not None, "a chunking policy"
-    start_refills = executor.counters.refills           # start-up (checks, rehearsal) planned some already
+    session = build_session(dataclasses.replace(base, control=control, runtime=runtime),
+                            options=SessionOptions(enforce_deadline=paced))
+    mode = session.parts.runtime.mode
+    assert isinstance(mode, ChunkingMode), "a chunking policy"
+    schedule = mode.schedule
+    start_refills = mode.counters.refills           # start-up (checks, rehearsal) planned some already
     period = 1.0 / rate
     steps = len(obs[STATE])
     seconds, actions, seams = np.zeros(steps), [], []
@@ -198,29 +199,29 @@ def session_side(base: ServingConfig, ports_of: Dict[str, str], obs: Dict[str, n
         if paced:
             next_at += period
         for port, value in ports.items():
-            session.write_input(port, at(value, t))
+            session.loop.write_input(port, at(value, t))
         start = time.perf_counter()
-        record = session.tick()
+        record = session.loop.tick()
         seconds[t] = time.perf_counter() - start
         assert record is not None
         actions.append(record.values)
-        if executor.last.program in TAKEOVERS:
+        if mode.last.program in TAKEOVERS:
             seams.append(t)
         if paced:
             time.sleep(max(0.0, next_at - time.perf_counter()))
-    counters, chunk = session.counters, executor.counters
+    counters, chunk = session.parts.loop.counters, mode.counters
     out = summary(seconds, period, np.stack(actions), seams)
     consume = np.asarray([s for t, s in enumerate(seconds) if t not in set(seams)]) * 1e3
     if paced and device.type == "cuda":
-        out["gpu_wake_floor"] = gpu_wake_floor(session.runtime, period)
+        out["gpu_wake_floor"] = gpu_wake_floor(session.parts.runtime, period)
     out.update(consume_mean_ms=float(consume.mean()) if len(consume) else None,
                consume_p50_ms=float(np.percentile(consume, 50)) if len(consume) else None,
                consume_p99_ms=float(np.percentile(consume, 99)) if len(consume) else None,
                refills=chunk.refills - start_refills, late_refills=counters.late_refills,
                session_deadline_misses=counters.deadline_misses if paced else None,
                schedule=schedule.describe(), delay=schedule.delay,
-               refill_p99_ms=float(np.percentile(session.runtime.refill_seconds, 99) * 1e3)
-               if session.runtime.refill_seconds else None, graphs=session.runtime.plan.captured,
+               refill_p99_ms=float(np.percentile(mode.setup.refill_seconds, 99) * 1e3)
+               if mode.setup.refill_seconds else None, graphs=session.parts.runtime.graphs.captured,
                _actions=np.stack(actions))
     session.release()
     return out
@@ -238,7 +239,7 @@ def gpu_wake_floor(runtime, period: float, runs: int = 100) -> Dict[str, Any]:
             if idle_s:
                 time.sleep(idle_s)
             start = time.perf_counter()
-            runtime.plan.step(Program.CONSUME.value)          # its graph copies the outputs to the host too
+            runtime.graphs.step(ChunkProgram.CONSUME.value)          # its graph copies the outputs to the host too
             runtime.synchronize()
             ms.append((time.perf_counter() - start) * 1e3)
         return np.asarray(ms)

@@ -57,15 +57,15 @@ def _phase(session, commits: str, seconds: float, period_s: float) -> dict:
     commit_s: list = []
     stop = threading.Event()
     persist = commits.startswith("persist")
-    store = session.store          # the recipe setting of this phase (read at each save)
+    store = session.parts.store          # the recipe setting of this phase (read at each save)
     store.config = dataclasses.replace(store.config, recipe=commits != "persist, no recipe")
 
     def committer() -> None:
         while not stop.is_set():
             start = time.perf_counter()
-            capsule = session.commit("bench", persist=persist)
+            capsule = session.verbs.commit("bench", persist=persist)
             commit_s.append(time.perf_counter() - start)
-            session.drop(capsule.id, from_disk=persist)
+            session.verbs.drop(capsule.id, from_disk=persist)
 
     thread = threading.Thread(target=committer) if commits != "none" else None
     if thread is not None:
@@ -96,13 +96,13 @@ def run(device_name: str = "auto", quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="capsule-bench-commits-") as tmp:
         session = build_session(_config(device, Path(tmp) / "capsules", quick))
         for _ in range(20):                       # warm: inputs staged, steps run
-            for name, view in session.runtime.staging.items():
-                session.write_input(name, np.zeros(view.shape, view.dtype))
-            session.tick()
+            for name, view in session.parts.runtime.staging.items():
+                session.loop.write_input(name, np.zeros(view.shape, view.dtype))
+            session.loop.tick()
         settle_after_start()                      # as policy_node does after start-up
         rounds = [[_phase(session, commits, seconds / ROUNDS, 0.002) for commits in KINDS] for _ in range(ROUNDS)]
         phases = [_pooled([r[i] for r in rounds]) for i in range(len(KINDS))]
-        nbytes = session.store.nbytes
+        nbytes = session.parts.store.nbytes
     base = phases[0]["tick_ms"]["p99"]
     ratio = phases[2]["tick_ms"]["p99"] / base
     return {"bench": "commits", **environment(device), "quick": quick, "capsule_bytes": nbytes,

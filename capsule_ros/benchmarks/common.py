@@ -91,14 +91,11 @@ class ArenaHost:
     stream: Optional[torch.cuda.Stream]
     numerics: str = ""
 
-    def chunk_mark(self) -> None:
-        """A bare arena has no chunk schedule (nor anything to check or resume)."""
+    def mark(self) -> None:
+        """A bare arena has no execution mode (no mark to carry, none to check)."""
         return None
 
-    def check_chunk_mark(self, mark: object, data: torch.Tensor, capsule_id: str) -> None:
-        pass
-
-    def resume_chunk_mark(self, mark: object) -> None:
+    def admit(self, mark: object, data: Callable[[], torch.Tensor], capsule_id: str) -> None:
         pass
 
 
@@ -119,10 +116,10 @@ def paced_ticks(session, seconds: float, rng: np.random.Generator, period_s: flo
     end = time.monotonic() + seconds
     next_tick = time.monotonic()
     while time.monotonic() < end and not until():
-        for name, view in session.runtime.staging.items():
-            session.write_input(name, rng.normal(size=view.shape).astype(view.dtype))
+        for name, view in session.parts.runtime.staging.items():
+            session.loop.write_input(name, rng.normal(size=view.shape).astype(view.dtype))
         start = time.perf_counter()
-        session.tick()
+        session.loop.tick()
         out.append(time.perf_counter() - start)
         next_tick += period_s
         time.sleep(max(0.0, next_tick - time.monotonic()))

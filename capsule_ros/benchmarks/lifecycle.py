@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from capsule_ros.benchmarks.common import config_path, emit, environment, print_table, resolve_device
-from capsule_ros.runtime.engine import StreamKeeper
+from capsule_ros.runtime.streams import StreamKeeper
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import prepare_serving, start_session
 
@@ -38,10 +38,10 @@ def _config(device: torch.device, directory: Path) -> ServingConfig:
 
 def _tick(session) -> float:
     """One tick on fresh inputs; seconds (outputs on the host at the end, as the node reads them)."""
-    for name, view in session.runtime.staging.items():
-        session.write_input(name, np.full(view.shape, 0.1, view.dtype))
+    for name, view in session.parts.runtime.staging.items():
+        session.loop.write_input(name, np.full(view.shape, 0.1, view.dtype))
     start = time.perf_counter()
-    session.tick()
+    session.loop.tick()
     return time.perf_counter() - start
 
 
@@ -51,7 +51,7 @@ def _cycle(config: ServingConfig, streams: StreamKeeper) -> dict:
         first = _tick(session)
         steady = np.array([_tick(session) for _ in range(STEADY_TICKS)])
     finally:
-        device = session.runtime.device
+        device = session.parts.runtime.device
         session.release()
     del session
     leftover = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

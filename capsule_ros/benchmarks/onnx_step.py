@@ -184,10 +184,10 @@ def served_and_plain(model: Path, rows: Dict[str, np.ndarray], reps: int,
     per call: the served one stages the ports, loads them, steps (with the step guard or
     without) and reads the outputs, as the node does. ``same()``: whether both have run as
     many steps and their last joint targets are the same bits."""
-    from capsule_ros.runtime.engine import PolicyRuntime
+    from capsule_ros.runtime.builder import build_policy_runtime
     from capsule_ros.serving.factory import build_policy
     config = quadruped_config(model, device="cpu", guard_steps=guard)
-    runtime = PolicyRuntime(build_policy(config), config.runtime)
+    runtime = build_policy_runtime(build_policy(config), config.runtime)
     plain = PlainLoop(model, config.policy_settings)
     counter = {"served": 0, "plain": 0}
     last: Dict[str, np.ndarray] = {}
@@ -227,7 +227,7 @@ def alternate(a: Callable[[], None], b: Callable[[], None], blocks: int, per_blo
 
 def run_onnx(device: torch.device, quick: bool) -> dict:
     from capsule_ros.benchmarks.snapshot import bench_state
-    from capsule_ros.runtime.engine import PolicyRuntime
+    from capsule_ros.runtime.builder import build_policy_runtime
     from capsule_ros.runtime.schema import BufferKind
     from capsule_ros.serving.factory import build_policy
     shape = QUICK if quick else FULL
@@ -270,7 +270,7 @@ def run_onnx(device: torch.device, quick: bool) -> dict:
         result["met"] = result["ratio"] <= 1.1
         result["load_average_after"] = list(os.getloadavg())
         config = quadruped_config(model, device="cpu")
-        runtime = PolicyRuntime(build_policy(config), config.runtime)
+        runtime = build_policy_runtime(build_policy(config), config.runtime)
         result["capsule"] = bench_state("onnx" + ("-quick" if quick else ""), runtime.layout, device, 2000)
         result["capsule"]["state_bytes"] = {kind.value: hi - lo for kind in BufferKind
                                             for lo, hi in [runtime.layout.byte_range(kind)] if hi > lo}

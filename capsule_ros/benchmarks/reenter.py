@@ -19,6 +19,7 @@ import torch
 
 from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device, time_calls
 from capsule_ros.capsules.store import CapsuleStore, CapsuleStoreConfig
+from capsule_ros.runtime.builder import build_policy_runtime
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.factory import build_policy
@@ -33,7 +34,7 @@ def build(device: torch.device, quick: bool) -> PolicyRuntime:
     hybrid = dataclasses.replace(config.policy_settings, **QUICK) if quick else config.policy_settings
     runtime_cfg = dataclasses.replace(config.runtime, device=str(device))
     config = dataclasses.replace(config, policy_settings=hybrid, runtime=runtime_cfg)
-    return PolicyRuntime(build_policy(config, device=device), runtime_cfg)
+    return build_policy_runtime(build_policy(config, device=device), runtime_cfg)
 
 
 def run(device_name: str = "auto", quick: bool = False, prefixes: Sequence[int] = ()) -> dict:
@@ -87,7 +88,7 @@ def run(device_name: str = "auto", quick: bool = False, prefixes: Sequence[int] 
         store.drop(capsule.id)
     return {"bench": "reenter", **environment(device), "quick": quick, "parameters": params,
             "dtype": policy.cfg.dtype, "layers": policy.cfg.layers, "compiled": policy.kernels.compiled,
-            "graphs": runtime.plan.captured, "results": results}
+            "graphs": runtime.graphs.captured, "results": results}
 
 
 def table(result: dict) -> None:

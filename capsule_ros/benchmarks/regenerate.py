@@ -34,9 +34,12 @@ from capsule_ros.benchmarks.reenter import QUICK as REFERENCE_QUICK
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.store import Capsule
 from capsule_ros.serving.config import ServingConfig
-from capsule_ros.serving.factory import build_policy, build_session, load_deployment, port_bindings
+from capsule_ros.serving.factory import build_policy, build_session, port_bindings
 from capsule_ros.serving.process import settle_after_start
-from capsule_ros.serving.regenerate import BackgroundRegeneration, Deployment, Regeneration, check
+from capsule_ros.updates.assessment import check
+from capsule_ros.updates.background import BackgroundRegeneration
+from capsule_ros.updates.deployment import Deployment, load_deployment
+from capsule_ros.updates.regeneration import Regeneration, Status
 
 ROUNDS = 3
 TARGET_TICK_RATIO = 1.5           # p99 with a background regeneration / without
@@ -65,10 +68,10 @@ def _policies(device: torch.device, quick: bool, tmp: Path) -> List[Tuple[str, S
 
 def _feed(session, rng: np.random.Generator, steps: int) -> None:
     for _ in range(steps):
-        for name, view in session.runtime.staging.items():
+        for name, view in session.parts.runtime.staging.items():
             values = rng.integers(0, 256, size=view.shape) if view.dtype == np.uint8 else rng.normal(size=view.shape)
-            session.write_input(name, values.astype(view.dtype))
-        session.tick()
+            session.loop.write_input(name, values.astype(view.dtype))
+        session.loop.tick()
 
 
 def _perturbed(config: ServingConfig, device: torch.device) -> Deployment:
@@ -91,10 +94,10 @@ def _one_policy(name: str, config: ServingConfig, steps: int, device: torch.devi
     start = time.perf_counter()
     _feed(session, rng, steps)
     episode_s = time.perf_counter() - start
-    capsule = session.commit(f"{name} after {steps} steps", persist=True)
+    capsule = session.verbs.commit(f"{name} after {steps} steps", persist=True)
     info = CapsuleDirectory(source, max_file_bytes=1 << 40, read_only=True).header(capsule.id).recipe
     assert info is not None and info.regenerable, info
-    arena = session.runtime.layout.nbytes
+    arena = session.parts.runtime.layout.nbytes
     session.release()
     deployment = _perturbed(config, device)
     regeneration = Regeneration(CapsuleDirectory(source, max_file_bytes=1 << 40, read_only=True),
@@ -103,7 +106,7 @@ def _one_policy(name: str, config: ServingConfig, steps: int, device: torch.devi
         outcome = regeneration.run()[0]
     finally:
         deployment.close()
-    assert outcome.status == "regenerated", outcome
+    assert outcome.status == Status.REGENERATED, outcome
     rate = config.control.rate_hz
     return {"policy": name, "steps": steps, "arena_bytes": arena, "recipe_bytes": info.nbytes,
             "recipe_rows": info.rows, "row_bytes": info.row_bytes, "recipe_bytes_per_step": info.nbytes / steps,
@@ -117,16 +120,16 @@ def _check_1000(config: ServingConfig, device: torch.device, tmp: Path, count: i
     config = _with(config, device, tmp / "one", 100)
     session = build_session(config)
     _feed(session, np.random.default_rng(1), 100)
-    capsule = session.commit("one", persist=True)
+    capsule = session.verbs.commit("one", persist=True)
     _, recipe = CapsuleDirectory(tmp / "one", max_file_bytes=1 << 40, read_only=True).recipe(capsule.id, 1 << 30)
-    data = session.runtime.arena.storage.detach().to("cpu", copy=True)
-    parts = session.runtime.fingerprint_parts
-    schema = session.runtime.layout.schema()
+    data = session.parts.runtime.arena.storage.detach().to("cpu", copy=True)
+    parts = session.parts.runtime.fingerprint_parts
+    schema = session.parts.runtime.layout.schema()
     session.release()
     many = CapsuleDirectory(tmp / "many", max_file_bytes=1 << 40)
     for k in range(count):
         copy = Capsule(f"e1.s{100}.{k:06x}", f"copy {k}", "", 1, 100, capsule.nbytes, capsule.fingerprint,
-                       capsule.stamp_ns + k, numerics=capsule.numerics, chunk=capsule.chunk)
+                       capsule.stamp_ns + k, numerics=capsule.numerics, mark=capsule.mark)
         many.save(copy, data, schema, recipe=recipe, parts=parts)
     start = time.perf_counter()
     deployment = _perturbed(config, device)
@@ -137,7 +140,7 @@ def _check_1000(config: ServingConfig, device: torch.device, tmp: Path, count: i
         check_s = time.perf_counter() - start
     finally:
         deployment.close()
-    assert report["invalidated"] == count and report["lost"] == 0, report
+    assert report.invalidated == count and report.lost == 0, report
     return {"capsules": count, "deployment_load_s": load_s, "check_s": check_s, "per_capsule_ms": check_s / count * 1e3}
 
 
@@ -149,7 +152,7 @@ def _background(config: ServingConfig, device: torch.device, tmp: Path, seconds:
     ids: List[str] = []
     for _ in range(8):                                     # 8 capsules of other weights, 60 to 480 steps
         _feed(old, np.random.default_rng(len(ids)), 60)
-        ids.append(old.commit("stale", persist=True).id)
+        ids.append(old.verbs.commit("stale", persist=True).id)
     old.release()
     live_dir = tmp / "live"
     live = _with(config, device, live_dir, 500)
@@ -163,8 +166,8 @@ def _background(config: ServingConfig, device: torch.device, tmp: Path, seconds:
         samples["without"].append(paced_ticks(session, seconds / ROUNDS, rng))
         for capsule_id in ids:                             # the stale files again (the last round replaced them)
             shutil.copy(stale / f"{capsule_id}.capsule", live_dir / f"{capsule_id}.capsule")
-        assert session.directory is not None
-        background = BackgroundRegeneration(live, session.directory, ids, session.runtime.fingerprint,
+        assert session.parts.directory is not None
+        background = BackgroundRegeneration(live, session.parts.directory, ids, session.parts.runtime.fingerprint,
                                             load_deployment)
         background.start()           # tick until it is done (at nice 19 it is slower on a busy machine)
         samples["with"].append(paced_ticks(session, 20 * seconds / ROUNDS, rng,

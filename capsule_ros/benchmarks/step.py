@@ -52,6 +52,8 @@ import torch
 
 from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device, time_calls
 from capsule_ros.benchmarks.reenter import QUICK
+from capsule_ros.chunking.mode import mode_for
+from capsule_ros.runtime.builder import build_policy_runtime
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.schema import BufferKind
 from capsule_ros.serving.config import ServingConfig
@@ -60,8 +62,8 @@ from capsule_ros.serving.factory import build_policy
 
 def measure(config: ServingConfig, device: torch.device, graphs: bool, reps: int, guard: bool = True) -> dict:
     runtime_cfg = dataclasses.replace(config.runtime, device=str(device), cuda_graphs=graphs, guard_steps=guard)
-    runtime = PolicyRuntime(build_policy(dataclasses.replace(config, runtime=runtime_cfg), device=device),
-                            runtime_cfg)
+    policy = build_policy(dataclasses.replace(config, runtime=runtime_cfg), device=device)
+    runtime = build_policy_runtime(policy, runtime_cfg, mode=mode_for(policy))
     kernels = getattr(runtime.policy, "kernels", None)
     return {**measure_runtime(runtime, device, reps), "compiled": bool(getattr(kernels, "compiled", False))}
 
@@ -86,7 +88,7 @@ def measure_runtime(runtime: PolicyRuntime, device: torch.device, reps: int) -> 
     loop = time_calls(loop_step, reps, torch.device("cpu"), warmup=5)
     cpu = {} if device.type != "cpu" else {
         "cpu_ms": pct(time_calls(runtime.step, reps, device, warmup=5, clock=time.thread_time), 1e3)}
-    return {"gpu_ms": pct(gpu, 1e3), "loop_ms": pct(loop, 1e3), **cpu, "graph_captured": runtime.plan.captured,
+    return {"gpu_ms": pct(gpu, 1e3), "loop_ms": pct(loop, 1e3), **cpu, "graph_captured": runtime.graphs.captured,
             "parameters": sum(p.numel() for p in runtime.policy.parameters()), "action": first,
             "threads": torch.get_num_threads() if device.type == "cpu" else None}
 
@@ -108,7 +110,8 @@ def run_exported(device: torch.device, quick: bool, module_spec: str, level: str
         served = {}
         for graphs in ((True, False) if device.type == "cuda" else (False,)):
             config = RuntimeConfig(device=str(device), cuda_graphs=graphs, guard_steps=False, numerics=level)
-            runtime = PolicyRuntime(ExportedPolicy.from_file(report.path), config)
+            policy = ExportedPolicy.from_file(report.path)
+            runtime = build_policy_runtime(policy, config, mode=mode_for(policy))
             served["graph" if graphs else "eager"] = measure_runtime(runtime, device, reps)
     interface = report.interface
     generator = torch.Generator().manual_seed(0)
@@ -184,8 +187,9 @@ def run_act(device_name: str = "auto", quick: bool = False, level: str = "portab
                 row["eager_all_cores"] = measure(threads, device, False, reps)
                 row["eager_all_cores_matches"] = row["eager_all_cores"]["action"] == row["eager"]["action"]
                 torch.set_num_threads(1)
-        runtime = PolicyRuntime(build_policy(config, device=device),
-                                dataclasses.replace(config.runtime, device=str(device)))
+        policy = build_policy(config, device=device)
+        runtime = build_policy_runtime(policy, dataclasses.replace(config.runtime, device=str(device)),
+                                       mode=mode_for(policy))
         row["capsule"] = bench_state("act" + ("-quick" if quick else ""), runtime.layout, device,
                                      2000 if runtime.layout.nbytes < 2**24 else 200)
         row["capsule"]["state_bytes"] = {kind.value: hi - lo for kind in BufferKind

@@ -173,7 +173,7 @@ class CapsuleDirectory:
         info = recipe.info if isinstance(recipe, Recipe) else recipe
         header = CapsuleHeader(capsule.id, capsule.label, capsule.parent_id, episode, step, stamp, nbytes,
                                capsule.fingerprint, tuple(BufferRecord.of(e) for e in schema), self.chunk_bytes,
-                               numerics=capsule.numerics, chunk=capsule.chunk, fingerprint_parts=parts,
+                               numerics=capsule.numerics, mark=capsule.mark, fingerprint_parts=parts,
                                recipe=info)
         recipe_data = recipe.to_bytes() if isinstance(recipe, Recipe) else b""
         part = path.with_name(capsule.id + PART_SUFFIX)
@@ -243,7 +243,7 @@ class CapsuleDirectory:
             raise CorruptCapsule(f"capsule file {str(path)!r} holds capsule {header.capsule_id!r}, not {capsule_id!r}")
         return Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
                        header.nbytes, header.fingerprint, header.stamp_ns, pinned=False, payload=None,
-                       path=str(path), numerics=header.numerics, chunk=header.chunk, recipe=header.recipe)
+                       path=str(path), numerics=header.numerics, mark=header.mark, recipe=header.recipe)
 
     def remove(self, capsule_id: str) -> None:
         """Delete a capsule file (NotFound if there is none)."""

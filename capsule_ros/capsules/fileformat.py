@@ -74,8 +74,8 @@ from capsule_ros.errors import (
     NotFound,
     PermissionDenied,
 )
-from capsule_ros.runtime.chunkmark import ChunkMark
 from capsule_ros.runtime.fingerprint import FingerprintParts
+from capsule_ros.runtime.marks import ModeMark
 from capsule_ros.runtime.schema import ALIGNMENT, DTYPE_SIZES, BufferKind
 
 MAGIC = b"CAPSULE\x00"
@@ -105,6 +105,7 @@ MAX_PAYLOAD_BYTES = 1 << 48               # what the writer accepts; readers pas
 _WRAP_AAD_PREFIX = b"capsule-ros/v1/data-key\x00"
 _BUFFER_KEYS = ("name", "shape", "dtype", "kind", "offset", "nbytes")
 _OPTIONAL_KEYS = ("numerics", "chunk")    # written when set; files from before them read as ""  / None
+# (the header's ``mark`` is stored under the key "chunk": its name from when chunking was the only mode)
 _V2_KEYS = ("fingerprint_parts", "recipe")     # version 2 only, each written when set
 MAX_NUMERICS_CHARS = 32
 _KINDS = frozenset(k.value for k in BufferKind)
@@ -167,7 +168,7 @@ class CapsuleHeader:
     wrapped_key: bytes = field(default=b"", repr=False)
     key_nonce: bytes = field(default=b"", repr=False)
     numerics: str = ""          # CPU numerics level it was made at (runtime/numerics.py); '' = not recorded
-    chunk: Optional[ChunkMark] = None     # a chunking policy's schedule mark (key "chunk", absent otherwise)
+    mark: Optional[ModeMark] = None       # the runtime's mode mark (key "chunk"; absent when it had none)
     fingerprint_parts: Optional[FingerprintParts] = None   # version 2: the fingerprint's components
     recipe: Optional[RecipeInfo] = None   # version 2: how the state was made (absent: no recipe kept)
     version: int = FORMAT_VERSION         # of the file it was read from (not a header key: the prefix's)
@@ -228,8 +229,8 @@ class CapsuleHeader:
             out["key_nonce"] = self.key_nonce.hex()
         if self.numerics:
             out["numerics"] = self.numerics
-        if self.chunk is not None:
-            out["chunk"] = self.chunk.to_json()
+        if self.mark is not None:
+            out["chunk"] = self.mark.to_json()
         if self.fingerprint_parts is not None:
             out["fingerprint_parts"] = self.fingerprint_parts.to_json()
         if self.recipe is not None:
@@ -290,7 +291,7 @@ def parse_header(obj: Any, *, encrypted: bool, max_bytes: int, error: ErrorType 
     """
     optional = _OPTIONAL_KEYS + (_V2_KEYS if version >= 2 else ())
     keys = [f.name for f in fields(CapsuleHeader)
-            if f.name not in ("wrapped_key", "key_nonce", "version", *_OPTIONAL_KEYS, *_V2_KEYS)]
+            if f.name not in ("wrapped_key", "key_nonce", "version", "mark", *_OPTIONAL_KEYS, *_V2_KEYS)]
     keys += ["chunk_count"] + (["wrapped_key", "key_nonce"] if encrypted else [])
     keys += [k for k in optional if isinstance(obj, dict) and k in obj]
     check_keys(obj, keys, error, "header ")
@@ -335,11 +336,11 @@ def parse_header(obj: Any, *, encrypted: bool, max_bytes: int, error: ErrorType 
     numerics = get_str(obj, "numerics", MAX_NUMERICS_CHARS, error) if "numerics" in obj else ""
     if "numerics" in obj and not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", numerics):
         raise error(f"numerics = {quote(numerics)}: must be a level name such as 'avx2' or 'native-avx512'")
-    chunk = ChunkMark.from_json(obj["chunk"], "", error) if "chunk" in obj else None
+    mark = ModeMark.from_json(obj["chunk"], "", error) if "chunk" in obj else None
     parts = FingerprintParts.from_json(obj["fingerprint_parts"], error) if "fingerprint_parts" in obj else None
     recipe = RecipeInfo.from_json(obj["recipe"], error, step=step) if "recipe" in obj else None
     return CapsuleHeader(capsule_id, label, parent_id, episode_id, step, stamp_ns, nbytes, fingerprint,
-                         tuple(schema), chunk_bytes, salt, wrapped_key, key_nonce, numerics, chunk, parts, recipe,
+                         tuple(schema), chunk_bytes, salt, wrapped_key, key_nonce, numerics, mark, parts, recipe,
                          version)
 
 

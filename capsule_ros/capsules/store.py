@@ -8,13 +8,14 @@ capsule bytes in tiers:
 - HOST: pinned host slabs (ordinary memory on a CPU),
 - DISK: only in the capsule directory (see ``capsule_ros.capsules.directory``).
 
-The face is small and frozen. Five verbs: ``snapshot``, ``restore``, ``fork``, ``drop``
-and ``move`` (between tiers; to DISK releases a persisted capsule's memory copy). Two
-small objects for callers that work across a lock or must not fail half-way: a
-``Reservation`` (room for one capsule taken ahead, ``reserve``) and a ``Loan`` (a
-capsule's bytes lent to a reader outside the caller's lock, ``lend``). ``adopt`` lets a
-capsule read from its file in, ``hold`` is the session's own pin. Queries: ``get``,
-``find``, ``list``, ``in`` and ``stats``. ``test/test_store.py`` keeps the face this size.
+The face is small, and ``test/test_store.py`` keeps it this size. Five verbs:
+``snapshot``, ``restore``, ``fork``, ``drop`` and ``move`` (between tiers; to DISK releases
+a persisted capsule's memory copy). Two small objects for callers that work across a lock
+or must not fail half-way: a ``Reservation`` (room for one capsule taken ahead,
+``reserve``) and a ``Loan`` (a capsule's bytes lent to a reader outside the caller's lock,
+``lend``). ``adopt`` lets a capsule read from its file in, ``hold`` is the session's own
+pin. Queries: ``get``, ``find``, ``list``, ``stats`` and the ``in`` operator; ``close``
+ends the store's lifetime.
 
 Slabs come from fixed pools sized by byte budgets at construction, so the hot verbs
 (snapshot, restore) never allocate. Forks share their source's bytes (capsules are
@@ -28,7 +29,11 @@ snapshot waits for the step that produced the boundary, the next step waits for 
 snapshot copy, and a restore waits for the step in flight and is waited on by the next.
 
 Mechanism only: the store decides nothing about when to snapshot or what a rollback
-means (that is ``capsule_ros.serving``). It is not thread-safe; callers serialise.
+means (that is ``capsule_ros.serving``), and a restore starts no work: it copies bytes.
+A capsule carries its runtime's mode mark (``capsule_ros.runtime.marks.ModeMark``), which
+the store keeps and never interprets; before a restore's copy the runtime may refuse the
+capsule (``ArenaOwner.admit``), and after it the caller tells the runtime
+(``PolicyRuntime.after_restore``). It is not thread-safe; callers serialise.
 
 Cost: the verbs cost the same with 10 or 10,000 capsules in memory. The store keeps, per
 memory tier, its payloads in least-recently-used order (and each payload's capsules), so
@@ -53,7 +58,7 @@ from capsule_ros.capsules.recipe import RecipeInfo
 from capsule_ros.errors import Busy, FingerprintMismatch, InvalidArgument, NotFound, ResourceExhausted
 from capsule_ros.metrics import LatencyWindow
 from capsule_ros.runtime.arena import ArenaLayout, BufferKind, StateArena
-from capsule_ros.runtime.chunkmark import ChunkMark
+from capsule_ros.runtime.marks import ModeMark
 
 LOG = logging.getLogger(__name__)
 NO_ROOM = ("no room for a new capsule: drop or unpin capsules, or raise capsules.device_budget_mb / "
@@ -63,22 +68,21 @@ NO_ROOM = ("no room for a new capsule: drop or unpin capsules, or raise capsules
 class ArenaOwner(Protocol):
     """What the store needs of a runtime (``capsule_ros.runtime.engine.PolicyRuntime``):
     the arena whose bytes a capsule copies, their layout, the fingerprint a capsule is
-    bound to, on CUDA the stream its steps run on (None on a CPU), and a chunking
-    policy's chunk mark (``capsule_ros.runtime.chunking``): the mark a capsule of the
-    live state carries, the check of a capsule's mark against its bytes before a restore,
-    and the resumption of its pending refill after one (all no-ops without a cadence)."""
+    bound to, on CUDA the stream its steps run on (None on a CPU), the mark a capsule of
+    the live state carries, and its verdict on a capsule before a restore's copy (``admit``
+    raises to refuse; ``data()`` gives the capsule's bytes, read only if needed)."""
 
-    fingerprint: str
     layout: ArenaLayout
     arena: StateArena
     stream: Optional[torch.cuda.Stream]
     numerics: str                         # the CPU numerics level it runs at (runtime/numerics.py)
 
-    def chunk_mark(self) -> Optional[ChunkMark]: ...
+    @property
+    def fingerprint(self) -> str: ...
 
-    def check_chunk_mark(self, mark: Optional[ChunkMark], data: torch.Tensor, capsule_id: str) -> None: ...
+    def mark(self) -> Optional[ModeMark]: ...
 
-    def resume_chunk_mark(self, mark: Optional[ChunkMark]) -> None: ...
+    def admit(self, mark: Optional[ModeMark], data: Callable[[], torch.Tensor], capsule_id: str) -> None: ...
 
 
 class Tier(enum.IntEnum):
@@ -123,7 +127,7 @@ class Capsule:
     payload: Optional[Payload] = field(default=None, repr=False)
     path: Optional[str] = None            # persisted copy in the capsule directory
     numerics: str = ""                    # CPU numerics level of the runtime that made it ('' = unknown)
-    chunk: Optional[ChunkMark] = None     # a chunking policy's chunk state (host mirror of the bytes)
+    mark: Optional[ModeMark] = None       # its runtime's mode mark (opaque here: the runtime's to read)
     recipe: Optional[RecipeInfo] = None   # its file's recipe, when known (read from or written to it)
     stale: str = ""                       # a listed file of another graph: why ('' = restorable here)
 
@@ -134,6 +138,14 @@ class Capsule:
     @property
     def persisted(self) -> bool:
         return self.path is not None
+
+
+def _bytes_of(payload: Payload) -> Callable[[], torch.Tensor]:
+    """A payload's bytes for ``ArenaOwner.admit``, once the copy that filled them is done."""
+    def read() -> torch.Tensor:
+        payload.wait()
+        return payload.slab
+    return read
 
 
 class SlabPool:
@@ -364,7 +376,7 @@ class CapsuleStore:
         self._copy(dst=payload.slab, src=runtime.arena.storage, runtime=runtime, payload=payload,
                    timing=self.snapshot_latency)
         capsule = Capsule(capsule_id, label, parent_id, episode_id, step, self.nbytes, self.fingerprint,
-                          time.time_ns(), pinned, held, None, numerics=runtime.numerics, chunk=runtime.chunk_mark())
+                          time.time_ns(), pinned, held, None, numerics=runtime.numerics, mark=runtime.mark())
         self._attach(capsule, payload)
         self.counters.snapshots += 1
         return capsule
@@ -383,7 +395,9 @@ class CapsuleStore:
         slab may be the one that makes room: it is restored first).
 
         Refuses, with the live state untouched, an unknown id, a disk-only capsule without
-        ``data`` (load it first) or a capsule of another fingerprint."""
+        ``data`` (load it first), a capsule of another fingerprint, or one the runtime does
+        not admit (``ArenaOwner.admit``: its mode mark). Starts no work on the runtime:
+        the caller passes the capsule's mark on (``PolicyRuntime.after_restore``)."""
         start = time.perf_counter()
         if data is not None:
             if not isinstance(capsule, Capsule):
@@ -398,11 +412,7 @@ class CapsuleStore:
         payload = known.payload
         if payload is None:
             raise NotFound(f"capsule {known.id!r} is only on disk ({known.path}); load it first")
-        chunked = (not kinds or BufferKind.META in kinds) and (known.chunk is not None
-                                                                or runtime.chunk_mark() is not None)
-        if chunked:
-            payload.wait()                               # its chunk cursor is read before anything changes
-            runtime.check_chunk_mark(known.chunk, payload.slab, known.id)
+        runtime.admit(known.mark, _bytes_of(payload), known.id)
         room = None
         if reserve:
             if self._room_for(1, protect=[payload]):
@@ -412,8 +422,6 @@ class CapsuleStore:
         lo, hi = (0, self.nbytes) if not kinds else runtime.layout.byte_range(*kinds)
         self._copy(dst=runtime.arena.storage[lo:hi], src=payload.slab[lo:hi], runtime=runtime,
                    payload=payload, timing=self.restore_latency)
-        if chunked:
-            runtime.resume_chunk_mark(known.chunk)
         self._touch(payload)
         self.counters.restores += 1
         self.counters.hits[count_as if count_as is not None else payload.tier] += 1
@@ -523,7 +531,7 @@ class CapsuleStore:
         self._check_target(runtime, capsule.fingerprint, capsule.nbytes)
         if data.numel() != self.nbytes:
             raise InvalidArgument(f"capsule {capsule.id!r}: {data.numel()} bytes, expected {self.nbytes}")
-        runtime.check_chunk_mark(capsule.chunk, data, capsule.id)
+        runtime.admit(capsule.mark, lambda: data, capsule.id)
         room = self.reserve() if reserve else None
         scratch = Payload(slab=data, tier=Tier.DISK)
         try:
@@ -534,7 +542,6 @@ class CapsuleStore:
             if room is not None:
                 room.release()
             raise
-        runtime.resume_chunk_mark(capsule.chunk)
         self.counters.restores += 1
         self.counters.hits[Tier.DISK] += 1
         return RestoreReport(capsule, Tier.DISK, time.perf_counter() - start, room)

@@ -14,10 +14,16 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from capsule_ros.cli.model_update import deployment_args, load_deployment_config, open_source, run_guarded
+from capsule_ros.cli.model_update import (
+    assessment_json,
+    deployment_args,
+    load_deployment_config,
+    open_source,
+    run_guarded,
+)
 from capsule_ros.runtime.fingerprint import CAUSES
-from capsule_ros.serving.factory import load_deployment
-from capsule_ros.serving.regenerate import check
+from capsule_ros.updates.assessment import CheckReport, Fate, check
+from capsule_ros.updates.deployment import load_deployment
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +32,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps-per-second", type=float, default=None,
                         help="the new policy's replay rate for the time estimate (default: measured here)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def report_json(report: CheckReport) -> dict:
+    """The report as ``--json`` prints it."""
+    rows = []
+    for checked in report.capsules:
+        row = assessment_json(checked.assessment)
+        if checked.assessment.fate == Fate.REGENERATE and checked.assessment.recipe is not None:
+            row["expected_seconds"], row["new_bytes"] = checked.expected_seconds, checked.new_bytes
+        rows.append(row)
+    return {"directory": report.directory, "fingerprint": report.fingerprint, "capsules": rows,
+            "total": report.total, "valid": report.total - report.invalidated, "invalidated": report.invalidated,
+            "by_cause": report.by_cause, "regenerable": report.regenerable, "lost": report.lost,
+            "recipe_coverage": report.recipe_coverage, "regeneration_steps": report.regeneration_steps,
+            "steps_per_second": report.steps_per_second, "steps_per_second_from": report.steps_per_second_from,
+            "expected_seconds": report.expected_seconds, "storage_bytes": report.storage_bytes,
+            "header_read_seconds": report.header_read_seconds, "exit": report.exit}
 
 
 def _text(report: dict) -> str:
@@ -61,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         directory = open_source(Path(args.directory), config, args.key_file)
         deployment = load_deployment(config)
         try:
-            report = check(directory, deployment, args.steps_per_second)
+            report = report_json(check(directory, deployment, args.steps_per_second))
         finally:
             deployment.close()
         print(json.dumps(report, indent=2, sort_keys=True) if args.json else _text(report))

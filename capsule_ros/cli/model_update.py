@@ -1,9 +1,12 @@
 """What ``capsule-ros check`` and ``capsule-ros regenerate`` share: the deployment's
-arguments (its parameter file), opening the source directory, and the exit status of an
-error (3: bad arguments or files, with one line on stderr)."""
+arguments (its parameter file), opening the source directory, the exit status of an
+error (3: bad arguments or files, with one line on stderr), and the JSON of a capsule's
+assessment: the commands' reports are typed (``capsule_ros.updates``) and become JSON
+only here, at the edge."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import traceback
 from pathlib import Path
@@ -12,7 +15,8 @@ from typing import Callable, Optional
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.errors import CapsuleRosError
 from capsule_ros.serving.config import ServingConfig
-from capsule_ros.serving.regenerate import EXIT_BAD, BadArguments
+from capsule_ros.updates.assessment import Assessment
+from capsule_ros.updates.errors import EXIT_BAD, BadArguments
 
 
 def deployment_args(parser: argparse.ArgumentParser) -> None:
@@ -51,3 +55,21 @@ def run_guarded(command: str, work: Callable[[], int]) -> int:
         traceback.print_exc()
         print(f"capsule-ros {command}: internal error (above); nothing was written", file=sys.stderr)
         return EXIT_BAD
+
+
+def assessment_json(item: Assessment) -> dict:
+    """One capsule's assessment as the commands' JSON reports show it."""
+    header, recipe = item.header, item.recipe
+    return {"id": item.capsule_id, "label": header.label if header else "",
+            "episode": header.episode_id if header else None, "step": header.step if header else None,
+            "valid": item.validity.valid, "causes": list(item.validity.causes), "why": item.validity.describe(),
+            "format_version": header.version if header else None,
+            "recipe": ("none" if recipe is None else "regenerable" if recipe.regenerable else "cut"),
+            "recipe_bytes": recipe.nbytes if recipe is not None else 0,
+            "recipe_note": recipe.describe() if recipe is not None else "no recipe",
+            "action": item.fate.value, "reason": item.reason}
+
+
+def finite_or_inf(value: Optional[float]) -> object:
+    """A drift as JSON carries it: the number, "inf" for one that diverged, or None."""
+    return value if value is None or math.isfinite(value) else "inf"

@@ -21,9 +21,11 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from capsule_ros.cli.model_update import deployment_args, load_deployment_config, run_guarded
-from capsule_ros.serving.factory import load_deployment
-from capsule_ros.serving.regenerate import BadArguments, regenerate_directory
+from capsule_ros.cli.model_update import deployment_args, finite_or_inf, load_deployment_config, run_guarded
+from capsule_ros.updates.deployment import load_deployment
+from capsule_ros.updates.errors import BadArguments
+from capsule_ros.updates.regeneration import Outcome, RegenerationReport, Status
+from capsule_ros.updates.staging import regenerate_directory
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +36,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bound on |new action - recorded action| along each recipe (exit 1 above it)")
     parser.add_argument("--progress", action="store_true", help="progress on stderr even when it is not a terminal")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def outcome_json(outcome: Outcome) -> dict:
+    return {"id": outcome.capsule_id, "status": outcome.status.value, "reason": outcome.reason,
+            "steps": outcome.steps, "drift": finite_or_inf(outcome.drift), "first_step_over": outcome.first_over,
+            "seconds": round(outcome.seconds, 6), "recipe_bytes": outcome.recipe_bytes}
+
+
+def report_json(report: RegenerationReport) -> dict:
+    """The report as ``--json`` prints it."""
+    return {"source": report.source, "out": report.out, "fingerprint": report.fingerprint,
+            "max_drift": report.max_drift, "capsules": [outcome_json(o) for o in report.outcomes],
+            **{status.value: report.count(status) for status in Status},
+            "drift": finite_or_inf(report.drift), "over_bound": report.over_bound, "exit": report.exit}
 
 
 def _text(report: dict) -> str:
@@ -61,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
         if args.progress or sys.stderr.isatty():
             def progress(text: str) -> None:
                 print(f"capsule-ros regenerate: {text}", file=sys.stderr, flush=True)
-        report = regenerate_directory(Path(args.source), Path(args.out), lambda: load_deployment(config),
-                                      max_drift=args.max_drift, key_file=args.key_file, progress=progress)
+        report = report_json(regenerate_directory(Path(args.source), Path(args.out), lambda: load_deployment(config),
+                                                  max_drift=args.max_drift, key_file=args.key_file,
+                                                  progress=progress))
         print(json.dumps(report, indent=2, sort_keys=True) if args.json else _text(report))
         return int(report["exit"])
     return run_guarded("regenerate", work)

@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import torch
 
+from capsule_ros.chunking.reference import chunked_step
 from capsule_ros.config import ConfigSection, setting
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.binding import (
@@ -65,7 +66,6 @@ from capsule_ros.policies.binding import (
 from capsule_ros.policies.phases import ModuleSteps
 from capsule_ros.policies.registry import BuildContext, PolicyKind
 from capsule_ros.runtime.arena import STATE_KINDS, BufferKind, BufferSpec, dtype_from_name, dtype_name
-from capsule_ros.runtime.chunking import chunked_step
 from capsule_ros.runtime.policy import (
     ACTION,
     CHUNK,

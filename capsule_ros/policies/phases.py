@@ -9,7 +9,7 @@ are copied back in place. Two shapes of module:
 - a chunking policy (it has ``cadence``): ``observe(*inputs, *state) -> new_state``
   (every step), ``plan(*reads) -> chunk [B, length, A]`` (when a chunk is due) and
   ``emit(action, upcoming, *state) -> (action, chunk, *new_state)`` (the selected row of
-  the chunk and the rows after it, ``capsule_ros.runtime.chunking``).
+  the chunk and the rows after it, ``capsule_ros.chunking``).
 
 ``ModuleSteps`` runs either shape for a ``StatefulPolicy`` (the example package's
 ``gru_chunk`` kind with its module, ``policy.kind: exported`` with the traced programs).

@@ -48,10 +48,10 @@ class NodeFacade:
                 "are answered once it is activated (lifecycle ~/change_state)")
 
     def handler(self, verb: Verb) -> Callable[..., Any]:
-        """What serves ``verb`` now: the active session's method of its name, or the node's
-        own (``record``). WRONG_STATE unless active."""
+        """What serves ``verb`` now: the active session's verb of its name
+        (``PolicySession.verbs``), or the node's own (``record``). WRONG_STATE unless active."""
         if verb.session:
-            return getattr(self.active_session(), verb.name)
+            return getattr(self.active_session().verbs, verb.name)
         self.active_session()
         return getattr(self, verb.name)
 
@@ -61,7 +61,7 @@ class NodeFacade:
         if not start:
             return self._recording.stop()
         assert self.config is not None
-        bag = self._recording.start(self.config, session.runtime.fingerprint, path, storage)
+        bag = self._recording.start(self.config, session.status().fingerprint, path, storage)
         return RecordResult(str(bag))
 
     @property

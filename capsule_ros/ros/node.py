@@ -1,11 +1,15 @@
-"""PolicyNode: the ROS 2 face of a PolicySession (a thin layer: topics, services and an
-action in, session verbs out), managed by the standard ROS 2 lifecycle.
+"""PolicyNode: a PolicySession behind ROS 2 (topics, services and an action in, the
+session's verbs and control loop out), managed by the standard ROS 2 lifecycle.
 
-What the node itself does: the lifecycle, subscriptions and timers, the parameters, and
-publishing. What it does not: deciding when a message steps the policy, counting dropped
-or stale inputs, throttling warnings (``PolicySession.feed`` / ``tick``, so an in-process
-replay counts what the node counts), or serving the capsule verbs (``CapsuleServices`` and
-``RunPolicyServer``, which reach the node only through its facade, ``NodeFacade``).
+What the node itself does: the lifecycle (building, suspending, resuming and releasing
+the session), subscriptions and timers, the parameters (validated, applied live through
+the session's ``reconfigure``), the recording, the clock's jump callback, and publishing
+(actions, events, ``~/status`` and ``/diagnostics`` from the session's ``status()``).
+What it decides nothing about: when a message steps the policy, dropped or stale inputs,
+throttled warnings (``PolicySession.loop``'s ``feed`` / ``tick``, so an in-process replay
+counts what the node counts), what a verb does (``CapsuleServices`` and
+``RunPolicyServer`` call the session's verbs, reaching the node only through its facade,
+``NodeFacade``).
 
 Lifecycle (``~/change_state``, ``~/get_state``; ``lifecycle.autostart`` runs configure and
 activate at start-up so one command serves):
@@ -51,6 +55,7 @@ import importlib
 import logging
 from typing import Any, Callable, Dict, List, Optional
 
+import torch
 from diagnostic_msgs.msg import DiagnosticArray
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
@@ -71,9 +76,11 @@ from capsule_ros.ros.publishing import ActionOutput, NodeRecording
 from capsule_ros.ros.run_policy import RunPolicyServer
 from capsule_ros.ros.spinning import Offload
 from capsule_ros.ros.status import DiagnosticsBuilder, runtime_status
-from capsule_ros.runtime.engine import StreamKeeper, release_device_memory
+from capsule_ros.runtime.engine import release_device_memory
+from capsule_ros.runtime.streams import StreamKeeper
 from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
-from capsule_ros.serving.factory import PreparedServing, prepare_serving, start_session
+from capsule_ros.serving.factory import PreparedServing, prepare_serving, settle_mode, start_session
+from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.outputs import OutputAdapter, point_spacing
 from capsule_ros.serving.ports import TEXT_TYPE
 from capsule_ros.serving.process import settle_after_start, unsettle
@@ -85,6 +92,7 @@ from capsule_ros.serving.records import (
     clock_jump_delta,
 )
 from capsule_ros.serving.session import PolicySession
+from capsule_ros.updates.watch import ModelUpdateWatch
 
 LOG = logging.getLogger(__name__)
 TRANSITION_BOUNDARY_S = 5.0     # how long deactivate / cleanup wait for a service to leave the session
@@ -122,6 +130,8 @@ class PolicyNode(LifecycleNode):
         self.session: Optional[PolicySession] = None
         self.transition_error: Optional[BaseException] = None     # why the last transition failed
         self._prepared: Optional[PreparedServing] = None
+        self._watch: Optional[ModelUpdateWatch] = None       # the capsule directory's model updates (configure)
+        self._action_dim, self._device = 0, "cpu"           # the served runtime's (activate)
         self._settled = False
         self._streams = StreamKeeper()             # one CUDA stream across activations (StreamKeeper says why)
         self._raise_transition_errors = False
@@ -213,10 +223,11 @@ class PolicyNode(LifecycleNode):
     def _configure(self) -> None:
         config = ServingConfig.from_params(parameter_values(self), source="ROS parameters")
         prepared = prepare_serving(config, node_name=self.get_fully_qualified_name())
+        watch = ModelUpdateWatch.of(prepared)            # stale capsules counted by cause (headers only)
         if prepared.directory is not None and prepared.directory.recovered:
             self.get_logger().warning(f"moved {len(prepared.directory.recovered)} unfinished capsule save(s) "
                                       f"aside: {[str(p) for p in prepared.directory.recovered]}")
-        self.config, self._prepared = config, prepared
+        self.config, self._prepared, self._watch = config, prepared, watch
         self.facade.config, self.facade.lifecycle_state = config, "inactive"
         self.get_logger().info(f"configured: policy {config.policy.kind}, ports {list(config.ports)}, "
                                f"fingerprint {prepared.fingerprint[:12]}")
@@ -226,23 +237,29 @@ class PolicyNode(LifecycleNode):
         assert config is not None
         if self.session is None:
             assert self._prepared is not None
-            session = start_session(self._prepared, on_event=self._on_event, streams=self._streams)
-            # an auto inference delay is fixed now: the recorded and reported config carries the number
-            config = self.config = dataclasses.replace(config, control=session.control)
-            session.clock_ns = lambda: self.get_clock().now().nanoseconds
-            action_dim = session.runtime.policy.action_dim
-            self.actions.add_outputs([OutputAdapter(name, output, action_dim, control_period(config.control))
+            # an auto inference delay is measured now, before the runtime is built: the recorded
+            # and reported config carries the number
+            prepared = settle_mode(self._prepared, streams=self._streams)
+            config = self.config = prepared.config
+            # the watchdog: a step over its deadline publishes the safe action at once
+            options = SessionOptions(clock_ns=self._now_ns, on_event=self._on_event,
+                                     on_safe_action=self._publish_action)
+            session = start_session(prepared, options=options, streams=self._streams, watch=self._watch)
+            if self._watch is not None:
+                self._watch.start(config)     # capsules.regenerate_stale: in the background
+            served = session.status()
+            self._action_dim, self._device = served.action_dim, served.device
+            self.actions.add_outputs([OutputAdapter(name, output, served.action_dim, control_period(config.control))
                                       for name, output in config.outputs.items()])
-            session.start_watchdog(self._publish_action)   # a step over its deadline: the safe action at once
             self.session, self._prepared = session, None
             self.facade.session = session
             self._start_status_timer(config.control.status_rate_hz)
             self._clock_jump_handle = self.get_clock().create_jump_callback(
                 CLOCK_JUMPS, pre_callback=self._before_clock_jump, post_callback=self._after_clock_jump)
             if config.record.enabled:
-                self.recording.start(config, session.runtime.fingerprint)
+                self.recording.start(config, served.fingerprint)
         else:                   # after a deactivate: its interrupted episode resumes, the verbs are served
-            self.session.resume_serving(TRANSITION_BOUNDARY_S)
+            self.session.resume(TRANSITION_BOUNDARY_S)
         if not self._settled:
             settle_after_start()                       # no multi-ms garbage collections during the loop
             self._settled = True
@@ -251,9 +268,10 @@ class PolicyNode(LifecycleNode):
         self._subscribe_ports(config)
         self._configure_loop(config.control)
         self.facade.active, self.facade.lifecycle_state = True, "active"
+        served, episode = session.status(), session.episode
         self.get_logger().info(
-            f"serving on {session.runtime.device} ({'CUDA graph' if session.runtime.plan.captured else 'eager'}),"
-            f" {config.control.mode} mode, episode {session.episode_id} {session.state.name}")
+            f"serving on {served.device} ({'CUDA graph' if served.graph_captured else 'eager'}),"
+            f" {config.control.mode} mode, episode {episode.episode_id} {episode.state.name}")
 
     def _deactivate(self) -> None:
         """The verbs are refused at the session's boundary first (also those on their way
@@ -263,13 +281,13 @@ class PolicyNode(LifecycleNode):
         session, config = self.session, self.config
         assert session is not None and config is not None
         hold = HoldMode.HOLD_ZERO if config.control.deadline_action == "zero" else HoldMode.HOLD_LAST
-        capsule = session.suspend_serving(self.facade.refusal("inactive"), hold, timeout_s=TRANSITION_BOUNDARY_S)
+        capsule = session.suspend(self.facade.refusal("inactive"), hold, timeout_s=TRANSITION_BOUNDARY_S)
         self.facade.active, self.facade.lifecycle_state = False, "inactive"
         self._stop_stepping()
         if self.run_policy is not None:
             self.run_policy.node_deactivated(capsule)
         if capsule is not None:
-            self.get_logger().info(f"deactivated at step {session.step}: boundary capsule {capsule.id}; "
+            self.get_logger().info(f"deactivated at step {session.episode.step}: boundary capsule {capsule.id}; "
                                    "activate resumes from it")
 
     def _cleanup(self) -> None:
@@ -284,15 +302,15 @@ class PolicyNode(LifecycleNode):
             self._status_timer = None
         self.actions.remove_outputs()
         session, self.session, self._prepared, self.config = self.session, None, None, None
+        self._watch = None                              # closed with the session
         self.facade.session, self.facade.config = None, None
         if self._settled:
             unsettle()                                  # start-up's objects can be collected again
             self._settled = False
         if session is not None:
-            device = session.runtime.device
             session.release(TRANSITION_BOUNDARY_S)
             del session
-            release_device_memory(device)
+            release_device_memory(torch.device(self._device))
 
     def _stop_stepping(self) -> None:
         if self._control_timer is not None:
@@ -309,13 +327,13 @@ class PolicyNode(LifecycleNode):
     def _after_clock_jump(self, jump: TimeJump) -> None:
         """The node's clock jumped back or changed (on the executor's thread, between
         messages: its /clock subscription): the session's ports follow it
-        (``PolicySession.clock_jumped``). The jump is measured here: a change of clock
+        (``SessionLoop.clock_jumped``). The jump is measured here: a change of clock
         reports none."""
         session = self.session
         if session is None:
             return
         try:
-            session.clock_jumped(self.get_clock().now().nanoseconds - self._clock_before_jump_ns)
+            session.loop.clock_jumped(self.get_clock().now().nanoseconds - self._clock_before_jump_ns)
         except CapsuleRosError as exc:          # released meanwhile: nothing to follow the clock
             self.get_logger().warning(f"clock jump not applied: {exc}")
 
@@ -357,9 +375,9 @@ class PolicyNode(LifecycleNode):
         if session is None or not self.facade.active:
             return
         topic = self._port_subscriptions[name].topic_name
-        now = session.observe_clock(self.get_clock().now().nanoseconds)   # a jump it finds goes first in a bag
+        now = session.loop.observe_clock(self._now_ns())   # a jump it finds goes first in a bag
         self.recording.received(topic, msgtype, msg)
-        fed = session.feed(name, msg, now)
+        fed = session.loop.feed(name, msg, now)
         if fed.accepted:
             self.recording.accepted(name, topic, msgtype, msg)
         if fed.stepped:
@@ -368,7 +386,7 @@ class PolicyNode(LifecycleNode):
     def _on_timer(self) -> None:
         session = self.session
         if session is not None and self.facade.active:
-            self._after_tick(session.tick())
+            self._after_tick(session.loop.tick())
 
     def _after_tick(self, record: Optional[ActionRecord]) -> None:
         """Publish what a tick handed out (the session decided whether that is the policy's
@@ -383,9 +401,13 @@ class PolicyNode(LifecycleNode):
     def _publish_action(self, record: ActionRecord) -> None:
         """~/action, the outputs and the recording; any thread (control loop, watchdog,
         whichever thread interrupted)."""
-        session = self.session
-        assert session is not None
-        self.actions.publish(record, session.control.frame_id, session.runtime.policy.action_dim)
+        config = self.config
+        assert config is not None
+        self.actions.publish(record, config.control.frame_id, self._action_dim)
+
+    def _now_ns(self) -> int:
+        """The session's clock: the node's (ROS time: simulated with ``use_sim_time``)."""
+        return self.get_clock().now().nanoseconds
 
     def _on_event(self, event: EventRecord) -> None:
         """A capsule event (emitted under the session's boundary): published and recorded;
@@ -397,11 +419,8 @@ class PolicyNode(LifecycleNode):
             self.recording.clock_jumped(clock_jump_delta(event.detail))   # its log time goes on across it
         self.event_pub.publish(msg)
         self.recording.published(self.event_pub.topic_name, msg)
-        session = self.session
-        if event.kind == EventKind.INTERRUPT and session is not None:
-            record = session.safe_record(session.hold_mode)
-            if record is not None:
-                self._publish_action(record)
+        if event.kind == EventKind.INTERRUPT and event.action is not None:
+            self._publish_action(event.action)
 
     # -- status ------------------------------------------------------------------------------------
     def _start_status_timer(self, rate_hz: float) -> None:
@@ -416,7 +435,7 @@ class PolicyNode(LifecycleNode):
         if session is None:
             return
         stamp = self.get_clock().now().to_msg()
-        status = runtime_status(session, stamp)
+        status = runtime_status(session.status(), stamp)
         status.lifecycle_state = "active" if self.facade.active else "inactive"
         status.actions_published = self.actions.published
         self.status_pub.publish(status)
@@ -481,7 +500,7 @@ class PolicyNode(LifecycleNode):
                            and not self.recording.active)
         if start_recording:
             assert session is not None
-            self.recording.start(config, session.runtime.fingerprint)
+            self.recording.start(config, session.status().fingerprint)
         try:
             if session is not None:
                 session.reconfigure(control, ports)

@@ -46,9 +46,9 @@ class NodeTarget:
     reenacts_deadline_misses = False      # a live node decides lateness by its own clock
     stages_without_stepping = False       # in trigger mode it steps on every trigger message
 
-    def __init__(self, config: ServingConfig, files: Optional[CapsuleDirectory], workdir: Path,
+    def __init__(self, config: ServingConfig, directory: Optional[CapsuleDirectory], workdir: Path,
                  timeout_s: float = 60.0):
-        self.files = files
+        self.directory = directory
         self.timeout_s = timeout_s
         self.workdir = Path(workdir)
         self.capsule_dir = self.workdir / "capsules"
@@ -235,10 +235,10 @@ class NodeTarget:
 
     def load(self, capsule_id: str) -> None:
         """Copy the capsule file into the node's own capsule directory and load it."""
-        if self.files is None or not self.files.exists(capsule_id):
+        if self.directory is None or not self.directory.exists(capsule_id):
             raise NotFound(f"no capsule file {capsule_id}.capsule in "
-                           f"{self.files.root if self.files else '(no capsule directory: use --capsule-dir)'}")
-        source = self.files.path_of(capsule_id)
+                           f"{self.directory.root if self.directory else '(no capsule directory: use --capsule-dir)'}")
+        source = self.directory.path_of(capsule_id)
         self.capsule_dir.mkdir(mode=0o700, exist_ok=True)
         target = self.capsule_dir / source.name
         shutil.copyfile(source, target)

@@ -211,7 +211,7 @@ class RunPolicyServer:
             goal_handle.abort()
             code = exc.code if isinstance(exc, CapsuleRosError) else ErrorCode.INVALID_ARGUMENT
             return self._result(Result.OUTCOME_REJECTED, f"could not start: {exc}", error_code=int(code))
-        run.episode_id = session.episode_id
+        run.episode_id = session.episode.episode_id
         deadline = time.monotonic() + goal.timeout_s if goal.timeout_s > 0 else None
         while run.ended is None:
             run.wake.wait(1.0 / FEEDBACK_HZ)
@@ -225,7 +225,7 @@ class RunPolicyServer:
                 self._stop(run, Result.OUTCOME_TIMED_OUT, f"timed out after {goal.timeout_s:g} s")
             elif self._closing.is_set():
                 self._end(run, Result.OUTCOME_INTERRUPTED, "the node is shutting down", None, unless_stopping=True)
-            elif session.state != EpisodeState.RUNNING or session.episode_id != run.episode_id:
+            elif not self._still_running(session, run):
                 self._end(run, Result.OUTCOME_INTERRUPTED, self._ended_by_others(session), self._interrupt_capsule(),
                           unless_stopping=True)
         assert run.ended is not None
@@ -236,14 +236,21 @@ class RunPolicyServer:
 
     @staticmethod
     def _start_episode(session: PolicySession, goal: Any) -> None:
+        verbs, state = session.verbs, session.episode.state
         if goal.reset:
-            session.reset(goal.start_capsule_id)
+            verbs.reset(goal.start_capsule_id)
         elif goal.start_capsule_id:
-            session.reenter(goal.start_capsule_id)
-        elif session.state == EpisodeState.INTERRUPTED:
-            session.reenter("")
-        elif session.state == EpisodeState.IDLE:
-            session.reset("")
+            verbs.reenter(goal.start_capsule_id)
+        elif state == EpisodeState.INTERRUPTED:
+            verbs.reenter("")
+        elif state == EpisodeState.IDLE:
+            verbs.reset("")
+
+    @staticmethod
+    def _still_running(session: PolicySession, run: Run) -> bool:
+        """The run's episode is still the session's, running."""
+        episode = session.episode
+        return episode.state == EpisodeState.RUNNING and episode.episode_id == run.episode_id
 
     def _stop(self, run: Run, outcome: int, message: str) -> None:
         """End the run with ``outcome``: interrupt with the goal's hold mode (committing the
@@ -255,7 +262,7 @@ class RunPolicyServer:
                 return
             run.stopping = True
         try:
-            capsule = self._facade.active_session().interrupt(run.goal.hold_mode, True)   # the node publishes
+            capsule = self._facade.active_session().verbs.interrupt(run.goal.hold_mode, True)   # the node publishes
         except WrongState:                                                               # its safe action
             outcome, message, capsule = (Result.OUTCOME_INTERRUPTED, self._ended_by_others(self._facade.session),
                                          self._interrupt_capsule())
@@ -277,22 +284,24 @@ class RunPolicyServer:
     def _ended_by_others(session: Optional[PolicySession]) -> str:
         if session is None:
             return "the node was cleaned up"
-        if session.suspended:
-            return (f"the node was deactivated: the episode was interrupted at step {session.step} "
+        episode = session.episode
+        if episode.suspended:
+            return (f"the node was deactivated: the episode was interrupted at step {episode.step} "
                     "(activate resumes it)")
-        return f"the episode was ended by another request (now {session.state.name}, episode {session.episode_id})"
+        return f"the episode was ended by another request (now {episode.state.name}, episode {episode.episode_id})"
 
     def _interrupt_capsule(self) -> Optional[Capsule]:
         session = self._facade.session
-        return session.interrupt_capsule if session is not None else None
+        return session.episode.interrupt_capsule if session is not None else None
 
     def _feedback(self, run: Run) -> None:
         session = self._facade.session
         if session is None:
             return
         run.last_feedback = time.monotonic()
-        feedback = RunPolicy.Feedback(episode_id=int(session.episode_id), step=int(session.step),
-                                      lineage=session.lineage, steps=run.steps,
+        episode = session.episode
+        feedback = RunPolicy.Feedback(episode_id=int(episode.episode_id), step=int(episode.step),
+                                      lineage=episode.lineage, steps=run.steps,
                                       last_action=self._facade.last_action or Action())
         run.goal_handle.publish_feedback(feedback)
 

@@ -1,4 +1,6 @@
-"""~/status (RuntimeStatus) and /diagnostics from the session's status snapshot."""
+"""~/status (RuntimeStatus) and /diagnostics, built from one ``SessionStatus`` only (a
+picture the session takes between steps): the node adds what is its own (its lifecycle
+state, the actions it published, the stamp). ``test_session_parts.py`` holds it to that."""
 from __future__ import annotations
 
 from typing import Any, Tuple
@@ -6,23 +8,21 @@ from typing import Any, Tuple
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 
 from capsule_ros.capsules.store import Tier
+from capsule_ros.capsules.validity import UNSPLIT
 from capsule_ros.msg import PortStatus, RuntimeStatus
-from capsule_ros.serving.invalidation import UNSPLIT
-from capsule_ros.serving.records import EpisodeState, PortPicture
-from capsule_ros.serving.session import PolicySession
+from capsule_ros.serving.records import EpisodeState, PortPicture, SessionStatus
 
 # The stale_<cause> fields of RuntimeStatus, one per cause an invalidation can have.
 STALE_CAUSES = ("weights", "architecture", "layout", "ports", "kernel", "build", UNSPLIT)
 
 
-def runtime_status(session: PolicySession, stamp: Any) -> RuntimeStatus:
-    """The status message, from one consistent picture (``PolicySession.status``)."""
-    s = session.status()
+def runtime_status(s: SessionStatus, stamp: Any) -> RuntimeStatus:
+    """The status message of a picture (``PolicySession.status``)."""
     restores = s.restores
     msg = RuntimeStatus(
         episode_state=int(s.state), episode_id=int(s.episode_id), step=int(s.step),
-        lineage=s.lineage, device=str(session.runtime.device), fingerprint=session.runtime.fingerprint,
-        graph_captured=session.runtime.plan.captured, steps_run=s.counters.steps,
+        lineage=s.lineage, device=s.device, fingerprint=s.fingerprint,
+        graph_captured=s.graph_captured, steps_run=s.counters.steps,
         step_p50_ms=s.step_ms[50], step_p95_ms=s.step_ms[95], step_p99_ms=s.step_ms[99],
         restore_p50_ms=s.restore_ms[50], restore_p95_ms=s.restore_ms[95], restore_p99_ms=s.restore_ms[99],
         capsules_device=s.capsules[Tier.DEVICE], capsules_host=s.capsules[Tier.HOST],
@@ -45,10 +45,10 @@ def runtime_status(session: PolicySession, stamp: Any) -> RuntimeStatus:
         setattr(msg, f"stale_{cause}", stale.by_cause.get(cause, 0))
     msg.regenerated, msg.regeneration_failed, msg.regeneration_left = stale.regenerated, stale.failed, stale.left
     msg.recipes_regenerable, msg.recipe_bytes = stale.files_regenerable, stale.recipe_bytes
-    executor = session.runtime.executor
-    if executor is not None:
-        msg.chunking, msg.inference_delay_steps = executor.schedule.mode.value, executor.schedule.delay
-        msg.execution_horizon, msg.chunk_refills = executor.schedule.horizon, executor.counters.refills
+    chunking = s.chunking
+    if chunking is not None:
+        msg.chunking, msg.inference_delay_steps = chunking.mode, chunking.delay
+        msg.execution_horizon, msg.chunk_refills = chunking.horizon, chunking.refills
     msg.header.stamp = stamp
     return msg
 

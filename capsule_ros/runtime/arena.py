@@ -10,7 +10,7 @@ input log copies just the input range).
 
 Ownership: the arena owns the storage; the policy and the graph plan only ever write
 its views in place. Views are created once, so their addresses never change, which is
-what a captured CUDA graph needs (``GraphPlan`` checks it in debug mode).
+what a captured CUDA graph needs (``ProgramGraphs`` checks it in debug mode).
 """
 from __future__ import annotations
 
@@ -136,16 +136,26 @@ class ArenaLayout:
 
 
 class StateArena:
-    """One contiguous device allocation holding every buffer of a layout, as views."""
+    """One contiguous device allocation holding every buffer of a layout, as views.
 
-    def __init__(self, layout: ArenaLayout, device: torch.device):
+    ``scratch``: buffers that are not state (no capsule holds them, the fingerprint does
+    not cover them) but that the runtime's programs read: an execution mode's, such as the
+    chunking mode's landing buffer for a refill worker's chunk. They get an allocation of
+    their own beside ``storage`` and views of their own (``scratch_views``: never among the
+    ``views`` a policy is handed), so the programs read only this arena's addresses and
+    ``addresses`` covers them too."""
+
+    def __init__(self, layout: ArenaLayout, device: torch.device, scratch: Sequence[BufferSpec] = ()):
         self.layout = layout
         self.device = torch.device(device)
         self.storage = torch.zeros(layout.nbytes, dtype=torch.uint8, device=self.device)
-        self._views: Dict[str, torch.Tensor] = {}
-        for slot in layout:
-            raw = self.storage[slot.offset:slot.end]
-            self._views[slot.spec.name] = raw.view(slot.spec.dtype).view(slot.spec.shape)
+        self.scratch_layout = ArenaLayout(scratch)
+        self.scratch = torch.zeros(self.scratch_layout.nbytes, dtype=torch.uint8, device=self.device)
+        self._views = _views_of(self.storage, layout)
+        self.scratch_views: Mapping[str, torch.Tensor] = _views_of(self.scratch, self.scratch_layout)
+        clash = sorted(set(self._views) & set(self.scratch_views))
+        if clash:
+            raise InvalidArgument(f"scratch buffers {clash} have the names of state buffers")
 
     @property
     def nbytes(self) -> int:
@@ -165,8 +175,8 @@ class StateArena:
         return self.storage[start:end]
 
     def addresses(self) -> Dict[str, int]:
-        """data_ptr of every view (for the graph plan's debug check)."""
-        return {name: view.data_ptr() for name, view in self._views.items()}
+        """data_ptr of every view, scratch included (for the graphs' debug check)."""
+        return {name: view.data_ptr() for views in (self._views, self.scratch_views) for name, view in views.items()}
 
     def buffer_bytes(self, name: str) -> bytes:
         """A buffer's raw bytes (host copy), for byte-exact comparisons in tests and tools."""
@@ -175,6 +185,11 @@ class StateArena:
 
     def zero_(self) -> None:
         self.storage.zero_()
+
+
+def _views_of(storage: torch.Tensor, layout: ArenaLayout) -> Dict[str, torch.Tensor]:
+    return {slot.spec.name: storage[slot.offset:slot.end].view(slot.spec.dtype).view(slot.spec.shape)
+            for slot in layout}
 
 
 def buffer_specs(entries: Sequence[Tuple[str, Sequence[int], torch.dtype, BufferKind]]) -> List[BufferSpec]:

@@ -4,23 +4,21 @@ A capsule restores the arena and nothing else. A policy that carries anything fr
 step to the next outside its buffers (a Python counter, a tensor attribute it updates,
 a queue in a list) would not behave the same after a restore, and capsules would
 silently lie. ``check_state_contract`` finds such a policy at start-up, through the
-plan the node will run (the CUDA graph on a GPU): from the initial state, with seeded
+programs the node will run (the CUDA graphs on a GPU): from the initial state, with seeded
 random inputs, it runs one step, snapshots the arena, runs two more steps, restores the
 snapshot and runs the same two steps again; the outputs after each step and the whole
 arena at the end must be the same bits both times. A captured graph replays what
 capture froze (a Python counter is a constant there), so with a graph the repeated steps
 are run a third time eagerly, through the same Python the graph was captured from, and
-must match. A chunking policy's repeated steps run every program of its chunk schedule,
-each checked the same way: in sync mode from one row before the chunk is used up
-(consume, refill); in async mode from a used-up chunk with nothing requested, so that
-they run an episode's first refill, then consume, request, consume while the request is
-out, and adopt (on a GPU the eager pass also plans the request through the Python the
-worker's own graph was captured from). Then the arena gets back its bytes from before
-the check, so the live state is untouched.
+must match. The repeated steps run every program of the runtime's execution mode, each
+checked the same way: the mode puts the state where they do (``ExecutionMode.rehearse``;
+the chunking mode's rehearsal is in ``capsule_ros.chunking.mode``). Then the arena gets
+back its bytes from before the check, so the live state is untouched. The runtime's
+builder runs the check (``capsule_ros.runtime.builder``).
 
-Cost: five steps (seven with a graph; a chunking policy: two in sync mode, the horizon
-plus the delay plus one in async mode) and three copies of the arena, once per start
-(``runtime.state_check``;
+Cost: five steps (seven with a graph; a chunking policy: two in sync mode, the execution
+horizon plus the delay plus one in async mode) and three copies of the arena, once per
+start (``runtime.state_check``;
 docs/benchmarks.md, "Start-up state check"). What it cannot see: hidden state
 that changes nothing within two steps (a counter acting every hundred steps), and
 randomness outside the arena that happens to repeat. It runs only with
@@ -37,9 +35,7 @@ import torch
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.arena import BufferKind
-from capsule_ros.runtime.chunkmark import ChunkMode
-from capsule_ros.runtime.plan import STEP_PROGRAM, PolicyStepError
-from capsule_ros.runtime.policy import CHUNK_CURSOR
+from capsule_ros.runtime.graphs import PolicyStepError
 
 if TYPE_CHECKING:
     from capsule_ros.runtime.engine import PolicyRuntime
@@ -47,7 +43,6 @@ if TYPE_CHECKING:
 LOG = logging.getLogger(__name__)
 
 BEFORE_SNAPSHOT = 1    # steps from the initial state before the snapshot (the state is then not the initial one)
-REPEATED = 2           # steps run after the snapshot, then again from it
 
 
 class PolicyStateError(ConfigError):
@@ -87,25 +82,11 @@ def _differing(runtime: PolicyRuntime, now: torch.Tensor, before: torch.Tensor, 
             if not torch.equal(now[slot.offset - start:slot.end - start], before[slot.offset - start:slot.end - start])]
 
 
-def _chunk_steps(runtime: PolicyRuntime) -> int:
-    """Repeated steps for a chunking policy, after its cursor is set so that they run every
-    program of its schedule: sync, one row before the chunk is used up (consume, refill);
-    async, a used-up chunk with nothing requested (refill, consume, request, consume while
-    the request is out, adopt)."""
-    executor = runtime.executor
-    assert executor is not None
-    schedule = executor.schedule
-    cursor = schedule.end if schedule.mode == ChunkMode.ASYNC else max(0, schedule.horizon - 1)
-    runtime.arena[CHUNK_CURSOR].fill_(cursor)
-    executor.cursor, executor.pending = cursor, False
-    return schedule.horizon + schedule.delay + 1 if schedule.mode == ChunkMode.ASYNC else schedule.end - cursor + 1
-
-
 def check_state_contract(runtime: PolicyRuntime) -> List[str]:
     """Raise PolicyStateError when steps repeated from a snapshot differ (see the module
     docstring); the arena keeps its bytes either way. Returns the programs the repeated
-    steps ran, in order (``step`` for a policy without a chunk cadence)."""
-    arena, plan = runtime.arena, runtime.plan
+    steps ran, in order (``step`` in the every-step mode)."""
+    arena, graphs = runtime.arena, runtime.graphs
     outputs = arena.region(BufferKind.META, BufferKind.OUTPUT)
     outputs_start = runtime.layout.byte_range(BufferKind.META, BufferKind.OUTPUT)[0]
     stream = torch.cuda.stream(runtime.stream) if runtime.stream is not None else contextlib.nullcontext()
@@ -119,13 +100,13 @@ def check_state_contract(runtime: PolicyRuntime) -> List[str]:
                 rows = _random_inputs(runtime, BEFORE_SNAPSHOT)
                 for row in rows:
                     _run(runtime, row, outputs)
-                repeated = _chunk_steps(runtime) if runtime.executor is not None else REPEATED
+                repeated = runtime.mode.rehearse()
                 rows = _random_inputs(runtime, repeated, seed=1)
                 snapshot = arena.storage.clone()
                 first = [_run(runtime, row, outputs, programs=programs) for row in rows]
                 end = arena.storage.clone()
                 passes = [("", False)] + ([(" run eagerly, against the captured graph (capture froze what the step "
-                                            "keeps outside its buffers)", True)] if plan.captured else [])
+                                            "keeps outside its buffers)", True)] if graphs.captured else [])
                 buffers: List[str] = []
                 for what, eager in passes:
                     runtime.load_state(snapshot)
@@ -166,12 +147,12 @@ def check_state_contract(runtime: PolicyRuntime) -> List[str]:
 def _run(runtime: PolicyRuntime, row: Dict[str, torch.Tensor], outputs: torch.Tensor,
          eager: bool = False, programs: Optional[List[str]] = None) -> torch.Tensor:
     """One step on ``row`` (written straight into the arena's inputs) through the runtime's
-    schedule; a copy of ``outputs`` (meta + outputs) after it. ``programs`` collects which
+    mode; a copy of ``outputs`` (meta + outputs) after it. ``programs`` collects which
     program the step ran."""
     for name, value in row.items():
         runtime.arena[name].copy_(value)
     report = runtime.step(eager=eager)
     runtime.synchronize()
     if programs is not None:
-        programs.append(report.program.value if report.program is not None else STEP_PROGRAM)
+        programs.append(report.program)
     return outputs.clone()

@@ -146,6 +146,23 @@ def fingerprint_parts(architecture: dict, layout: ArenaLayout, weights: str, kin
                             kernel[:MAX_KERNEL_CHARS])
 
 
+@dataclass(frozen=True)
+class RuntimeIdentity:
+    """What binds capsules to a runtime: its fingerprint and the parts it is computed from
+    (``capsule_ros.runtime.builder.runtime_identity`` computes both without building the
+    runtime; a builder given one trusts it, as the node's activate does with what its
+    configure computed)."""
+
+    fingerprint: str
+    parts: FingerprintParts
+
+    @classmethod
+    def of(cls, architecture: dict, layout: ArenaLayout, weights: str, kind: str,
+           inputs: Optional[Mapping[str, Any]] = None) -> RuntimeIdentity:
+        return cls(compute_fingerprint(architecture, layout, weights, kind, inputs),
+                   fingerprint_parts(architecture, layout, weights, kind, inputs))
+
+
 def describe_causes(causes: Tuple[str, ...]) -> str:
     """``("weights", "layout")`` -> ``"weights, state layout"``."""
     return ", ".join(CAUSES.get(c, c) for c in causes)

@@ -17,15 +17,17 @@ Standard buffers every policy has (the runtime and the node rely on their names)
 ``step``, ``position``, ``episode``, ``rng`` (meta) and ``action``, ``chunk`` (outputs).
 
 Chunking policies (an action-chunk model such as ACT or Diffusion Policy) declare a
-``ChunkCadence``: the network runs only when a chunk is due, not at every step. Their
-step is split into phases the runtime schedules on the host (``capsule_ros.runtime.chunking``):
+``ChunkCadence``: run in the chunking mode (``capsule_ros.chunking``), their network runs
+only when a chunk is due, not at every step. Their step is split into phases the mode
+schedules on the host:
 
 - ``observe(state)``: what must run at every step (Diffusion's observation history, a
   recurrent update); nothing by default;
 - ``plan(state, chunk)``: the network, reading only the buffers ``cadence().reads``
-  names, writing a fresh chunk ``[length, action_dim]`` into ``chunk``;
+  names (which may include ``chunk.actions`` and ``chunk.cursor``: the chunk it replaces),
+  writing a fresh action chunk ``[length, action_dim]`` into ``chunk``;
 - ``emit(state, action, upcoming)``: the outputs of one step from the chunk row the
-  runtime selected (``action`` [A]) and the rows after it (``upcoming`` [chunk_horizon, A]),
+  mode selected (``action`` [A]) and the rows after it (``upcoming`` [chunk_horizon, A]),
   and the step's own bookkeeping (``advance``: step, position, RNG counter).
 
 The chunk, its cursor and an asynchronous request's copy of ``reads`` live in standard
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -43,9 +45,6 @@ from torch import nn
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-
-if TYPE_CHECKING:
-    from capsule_ros.runtime.chunking import ChunkSchedule
 
 # Standard buffer names.
 STEP = "step"          # int64[1]: control steps taken in this state's history
@@ -68,9 +67,10 @@ State = Mapping[str, torch.Tensor]
 class ChunkCadence:
     """How a chunking policy uses its chunk (see the module docstring).
 
-    ``length``: rows a ``plan`` writes (ACT: chunk_size; Diffusion: the horizon from the
-    current observation step on). ``horizon``: rows executed from each chunk before the
-    next one is due in synchronous mode (LeRobot's ``n_action_steps``). ``reads``: the
+    ``length``: rows a ``plan`` writes (ACT: chunk_size; Diffusion: its trajectory from the
+    current observation step on). ``horizon``: the policy's own execution horizon, rows
+    executed from each chunk before the next one is due unless ``control.execution_horizon``
+    says otherwise (LeRobot's ``n_action_steps``). ``reads``: the
     buffers ``plan`` reads, after ``observe`` (an asynchronous request copies exactly
     these). ``inputs_every_step``: whether ``observe`` reads the input buffers (else the
     inputs are uploaded only on steps that plan or request).
@@ -139,7 +139,8 @@ class StatefulPolicy(nn.Module, abc.ABC):
     @abc.abstractmethod
     def step(self, state: State) -> None:
         """One control step over the static buffers (capturable). A chunking policy's
-        ``step`` is its every-step reference (``chunked_step``); the runtime runs its phases."""
+        ``step`` is its every-step reference (``capsule_ros.chunking.reference.chunked_step``);
+        the chunking mode runs its phases instead."""
 
     # -- chunking (optional) ---------------------------------------------------------------------
     def cadence(self) -> Optional[ChunkCadence]:
@@ -157,10 +158,11 @@ class StatefulPolicy(nn.Module, abc.ABC):
         """Chunking: outputs and bookkeeping of one step from the selected rows (capturable)."""
         raise NotImplementedError(f"{type(self).__name__} declares no chunk cadence")
 
-    def bind_schedule(self, schedule: ChunkSchedule) -> None:
-        """Chunking: the schedule the runtime fixed (mode, delay, rows per chunk), before any
-        program is captured; a policy whose plan depends on it (RTC guidance weights the
-        rows the delay covers) keeps what it needs. Nothing by default."""
+    def bind_schedule(self, schedule: Any) -> None:
+        """Chunking: the schedule the chunking mode settled (``capsule_ros.chunking``'s
+        ``ChunkSchedule``: refill timing, delay, rows executed per chunk), before any program
+        is captured; a policy whose plan depends on it (RTC guidance weights the rows the
+        delay covers) keeps what it needs. Nothing by default."""
 
     def text_inputs(self) -> Dict[str, TextInput]:
         """Input buffers filled from text (a ``std_msgs/msg/String`` port), by buffer name;

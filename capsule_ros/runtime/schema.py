@@ -15,7 +15,7 @@ class BufferKind(str, enum.Enum):
     """What a buffer holds; the order here is the arena's layout order."""
 
     INPUT = "input"          # fixed-shape sensor inputs, written by the host each step
-    REQUEST = "request"      # an asynchronous chunk refill's copy of what the plan reads (runtime.chunking)
+    REQUEST = "request"      # an asynchronous chunk refill's copy of what the plan reads (capsule_ros.chunking)
     KV = "kv"                # attention key/value cache
     RECURRENT = "recurrent"  # linear-recurrent layer state
     CONV = "conv"            # short causal convolution state

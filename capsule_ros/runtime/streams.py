@@ -4,11 +4,14 @@ and wraps streams in objects) costs as much as a consume step's whole GPU work
 (docs/benchmarks.md, "Switching CUDA streams"). ``on_stream`` does the same switch through
 the two calls underneath (``_cuda_getCurrentStream`` / ``_cuda_setStream``), and falls back
 to ``torch.cuda.stream`` where they are missing. A None stream (a CPU runtime) is a no-op.
+
+``StreamKeeper`` hands out the streams runtimes run on, one per device and role, for as
+long as their owner lives.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Dict, Optional, Tuple
 
 import torch
 
@@ -39,3 +42,28 @@ def on_stream(stream: Optional[torch.cuda.Stream]) -> ContextManager[None]:
     if stream is None:
         return contextlib.nullcontext()
     return _Scope(stream) if _FAST else torch.cuda.stream(stream)
+
+
+class StreamKeeper:
+    """The CUDA streams of runtimes that come and go (the node's lifecycle, a benchmark's
+    cycles): one per device and role, reused by every runtime made with this keeper.
+
+    Why: cuBLAS keeps a workspace for every stream it has ever run on (docs/benchmarks.md,
+    "Lifecycle: first active step and cleanup"), and
+    ``torch.cuda.empty_cache`` does not free it; a fresh stream per activation would leave
+    one behind each cycle. Freeing all workspaces instead would pull them from under CUDA
+    graphs that other runtimes in the process have captured. The owner outlives the
+    runtimes (the node holds one); a runtime made without a keeper gets its own.
+    """
+
+    def __init__(self) -> None:
+        self._streams: Dict[Tuple[torch.device, str], torch.cuda.Stream] = {}
+
+    def get(self, device: torch.device, role: str = "step") -> Optional[torch.cuda.Stream]:
+        """The stream for ``role`` on ``device`` (None on a CPU)."""
+        if device.type != "cuda":
+            return None
+        key = (device, role)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device)
+        return self._streams[key]

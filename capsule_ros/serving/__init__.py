@@ -1,9 +1,12 @@
-"""The serving session (no ROS): the episode state machine and everything the node does,
-with its configuration (``ServingConfig``) and the factory that builds it from a config."""
+"""The serving session (no ROS): everything the node does, ``PolicySession`` and its parts
+(the control loop, the episode state machine), with its configuration (``ServingConfig``),
+the options its owner gives it (``SessionOptions``) and the factory that builds it from a
+config."""
 from capsule_ros._lazy import lazy_exports
 
 _EXPORTS = {
     "PolicySession": "capsule_ros.serving.session",
+    "SessionOptions": "capsule_ros.serving.options",
     "ServingConfig": "capsule_ros.serving.config",
     "ControlConfig": "capsule_ros.serving.config",
     "PortConfig": "capsule_ros.serving.config",
@@ -12,9 +15,6 @@ _EXPORTS = {
     "build_session": "capsule_ros.serving.factory",
     "build_runtime": "capsule_ros.serving.factory",
     "build_policy": "capsule_ros.serving.factory",
-    "load_deployment": "capsule_ros.serving.factory",
-    "Deployment": "capsule_ros.serving.regenerate",
-    "Regeneration": "capsule_ros.serving.regenerate",
     "EpisodeState": "capsule_ros.serving.records",
     "HoldMode": "capsule_ros.serving.records",
     "ActionSource": "capsule_ros.serving.records",
@@ -24,6 +24,7 @@ _EXPORTS = {
     "EventRecord": "capsule_ros.serving.records",
     "ReenterResult": "capsule_ros.serving.records",
     "SessionStatus": "capsule_ros.serving.records",
+    "EpisodePicture": "capsule_ros.serving.records",
     "SaveFailed": "capsule_ros.serving.files",
     "PortDrop": "capsule_ros.serving.ports",
 }

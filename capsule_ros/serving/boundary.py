@@ -84,9 +84,6 @@ class BoundaryLock:
             self._serving += 1
             self._cond.notify_all()
 
-    def locked(self) -> bool:
-        return self._held
-
     def queued(self) -> int:
         """Callers holding the lock or waiting for it."""
         with self._cond:

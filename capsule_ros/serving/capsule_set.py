@@ -3,23 +3,44 @@ list, save, load and drop that leave the live state alone.
 
 A part, not an actor: every method says whether it runs under the session's boundary
 (the caller holds it) or outside it (file work), and none takes the boundary itself or
-calls back into the session. ``PolicySession`` (the episode state machine) composes them
-with its boundary, its events and its interrupt capsule, so the session module shows
-what runs under the lock. File I/O happens outside it (``capsule_ros.serving.files``).
+calls back into the session. The episode state machine (``capsule_ros.serving.machine``)
+uses it under the boundary, with its events and its interrupt capsule; the session's
+verbs (``capsule_ros.serving.session``) call its file work outside the boundary. File I/O
+happens outside it (``capsule_ros.serving.files``).
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import List, Optional, Sequence
+from typing import List, Optional, Protocol, Sequence
 
 from capsule_ros.capsules.directory import CapsuleDirectory
+from capsule_ros.capsules.recipe import RecipeInfo
 from capsule_ros.capsules.store import Capsule, CapsuleStore
+from capsule_ros.capsules.validity import judge
 from capsule_ros.errors import CapsuleIOError, CapsuleRosError, NotFound
 from capsule_ros.serving.files import CapsuleReader, CapsuleSaver, SaveJob, Source
-from capsule_ros.serving.invalidation import judge
 from capsule_ros.serving.recipes import RecipeChain, resolve_chain
 from capsule_ros.serving.recompute import Recompute
+from capsule_ros.serving.records import StalePicture
+
+
+class DirectoryWatch(Protocol):
+    """What the session's status shows of its capsule directory's model updates, kept
+    current by the session's saves and drops (``capsule_ros.updates.watch.ModelUpdateWatch``
+    is the node's). Called under the boundary."""
+
+    def saved(self, capsule_id: str, recipe: Optional[RecipeInfo]) -> None:
+        """The session wrote this capsule's file (with ``recipe``, None: none)."""
+
+    def removed(self, capsule_id: str) -> None:
+        """The session removed this capsule's file."""
+
+    def picture(self) -> StalePicture:
+        ...
+
+    def close(self) -> None:
+        """The session closes: stop any work in the background."""
 
 
 class CapsuleSet:
@@ -54,8 +75,8 @@ class CapsuleSet:
                     with contextlib.suppress(CapsuleRosError):
                         header = self.directory.header(capsule_id)
                         capsule = self.directory.capsule_of(header, self.directory.path_of(capsule_id), capsule_id)
-                        verdict = judge(header, self.store.fingerprint, parts, self.reader.schema)
-                        capsule.stale = "" if verdict.valid else verdict.describe()
+                        validity = judge(header, self.store.fingerprint, parts, self.reader.schema)
+                        capsule.stale = "" if validity.valid else validity.describe()
                         capsules[capsule_id] = capsule
         out = sorted(capsules.values(), key=lambda c: c.stamp_ns, reverse=True)
         return [c for c in out if c.episode_id == episode] if episode is not None else out

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar
 
 from capsule_ros.capsules.config import CapsuleStoreConfig
+from capsule_ros.chunking.schedule import ChunkingSettings, resolve_delay
 from capsule_ros.config import (
     APPLIES,
     CONFIGURE,
@@ -153,6 +154,12 @@ class ControlConfig(ConfigSection):
         if self.deadline_ms > 0:
             return self.deadline_ms / 1e3
         return 1.0 / self.rate_hz if self.mode == "timer" else None
+
+    def chunking_settings(self, worker: str = "auto") -> ChunkingSettings:
+        """The chunk schedule's settings (``chunking``, ``inference_delay_steps``: None for
+        ``auto``, ``execution_horizon``; the rate an ``auto`` delay is measured against)."""
+        return ChunkingSettings(self.chunking, resolve_delay(self.inference_delay_steps), self.execution_horizon,
+                                self.rate_hz, worker)
 
 
 @dataclass(frozen=True)

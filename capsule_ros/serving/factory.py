@@ -1,35 +1,44 @@
-"""Build the policy and its runtime from a ServingConfig."""
+"""Build the policy, its execution mode, its runtime and the session over them from a
+ServingConfig.
+
+In the order of the node's lifecycle: ``prepare_serving`` (configure: the policy on the
+CPU, every check that needs no device, the identity), ``settle_mode`` (activate: the
+execution mode, an ``auto`` inference delay measured on the device, and the configuration
+that records it), ``start_session`` (activate: the runtime built in that mode, the store,
+the session); ``build_session`` does all three. Each passes its result down; nothing is
+read back up from a runtime."""
 from __future__ import annotations
 
 import dataclasses
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.capsules.store import CapsuleStore
+from capsule_ros.chunking.mode import Chunking, mode_for
+from capsule_ros.chunking.schedule import RefillTiming, check_settings
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.registry import BuildContext, policy_kind
 from capsule_ros.policies.vla.rtc import RTCSettings
 from capsule_ros.runtime import numerics
 from capsule_ros.runtime.arena import ArenaLayout, BufferKind, BufferSpec, dtype_from_name
-from capsule_ros.runtime.chunking import ChunkSchedule, resolve_delay
-from capsule_ros.runtime.engine import ChunkingOptions, PolicyRuntime, StreamKeeper, runtime_identity
-from capsule_ros.runtime.fingerprint import FingerprintParts
+from capsule_ros.runtime.builder import build_policy_runtime, place_policy, runtime_identity
+from capsule_ros.runtime.engine import PolicyRuntime
+from capsule_ros.runtime.fingerprint import RuntimeIdentity
+from capsule_ros.runtime.mode import ModeSetup
 from capsule_ros.runtime.policy import StatefulPolicy
+from capsule_ros.runtime.streams import StreamKeeper
+from capsule_ros.serving.capsule_set import DirectoryWatch
 from capsule_ros.serving.config import ControlConfig, ServingConfig
-from capsule_ros.serving.invalidation import Survey, survey
+from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.ports import TEXT_TYPE
 from capsule_ros.serving.recompute import check_log_size
-from capsule_ros.serving.records import EventRecord
-from capsule_ros.serving.regenerate import BackgroundRegeneration, CapsuleFiles, Deployment
 from capsule_ros.serving.session import PolicySession
 
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "policies"
-LOG = logging.getLogger(__name__)
 
 
 def resolve_weights(spec: str) -> Optional[Path]:
@@ -76,36 +85,42 @@ def rtc_settings(control: ControlConfig) -> RTCSettings:
                        control.rtc_execution_horizon)
 
 
-def build_runtime(config: ServingConfig, weights: Optional[str] = None) -> PolicyRuntime:
-    """The configured policy's runtime; its fingerprint covers what fills each input."""
-    return PolicyRuntime(build_policy(config, weights), config.runtime, inputs=port_bindings(config),
-                         chunking=chunking_options(config))
+def build_runtime(config: ServingConfig, weights: Optional[str] = None, *, worker: str = "auto") -> PolicyRuntime:
+    """The configured policy's runtime, in its configured mode (``worker``: the chunking
+    mode's refill worker); its fingerprint covers what fills each input."""
+    policy, streams = build_policy(config, weights), StreamKeeper()
+    return build_policy_runtime(policy, config.runtime, mode=execution_mode(policy, config, streams=streams,
+                                                                            worker=worker),
+                                inputs=port_bindings(config), streams=streams)
 
 
-def chunking_options(config: ServingConfig, *, worker: str = "auto") -> ChunkingOptions:
-    """The chunk schedule settings of ``control`` (``chunking``, ``inference_delay_steps``,
-    ``execution_horizon``; the rate for an ``auto`` delay)."""
-    control = config.control
-    return ChunkingOptions(control.chunking, resolve_delay(control.inference_delay_steps), control.execution_horizon,
-                           control.rate_hz, worker)
+def execution_mode(policy: StatefulPolicy, config: ServingConfig, *, streams: Optional[StreamKeeper] = None,
+                   worker: str = "auto") -> ModeSetup:
+    """The mode the configured policy runs in, settled before its runtime is built: the
+    every-step mode, or its chunking under ``control`` (an ``auto`` inference delay is
+    measured now, with the policy placed on ``runtime.device``)."""
+    if policy.cadence() is None:
+        return mode_for(policy)
+    placed = place_policy(policy, config.runtime)
+    return mode_for(placed.policy, config.control.chunking_settings(worker), device=placed.device, streams=streams,
+                    use_graphs=config.runtime.cuda_graphs)
 
 
-def resolved_control(control: ControlConfig, runtime: PolicyRuntime) -> ControlConfig:
-    """``control`` with the delay the runtime fixed (``inference_delay_steps: auto`` becomes
-    the measured number): what capsules, bags and a replay must use, never ``auto`` again."""
-    schedule = runtime.schedule
-    if schedule is None or schedule.mode.value != "async" or control.inference_delay_steps != "auto":
+def recorded_control(control: ControlConfig, mode: ModeSetup) -> ControlConfig:
+    """``control`` as capsules, bags and a replay must record it under ``mode``: an
+    ``inference_delay_steps: auto`` becomes the number the mode was settled with."""
+    if not isinstance(mode, Chunking) or mode.schedule.timing != RefillTiming.ASYNC \
+            or control.inference_delay_steps != "auto":
         return control
-    return dataclasses.replace(control, inference_delay_steps=str(schedule.delay))
+    return dataclasses.replace(control, inference_delay_steps=str(mode.schedule.delay))
 
 
 def check_chunking(policy: StatefulPolicy, config: ServingConfig) -> None:
     """Refuse at configure a chunk schedule whose numbers cannot work (ConfigError with the
     numbers); an ``auto`` delay is known, and checked, only at activate."""
     cadence = policy.cadence()
-    options = chunking_options(config)
-    if cadence is not None and (options.mode == "sync" or options.delay is not None):
-        ChunkSchedule.resolve(cadence, options.mode, options.delay or 0, options.horizon)
+    if cadence is not None:
+        check_settings(cadence, config.control.chunking_settings())
 
 
 def check_text_ports(policy: StatefulPolicy, config: ServingConfig) -> None:
@@ -121,12 +136,6 @@ def port_bindings(config: ServingConfig) -> Dict[str, dict]:
     return {name: port.binding() for name, port in config.ports.items()}
 
 
-def load_deployment(config: ServingConfig) -> Deployment:
-    """The deployment of a parameter file for ``capsule-ros check`` / ``regenerate``: its
-    policy built with its weights on the CPU, its identity (``Deployment``)."""
-    return Deployment.of_policy(config, build_policy(config), port_bindings(config))
-
-
 def capsule_directory_path(template: str, node_name: str) -> Path:
     """capsules.directory with ``{node}`` replaced by the node's name ("/robot1/capsule_policy"
     -> "robot1.capsule_policy"): one directory per node, since a directory recovers its
@@ -138,77 +147,83 @@ def capsule_directory_path(template: str, node_name: str) -> Path:
 class PreparedServing:
     """What can be known and checked before any device memory is used (the node's
     lifecycle ``configure``): the validated configuration, the policy with its weights on
-    the CPU, the fingerprint its runtime will have (and its parts), the open capsule
-    directory, and the survey of its files of another fingerprint."""
+    the CPU, the identity its runtime will have (fingerprint and parts) and the open capsule
+    directory. ``settle_mode`` adds the execution mode (at ``activate``) and the
+    configuration that records it."""
 
     config: ServingConfig
     policy: StatefulPolicy
-    fingerprint: str
+    identity: RuntimeIdentity
     directory: Optional[CapsuleDirectory] = None       # None when capsules.directory is ''
-    parts: Optional[FingerprintParts] = None
-    survey: Survey = field(default_factory=Survey)
+    mode: Optional[ModeSetup] = None                   # None until ``settle_mode``
+
+    @property
+    def fingerprint(self) -> str:
+        return self.identity.fingerprint
 
 
 def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, node_name: str = "capsule_policy",
                     directory: Optional[CapsuleDirectory] = None) -> PreparedServing:
     """Build the policy on the CPU (weights read and checked), check what needs the policy
     (the chunk schedule, the reset prefix, the input log's size), compute the fingerprint
-    (and its parts), open the capsule directory (which moves unfinished saves aside) and
-    count its capsules of another fingerprint by cause (headers only; logged when there are
-    any); ``directory``: use this one instead of opening ``capsules.directory`` (a replay's
+    (and its parts) and open the capsule directory (which moves unfinished saves aside);
+    ``directory``: use this one instead of opening ``capsules.directory`` (a replay's
     read-only directory). A bad value raises ConfigError here, before any device memory is
-    used."""
+    used. (The node also surveys the directory's capsules of another fingerprint:
+    ``capsule_ros.updates.watch``.)"""
     policy = build_policy(config, weights)
     check_chunking(policy, config)
     check_text_ports(policy, config)
     policy.check_prefix(config.policy.prefix)
     in_start, in_end = ArenaLayout(policy.state_spec()).byte_range(BufferKind.INPUT)   # one step's inputs
     check_log_size(config.control.input_log_steps, in_end - in_start, config.control.input_log_max_mb)
-    fingerprint, parts = runtime_identity(policy, config.runtime, port_bindings(config))
+    identity = runtime_identity(policy, config.runtime, port_bindings(config))
     if directory is None and config.capsules.directory:
         directory = CapsuleDirectory(capsule_directory_path(config.capsules.directory, node_name),
                                      key_file=config.capsules.key_file,
                                      chunk_bytes=int(config.capsules.chunk_mb * 2**20),
                                      max_file_bytes=int(config.capsules.max_file_mb * 2**20))
-    found = survey(directory, fingerprint, parts, ArenaLayout(policy.state_spec()).schema())
-    if found.stale:
-        LOG.warning("capsule directory %s: %s (`capsule-ros check` says why; `capsule-ros regenerate` or "
-                    "capsules.regenerate_stale rebuild those with a recipe)", directory.root if directory else "",
-                    found.describe())
-    return PreparedServing(config, policy, fingerprint, directory, parts, found)
+    return PreparedServing(config, policy, identity, directory)
 
 
-def start_session(prepared: PreparedServing, *, on_event: Optional[Callable[[EventRecord], None]] = None,
-                  streams: Optional[StreamKeeper] = None) -> PolicySession:
-    """The runtime on its device (arena, graph capture, warm-up), the capsule store and the
-    session over them (the node's lifecycle ``activate``); episode 1 starts when
-    ``control.autostart``. ``streams``: pass the same keeper to every activation of one
-    owner (``StreamKeeper`` says why). With ``capsules.regenerate_stale`` the directory's
-    stale capsules that carry a recipe are regenerated in the background
-    (``BackgroundRegeneration``), started last."""
+def settle_mode(prepared: PreparedServing, *, streams: Optional[StreamKeeper] = None) -> PreparedServing:
+    """``prepared`` with its execution mode settled (``execution_mode``: an ``auto``
+    inference delay is measured on the device, so this belongs to ``activate``) and the
+    configuration that records it (``recorded_control``); unchanged when settled already."""
+    if prepared.mode is not None:
+        return prepared
     config = prepared.config
-    runtime = PolicyRuntime(prepared.policy, config.runtime, inputs=port_bindings(config), streams=streams,
-                            chunking=chunking_options(config), _fingerprint=prepared.fingerprint,
-                            _parts=prepared.parts)
+    mode = execution_mode(prepared.policy, config, streams=streams)
+    config = dataclasses.replace(config, control=recorded_control(config.control, mode))
+    return dataclasses.replace(prepared, config=config, mode=mode)
+
+
+def start_session(prepared: PreparedServing, *, options: Optional[SessionOptions] = None,
+                  streams: Optional[StreamKeeper] = None, watch: Optional[DirectoryWatch] = None) -> PolicySession:
+    """The runtime on its device (arena, graph capture, warm-up) in the settled mode
+    (``settle_mode``, run here when the caller has not), the capsule store and the session
+    over them (the node's lifecycle ``activate``); episode 1 starts when
+    ``control.autostart``. ``options``: how the session is driven (its clock, events...).
+    ``streams``: pass the same keeper to every activation of one owner (``StreamKeeper``
+    says why). ``watch``: the model updates of the capsule directory the session's status
+    shows (the node's: ``capsule_ros.updates.watch``)."""
+    streams = streams or StreamKeeper()         # one keeper for an auto delay's measurement and the runtime
+    prepared = settle_mode(prepared, streams=streams)
+    config = prepared.config
+    assert prepared.mode is not None
+    runtime = build_policy_runtime(prepared.policy, config.runtime, mode=prepared.mode, inputs=port_bindings(config),
+                                   identity=prepared.identity, streams=streams)
     store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
-    found, background = prepared.survey, None
-    if config.capsules.regenerate_stale and found.stale and prepared.directory is not None:
-        background = BackgroundRegeneration(config, prepared.directory, found.stale_ids, runtime.fingerprint,
-                                            load_deployment)
-    session = PolicySession(runtime, store, resolved_control(config.control, runtime), directory=prepared.directory,
-                            ports=config.ports, prefix=config.policy.prefix, on_event=on_event,
-                            files=CapsuleFiles(found, background))
+    session = PolicySession(runtime, store, config.control, directory=prepared.directory,
+                            ports=config.ports, prefix=config.policy.prefix, watch=watch, options=options)
     if config.control.autostart:
-        session.reset()
+        session.verbs.reset()
     session.warm_up()
-    if background is not None:
-        background.start()
     return session
 
 
-def build_session(config: ServingConfig, *, weights: Optional[str] = None,
-                  on_event: Optional[Callable[[EventRecord], None]] = None, node_name: str = "capsule_policy",
-                  directory: Optional[CapsuleDirectory] = None) -> PolicySession:
+def build_session(config: ServingConfig, *, weights: Optional[str] = None, options: Optional[SessionOptions] = None,
+                  node_name: str = "capsule_policy", directory: Optional[CapsuleDirectory] = None) -> PolicySession:
     """Configure and start in one call (the demo, replays, benchmarks)."""
     return start_session(prepare_serving(config, weights=weights, node_name=node_name, directory=directory),
-                         on_event=on_event)
+                         options=options)

@@ -18,10 +18,10 @@ class Notices:
     """Throttled warnings of one session (see the module docstring); ``muted`` for a
     replay, whose verdict reports what it saw."""
 
-    def __init__(self, logger: logging.Logger, period_s: float = WARN_PERIOD_S):
+    def __init__(self, logger: logging.Logger, period_s: float = WARN_PERIOD_S, *, muted: bool = False):
         self.logger = logger
         self.period_s = period_s
-        self.muted = False
+        self.muted = muted
         self._last: Dict[str, float] = {}
 
     def warn(self, key: str, text: str) -> None:

@@ -4,7 +4,7 @@ says what a recipe is).
 
 Used by the recompute fallback (``capsule_ros.serving.recompute``: rebuild a capsule whose
 bytes are lost, under the same fingerprint) and by regeneration
-(``capsule_ros.serving.regenerate``: rebuild it under a new model). Nothing here takes the
+(``capsule_ros.updates.regeneration``: rebuild it under a new model). Nothing here takes the
 session's boundary: ``resolve_chain`` reads files (outside it), ``replay`` steps a runtime
 the caller owns (a replica, or a regeneration runtime).
 """

@@ -24,11 +24,11 @@ Steps are deterministic, so the result is bit-identical; a recipe's rebuild also
 every action against the recorded one and refuses at the first that differs.
 
 Phases, so the control loop keeps stepping during the long part: ``resolve`` outside the
-session's boundary (file reads), ``plan`` under it (check coverage, copy the root's bytes
-and the rows, reserve room), ``rebuild`` outside it, ``adopt`` under it again (the result
-becomes an in-memory capsule of the same id). ``unreserve`` returns the reserved room when
-the rebuild failed. The session runs the phases (``PolicySession.reenter``); this module
-never takes the boundary.
+session's boundary (file reads), ``begin_rebuild`` under it (check coverage, copy the
+root's bytes and the rows, reserve room: a ``RebuildJob``), ``rebuild`` outside it,
+``adopt`` under it again (the result becomes an in-memory capsule of the same id).
+``unreserve`` returns the reserved room when the rebuild failed. The session runs the
+phases (``SessionVerbs.reenter``); this module never takes the boundary.
 
 Recipes for saved capsules: the logged rows and actions from the log root to the
 capsule's step, bounded by ``capsules.recipe_max_mb``. ``recipe_for`` runs under the
@@ -53,7 +53,17 @@ import torch
 
 from capsule_ros.capsules.recipe import Recipe, RecipeInfo, RecipeRoot
 from capsule_ros.capsules.store import Capsule, CapsuleStore, Reservation
-from capsule_ros.errors import CapsuleRosError, ConfigError, CorruptCapsule
+from capsule_ros.errors import (
+    CapsuleIOError,
+    CapsuleRosError,
+    ConfigError,
+    CorruptCapsule,
+    FingerprintMismatch,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
+from capsule_ros.runtime.builder import replica_of
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.serving.inputlog import InputLog
 from capsule_ros.serving.recipes import RecipeChain, recipe_inputs, replay, start_from
@@ -76,6 +86,8 @@ class PendingRecipe:
 # What a save writes as a capsule's recipe: one to copy from the log (PendingRecipe), only
 # why there is none (a cut RecipeInfo), None (recipes are off), or KEEP_FILE_RECIPE (this
 # process has no log of the capsule: keep the recipe its file has, if any).
+# Errors of a capsule that cannot be restored from its bytes: re-entering it tries the fallback.
+UNRESTORABLE = (CorruptCapsule, NotFound, FingerprintMismatch, CapsuleIOError, PermissionDenied, InvalidArgument)
 KEEP_FILE_RECIPE = "keep the file's recipe"
 RecipeCapture = Union[None, PendingRecipe, RecipeInfo, str]
 
@@ -90,9 +102,10 @@ class LedgerEntry:
 
 
 @dataclass(frozen=True)
-class RebuildPlan:
-    """What a rebuild needs, taken under the lock: where to start (an initial root, or a
-    capsule's bytes), the recipes to replay, and what the rebuilt capsule will be."""
+class RebuildJob:
+    """A rebuild begun under the lock (``begin_rebuild``), run outside it: where to start
+    (an initial root, or a capsule's bytes), the recipes to replay, and what the rebuilt
+    capsule will be."""
 
     capsule_id: str
     episode_id: int
@@ -154,7 +167,7 @@ class Recompute:
         self._ledger[capsule.id] = LedgerEntry(capsule.episode_id, capsule.step, self.log.generation)
 
     def knows(self, capsule_id: str) -> bool:
-        """Whether the input log can rebuild the capsule now (a hint outside the lock: ``plan`` decides)."""
+        """Whether the input log can rebuild the capsule now (a hint outside the lock: ``begin_rebuild`` decides)."""
         entry = self._ledger.get(capsule_id)
         return entry is not None and self.log.capacity > 0 and self.log.covers(
             entry.episode_id, entry.step, entry.generation) is None
@@ -265,13 +278,14 @@ class Recompute:
 
     def _log_recipe(self, info: RecipeInfo) -> Recipe:
         """Under the lock: the log's recipe up to ``info.step``, copies of its read mask,
-        rows and actions (a rebuild's plan)."""
+        rows and actions (a rebuild job's)."""
         reads = self.log.reads(info.step).copy()
         return Recipe(info, reads, self.log.rows(info.step)[reads], self.log.actions(info.step).copy())
 
     # -- the fallback ----------------------------------------------------------------------------
-    def plan(self, capsule_id: str, cause: CapsuleRosError, chain: Optional[RecipeChain] = None) -> RebuildPlan:
-        """Under the lock: a plan to rebuild the capsule from the input log, else from
+    def begin_rebuild(self, capsule_id: str, cause: CapsuleRosError,
+                      chain: Optional[RecipeChain] = None) -> RebuildJob:
+        """Under the lock: a job to rebuild the capsule from the input log, else from
         ``chain`` (its file's recipe, resolved outside the lock); else re-raise ``cause``
         with the reasons."""
         entry = self._ledger.get(capsule_id)
@@ -284,7 +298,7 @@ class Recompute:
             known = self.store.find(capsule_id)
             with self.store.lend(self.root_id) as loan:
                 root_bytes = loan.copy()
-            return RebuildPlan(capsule_id, entry.episode_id, entry.step, root_bytes,
+            return RebuildJob(capsule_id, entry.episode_id, entry.step, root_bytes,
                                (self._log_recipe(self._log_recipe_info(entry.step)),), entry,
                                "rebuilt by recompute", self.root_id, self._room_for(known), "the input log")
         if chain is not None and not chain.reason:
@@ -297,7 +311,7 @@ class Recompute:
                 with self.store.lend(start) as loan:
                     start = loan.copy()
             assert start is not None
-            return RebuildPlan(capsule_id, chain.episode_id, chain.step, start, chain.stages, None, chain.label,
+            return RebuildJob(capsule_id, chain.episode_id, chain.step, start, chain.stages, None, chain.label,
                                chain.parent_id, self._room_for(self.store.find(capsule_id)), "its recipe")
         if chain is not None:
             reason = f"{reason}; and from its file: {chain.reason}"
@@ -306,46 +320,46 @@ class Recompute:
     def _room_for(self, known: Optional[Capsule]) -> Optional[Reservation]:
         return self.store.reserve() if known is None or known.payload is None else None
 
-    def rebuild(self, plan: RebuildPlan) -> float:
+    def rebuild(self, job: RebuildJob) -> float:
         """Outside the lock: make the state again on the replica; the seconds it took.
         Raises CorruptCapsule (RecipeMismatch) when the replay does not follow the recipe or
         does not reach the capsule's step."""
         start = time.perf_counter()
         with self._replica_lock:
             replica = self._replica_runtime()
-            start_from(replica, plan.start)
-            for stage in plan.stages:
+            start_from(replica, job.start)
+            for stage in job.stages:
                 replay(replica, stage, expect_actions=True)
             rebuilt_step = replica.read_outputs().step
-        if rebuilt_step != plan.step:
-            raise CorruptCapsule(f"recompute reached step {rebuilt_step}, expected {plan.step}")
+        if rebuilt_step != job.step:
+            raise CorruptCapsule(f"recompute reached step {rebuilt_step}, expected {job.step}")
         return time.perf_counter() - start
 
-    def adopt(self, capsule_id: str, plan: RebuildPlan, cause: CapsuleRosError, seconds: float) -> Capsule:
+    def adopt(self, capsule_id: str, job: RebuildJob, cause: CapsuleRosError, seconds: float) -> Capsule:
         """Under the lock: the rebuilt state as an in-memory capsule of the same id."""
         known = self.store.find(capsule_id)
         if known is not None and known.payload is not None:        # reappeared in memory meanwhile
-            self.unreserve(plan)
+            self.unreserve(job)
             capsule = known
         else:
             if known is not None:
                 self.store.drop(capsule_id)        # its file is bad: forget the disk-only entry
             with self._replica_lock:
                 replica = self._replica_runtime()
-                capsule = self.store.snapshot(replica, label=plan.label, parent_id=plan.parent_id,
-                                              episode_id=plan.episode_id, step=plan.step,
-                                              capsule_id=capsule_id, into=plan.room)
+                capsule = self.store.snapshot(replica, label=job.label, parent_id=job.parent_id,
+                                              episode_id=job.episode_id, step=job.step,
+                                              capsule_id=capsule_id, into=job.room)
                 replica.synchronize()
-        if plan.entry is not None:
-            self._ledger[capsule.id] = plan.entry
-        LOG.warning("capsule %s rebuilt from %s by recomputing %d steps in %.1f ms (%s)", capsule_id, plan.source,
-                    plan.steps, seconds * 1e3, cause)
+        if job.entry is not None:
+            self._ledger[capsule.id] = job.entry
+        LOG.warning("capsule %s rebuilt from %s by recomputing %d steps in %.1f ms (%s)", capsule_id, job.source,
+                    job.steps, seconds * 1e3, cause)
         return capsule
 
-    def unreserve(self, plan: RebuildPlan) -> None:
-        """Under the lock: return the plan's reserved room (the rebuild failed or was not needed)."""
-        if plan.room is not None:
-            plan.room.release()
+    def unreserve(self, job: RebuildJob) -> None:
+        """Under the lock: return the job's reserved room (the rebuild failed or was not needed)."""
+        if job.room is not None:
+            job.room.release()
 
     def close(self) -> None:
         """Release the replica runtime (if one was made) and forget the log and ledger."""
@@ -357,5 +371,5 @@ class Recompute:
 
     def _replica_runtime(self) -> PolicyRuntime:
         if self._replica is None:
-            self._replica = self.runtime.replica()
+            self._replica = replica_of(self.runtime)
         return self._replica

@@ -1,19 +1,21 @@
 """What the serving session hands out: actions, events, results, counters and status.
 
-Plain data, no behaviour: the node turns these into messages (``capsule_ros.ros.messages``),
-the replay compares them (``capsule_ros.bag``). The enum values are the constants of the
+Plain data, no behaviour: the node turns these into messages (``capsule_ros.ros.messages``,
+``capsule_ros.ros.status``: every field it reports comes from a ``SessionStatus``), the
+replay compares them (``capsule_ros.bag``). The enum values are the constants of the
 matching ``capsule_ros`` messages and services (test_foundation checks they agree).
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from capsule_ros.capsules.store import Capsule
+    from capsule_ros.capsules.store import Capsule, StoreStats
+    from capsule_ros.runtime.engine import PolicyRuntime
 
 
 class EpisodeState(enum.IntEnum):
@@ -75,7 +77,6 @@ class ActionRecord:
     step: int                          # the state's step counter after this tick
     lineage: str
     stamp_ns: int
-    step_seconds: float = 0.0
     fault: StepFault = StepFault.NONE  # why a safe action replaced the policy's output
     published: bool = False            # the deadline watchdog already published it: do not again
 
@@ -86,7 +87,9 @@ class ActionRecord:
 
 @dataclass(frozen=True)
 class EventRecord:
-    """A change to the episode or the capsule set (``capsule_ros/msg/CapsuleEvent``)."""
+    """A change to the episode or the capsule set (``capsule_ros/msg/CapsuleEvent``).
+    An INTERRUPT carries the safe action of its hold mode (None when silent), which its
+    publisher sends with it, whoever interrupted."""
 
     kind: EventKind
     capsule_id: str
@@ -96,6 +99,7 @@ class EventRecord:
     rollback: bool = False
     fallback: bool = False
     detail: str = ""
+    action: Optional[ActionRecord] = field(default=None, compare=False)
 
 
 def clock_jump_detail(delta_ns: int) -> str:
@@ -142,9 +146,8 @@ class SessionCounters:
     step_errors: int = 0               # steps that raised (safe action published, state put back)
     nonfinite_steps: int = 0           # steps with non-finite outputs (likewise)
     fallback_recomputes: int = 0
-    ticks_waiting_for_inputs: int = 0
     last_fault: str = ""               # the last step error or non-finite output, for logs and status
-    clock_jumps: int = 0               # times the session's clock went back (PolicySession.clock_jumped)
+    clock_jumps: int = 0               # times the session's clock went back (SessionLoop.clock_jumped)
     last_clock_jump_ns: int = 0        # by how much, the last time (negative: back)
 
 
@@ -159,13 +162,6 @@ class PortPicture:
     dropped: Dict[str, int]
     stale_steps: int
     age_ms: float
-
-    @classmethod
-    def of(cls, adapter: Any, now_ns: int) -> PortPicture:
-        """The picture of a ``capsule_ros.serving.ports.PortAdapter``."""
-        c = adapter.counters
-        return cls(adapter.name, adapter.config.topic, c.received, dict(c.dropped), c.stale_steps,
-                   adapter.age_ms(now_ns))
 
     @property
     def dropped_total(self) -> int:
@@ -191,8 +187,34 @@ class StalePicture:
 
 
 @dataclass(frozen=True)
+class EpisodePicture:
+    """The live episode as the session's readers see it between steps
+    (``PolicySession.episode``): read without waiting for the boundary, so a step or a
+    verb may be changing it as it is taken (``PolicySession.status`` is consistent)."""
+
+    state: EpisodeState
+    episode_id: int
+    step: int
+    lineage: str
+    hold_mode: HoldMode
+    interrupt_capsule: Optional[Capsule]         # held while interrupted with one
+    suspended: str                               # why the verbs are refused (the node is inactive); "" if served
+
+
+@dataclass(frozen=True)
+class ChunkingPicture:
+    """A chunking policy's schedule and how many chunks were planned (its refills)."""
+
+    mode: str                                    # "sync" or "async"
+    delay: int                                   # inference delay, steps (async)
+    horizon: int                                 # rows executed per chunk
+    refills: int
+
+
+@dataclass(frozen=True)
 class SessionStatus:
-    """A consistent picture of the session, taken at a step boundary (``PolicySession.status``)."""
+    """A consistent picture of the session, taken at a step boundary (``PolicySession.status``):
+    everything ``~/status`` and ``/diagnostics`` report of it."""
 
     state: EpisodeState
     episode_id: int
@@ -208,22 +230,33 @@ class SessionStatus:
     invalidations: int
     evictions: int
     demotions: int
+    device: str                                  # the runtime's ("cpu", "cuda:0")
+    fingerprint: str
+    graph_captured: bool
+    action_dim: int
+    chunking: Optional[ChunkingPicture] = None   # None: a policy without a chunk cadence
     stamp_ns: int = 0
     ports: Tuple[PortPicture, ...] = ()
     stale: StalePicture = field(default_factory=StalePicture)
 
     @classmethod
-    def of(cls, session: Any) -> SessionStatus:
-        """The picture of a ``PolicySession``; its caller holds the boundary."""
-        stats = session.store.stats()
-        c = stats.counters
-        now = session.clock_ns()
-        return cls(state=session.state, episode_id=session.episode_id, step=session.step, lineage=session.lineage,
-                   counters=SessionCounters(**vars(session.counters)),
-                   step_ms=session.stepper.latency.percentiles_ms(50, 95, 99), restore_ms=stats.restore_ms,
-                   capsules={int(t): n for t, n in stats.capsules.items()},
+    def of(cls, episode: EpisodePicture, counters: SessionCounters, step_ms: Dict[float, float],
+           ports: Tuple[PortPicture, ...], store: StoreStats, runtime: PolicyRuntime,
+           stale: StalePicture, stamp_ns: int) -> SessionStatus:
+        """The picture from its parts' (taken under the boundary)."""
+        c = store.counters
+        from capsule_ros.chunking.mode import ChunkingMode  # torch: only where a runtime exists
+
+        mode, chunking = runtime.mode, None
+        if isinstance(mode, ChunkingMode):
+            schedule = mode.schedule
+            chunking = ChunkingPicture(schedule.timing.value, schedule.delay, schedule.execution_horizon,
+                                       mode.counters.refills)
+        return cls(state=episode.state, episode_id=episode.episode_id, step=episode.step, lineage=episode.lineage,
+                   counters=counters, step_ms=step_ms, restore_ms=store.restore_ms,
+                   capsules={int(t): n for t, n in store.capsules.items()},
                    hits={int(t): n for t, n in c.hits.items()},
                    restores=c.restores, misses=c.misses, invalidations=c.invalidations, evictions=c.evictions,
-                   demotions=c.demotions, stamp_ns=now,
-                   ports=tuple(PortPicture.of(adapter, now) for adapter in session.ports.values()),
-                   stale=session.files.picture() if session.files is not None else StalePicture())
+                   demotions=c.demotions, device=str(runtime.device), fingerprint=runtime.fingerprint,
+                   graph_captured=runtime.graphs.captured, action_dim=runtime.policy.action_dim,
+                   chunking=chunking, stamp_ns=stamp_ns, ports=ports, stale=stale)

@@ -36,6 +36,8 @@ from capsule_ros.serving.records import SessionCounters, StepFault
 from capsule_ros.serving.watchdog import DeadlineWatchdog
 
 LOG = logging.getLogger(__name__)
+# (the state's step before it, the inputs it read or None, its action or None): a counted step
+LogStep = Callable[[int, Optional[np.ndarray], Optional[np.ndarray]], None]
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class GuardedStep:
     serialises calls (the session's boundary lock)."""
 
     def __init__(self, runtime: PolicyRuntime, inputs: SensorInputs, counters: SessionCounters,
-                 log_step: Callable[[int, Optional[np.ndarray], Optional[np.ndarray]], None]):
+                 log_step: LogStep):
         self.runtime = runtime
         self.inputs = inputs
         self.counters = counters

@@ -4,9 +4,10 @@ checked against.
 A verb is one request a behaviour tree (or a person) makes of a policy node: commit,
 reset, interrupt, reenter, fork, list, drop, save, load, record. Its row says
 
-- ``name``: the verb's one name: the method of ``PolicySession`` that does it (``record``:
-  the node's recorder), of ``capsule_ros.ros.client.CapsuleClient`` that calls it, and of a
-  replay target (``capsule_ros.bag.targets.ReplayTarget``) that re-enacts it;
+- ``name``: the verb's one name: the method of the session's verbs
+  (``PolicySession.verbs``) that does it (``record``: the node's recorder), of
+  ``capsule_ros.ros.client.CapsuleClient`` that calls it, and of a replay target
+  (``capsule_ros.bag.targets.ReplayTarget``) that re-enacts it;
 - ``service``: the service's name under the node (``~/<service>``) and ``srv``: its type
   ``capsule_ros/srv/<srv>`` (both are the external contract: README.md's node interface
   and the verb table in docs/architecture.md);
@@ -16,11 +17,14 @@ reset, interrupt, reenter, fork, list, drop, save, load, record. Its row says
   same, so a client may send the request again when no answer came (``list``, ``load``);
 - ``describe``: the service's ``message`` for a result.
 
-The request's fields (the ``.srv`` file) are the session method's parameters, by name:
-the services hand a request's fields to the method, the client builds a request from its
-arguments, so adding an argument to a verb touches the ``.srv``, this table at most, and
-the session method. ``test/test_verbs.py`` holds the services, the client, the
-behaviour-tree leaves, the replay targets and the CMake interface list to this table.
+The request's fields (the ``.srv`` file) are the session method's positional-or-keyword
+parameters, by name (its keyword-only ones, such as ``interrupt``'s ``timeout_s``, are for
+callers in the process): the services hand a request's fields to the method, the client
+builds a request from its arguments. Adding an argument to a verb touches the ``.srv`` and
+the session method (and the verb table in docs/architecture.md); a replay target's method
+takes only what a recorded event carries. ``test/test_verbs.py`` holds the services, the
+client, the behaviour-tree leaves, the replay targets and the CMake interface list to this
+table.
 
 ROS-free: the ``.srv`` types are named here and resolved by the ROS layer.
 """
@@ -29,9 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from capsule_ros.errors import InvalidArgument
 from capsule_ros.serving.records import EventKind, HoldMode
 
 Describe = Callable[[Any, Mapping[str, Any]], str]     # (the verb's result, the request's fields) -> message
+MAX_LABEL = 256                                         # characters of a capsule label (commit, fork)
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ class Verb:
     idempotent: bool
     describe: Describe
     replayed: bool = False
-    session: bool = True            # done by ``PolicySession.<name>`` (False: by the node itself)
+    session: bool = True            # done by ``PolicySession.verbs.<name>`` (False: by the node itself)
 
 
 def _commit(capsule: Any, request: Mapping[str, Any]) -> str:
@@ -123,3 +129,18 @@ def find_verb(name_or_service: str) -> Verb:
     if found is None:
         raise KeyError(f"no capsule verb {name_or_service!r}; the verbs: {[v.name for v in VERBS]}")
     return found
+
+
+def hold_mode_of(value: int) -> HoldMode:
+    """A request's ``hold_mode``; InvalidArgument naming the valid ones."""
+    try:
+        return HoldMode(value)
+    except ValueError:
+        raise InvalidArgument(f"hold_mode {value!r}: must be one of {[m.value for m in HoldMode]}") from None
+
+
+def check_label(label: str) -> None:
+    """InvalidArgument unless ``label`` is a string of at most ``MAX_LABEL`` characters."""
+    if not isinstance(label, str) or len(label) > MAX_LABEL:
+        raise InvalidArgument(f"label of {len(label) if isinstance(label, str) else '?'} characters: "
+                              f"at most {MAX_LABEL}")

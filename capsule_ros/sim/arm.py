@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -65,10 +65,6 @@ class Observation:
 
     joints: np.ndarray
     goal: np.ndarray
-
-    def as_inputs(self) -> Dict[str, np.ndarray]:
-        """Port name -> value, as the default policy's inputs (config/policy.yaml)."""
-        return {"joints": self.joints, "goal": self.goal}
 
 
 def end_effector(q: np.ndarray) -> np.ndarray:

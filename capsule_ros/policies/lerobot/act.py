@@ -9,7 +9,7 @@ a linear action head. Output: ``chunk_size`` normalised actions.
 
 Episode state in the arena (LeRobot's ``select_action`` bookkeeping):
 
-- action queue (no ensembling): a chunk cadence (``capsule_ros.runtime.chunking``). The
+- action queue (no ensembling): a chunk cadence (``capsule_ros.chunking``). The
   chunk the model predicted, all ``chunk_size`` rows normalised, is ``chunk.actions``,
   and ``chunk.cursor`` the row to execute next. ``plan`` is the network (it reads the
   input ports only), ``emit`` unnormalises the selected row; nothing runs every step. In
@@ -35,13 +35,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from capsule_ros.chunking.reference import chunked_step
 from capsule_ros.policies.binding import Requirement
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
 from capsule_ros.policies.lerobot.common import RESNET_CHANNELS, FrozenBatchNorm2d, resnet_feature_size, resnet_trunk
 from capsule_ros.policies.lerobot.features import OBS_STATE, BoundInput
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.chunking import chunked_step
 from capsule_ros.runtime.policy import ACTION, CHUNK, ChunkCadence, State, chunk_specs
 
 ENSEMBLE, ENSEMBLE_COUNT = "act.ensemble", "act.ensemble_count"

@@ -1,5 +1,5 @@
 """Pieces shared by the LeRobot policies: normalisation, image conversion and the ResNet
-backbone (their action queue is the runtime's chunk cadence, ``capsule_ros.runtime.chunking``).
+backbone (their action queue is the runtime's chunk cadence, ``capsule_ros.chunking``).
 
 Every function mirrors LeRobot's arithmetic operation by operation (same operands, same
 order), so that results agree to the last bit where the kernels do.

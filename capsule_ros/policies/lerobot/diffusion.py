@@ -23,7 +23,7 @@ Episode state in the arena:
   the sampling loop amplifies past 1e-5 on the actions), so the encoder sees the same
   batch here. Normalisation is element-wise, so normalising the
   window at use is exact.
-- a chunk cadence (``capsule_ros.runtime.chunking``): ``chunk.actions`` holds the
+- a chunk cadence (``capsule_ros.chunking``): ``chunk.actions`` holds the
   sampled trajectory from the current observation step on (rows ``n_obs_steps - 1`` ..
   ``horizon - 1``, normalised), ``chunk.cursor`` the row to execute next. In sync mode
   ``n_action_steps`` rows are executed per chunk, as LeRobot's action deque does; the
@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from capsule_ros.chunking.reference import chunked_step
 from capsule_ros.policies.binding import Requirement
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
 from capsule_ros.policies.lerobot.common import (
@@ -62,7 +63,6 @@ from capsule_ros.policies.lerobot.features import OBS_STATE, VISUAL, BoundInput
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.policies.lerobot.schedulers import NoiseScheduler, SchedulerConfig
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.chunking import chunked_step
 from capsule_ros.runtime.policy import ACTION, CHUNK, RNG, STEP, ChunkCadence, State, chunk_specs
 from capsule_ros.runtime.rng import counter_normal
 

@@ -5,7 +5,7 @@ task tokens and state through the VLM, giving the prefix K/V and whatever else t
 velocity reads) and ``velocity(prefix, x_t, time)`` (one pass of the action expert over
 that prefix). Everything else is here:
 
-- the chunk cadence (``capsule_ros.runtime.chunking``): a chunk of ``chunk_size`` rows in the
+- the chunk cadence (``capsule_ros.chunking``): a chunk of ``chunk_size`` rows in the
   model's normalised action units (``chunk.actions``), ``n_action_steps`` of them executed per
   chunk in sync mode (LeRobot's ``select_action`` queue), the plan reading the inputs, the
   task tokens and ``rng`` (and, with RTC guidance, the chunk being executed and its
@@ -29,10 +29,12 @@ tokens and the RNG counter.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from capsule_ros.chunking.reference import chunked_step
+from capsule_ros.chunking.schedule import ChunkSchedule, RefillTiming
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
 from capsule_ros.policies.lerobot.features import BoundInput
@@ -41,7 +43,6 @@ from capsule_ros.policies.vla.flow import EulerFlow, flow_noise
 from capsule_ros.policies.vla.rtc import RTCGuidance, RTCSettings
 from capsule_ros.policies.vla.tokens import MASK, TOKENS, TaskTokenizer
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
-from capsule_ros.runtime.chunking import chunked_step
 from capsule_ros.runtime.policy import (
     ACTION,
     CHUNK,
@@ -53,9 +54,6 @@ from capsule_ros.runtime.policy import (
     TextInput,
     chunk_specs,
 )
-
-if TYPE_CHECKING:
-    from capsule_ros.runtime.chunking import ChunkSchedule
 
 TASK_BUFFER = "vla.task"        # the task tokens when no port feeds them
 
@@ -138,10 +136,10 @@ class VLAPolicy(LeRobotPolicy):
     def bind_schedule(self, schedule: ChunkSchedule) -> None:
         if self.guidance is None:
             return
-        if schedule.mode.value != "async":
+        if schedule.timing != RefillTiming.ASYNC:
             raise ConfigError("control.rtc guided needs control.chunking async: RTC guides a chunk planned while the "
                               "previous one is executing (LeRobot's select_action refuses RTC too)")
-        self.guidance.bind(schedule.delay, schedule.horizon)
+        self.guidance.bind(schedule.delay, schedule.execution_horizon)
 
     def plan(self, state: State, chunk: torch.Tensor) -> None:
         """Noise, prefix, the Euler loop (guided by the leftover with RTC); the chunk in the

@@ -16,10 +16,10 @@ from typing import List
 
 import torch
 
+from capsule_ros.chunking.reference import chunked_step
 from capsule_ros.policies.phases import ModuleSteps
 from capsule_ros.policies.registry import BuildContext, PolicyKind
 from capsule_ros.runtime.arena import BufferSpec
-from capsule_ros.runtime.chunking import chunked_step
 from capsule_ros.runtime.policy import EPISODE, RNG, ChunkCadence, State, StatefulPolicy, chunk_specs, standard_specs
 from capsule_ros.runtime.weights import load_weights
 
