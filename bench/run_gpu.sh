@@ -4,32 +4,35 @@
 # TASKs: tests, a benchmark name (snapshot step reenter commits lifecycle chunking ...), step-exported
 # (bench step --policy exported: the example package's module exported, served vs eager) or
 # step-act (bench step --policy act: ACT from a LeRobot checkpoint, graph vs eager, its capsule
-# vs the copy limit); default: all of them. Writes pytest output and one JSON per benchmark to
-# OUT_DIR (default: bench/results/<date>). Needs torch with CUDA, numpy, pyyaml, rich,
-# safetensors and pytest + hypothesis for the tests, and transformers 5.5.4 (with tokenizers
-# 0.22.2 and huggingface_hub 1.33.0: requirements/lock.txt) for the VLA tests; no ROS
-# (CAPSULE_ROS_WITHOUT_ROS=1 proves it). The example policy package (examples/gru_policy) is used from the checkout through
-# PYTHONPATH, like capsule_ros.
+# vs the copy limit), fleet (bench fleet: N robots of one fleet of 16 slots against N separate
+# runtimes, the default policy, ACT and a recurrent actor) or fleet-default / fleet-act /
+# fleet-recurrent (one case of it); default: all of them. Writes pytest output and one JSON
+# per benchmark to OUT_DIR (default: bench/results/<date>). Needs torch with CUDA, numpy,
+# pyyaml, rich, safetensors and pytest + hypothesis for the tests, and transformers 5.5.4
+# (with tokenizers 0.22.2 and huggingface_hub 1.33.0: requirements/lock.txt) for the VLA
+# tests; no ROS (CAPSULE_ROS_WITHOUT_ROS=1 proves it). The example policy package
+# (examples/gru_policy) is used from the checkout through PYTHONPATH, like capsule_ros.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench/results/$(date -u +%Y-%m-%d)}"
 shift || true
 TASKS=("$@")
-[[ ${#TASKS[@]} -eq 0 ]] && TASKS=(tests snapshot step step-exported step-act reenter commits lifecycle chunking)
+[[ ${#TASKS[@]} -eq 0 ]] && TASKS=(tests snapshot step step-exported step-act reenter commits lifecycle chunking fleet)
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/examples/gru_policy${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CAPSULE_ROS_WITHOUT_ROS=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 for task in "${TASKS[@]}"; do
   if [[ "$task" == tests ]]; then
     python3 -m pytest test/test_runtime.py test/test_store.py test/test_lerobot_parity.py \
-      test/test_policy_contract.py test/test_exported.py test/test_lerobot_bench.py test/test_chunking.py \
-      test/test_modes.py test/test_vla_parity.py test/test_lerobot_pi.py -m cuda -q \
+      test/test_policy_contract.py test/test_exported.py test/test_lerobot_bench.py test/test_chunking.py test/test_modes.py \
+      test/test_fleet.py test/test_fleet_chunking.py test/test_vla_parity.py test/test_lerobot_pi.py -m cuda -q \
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.txt"
     continue
   fi
   case "$task" in
     step-exported) args=(step --policy exported) ;;   # docs/benchmarks.md, "exported program"
     step-act) args=(step --policy act) ;;             # docs/benchmarks.md, "ACT from a LeRobot checkpoint"
+    fleet-*) args=(fleet --cases "${task#fleet-}") ;; # docs/benchmarks.md, "Fleet"
     *) args=("$task") ;;
   esac
   python3 -m capsule_ros.cli.main bench "${args[@]}" --device cuda --json > "$OUT/bench_$task.json" \

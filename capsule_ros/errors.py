@@ -5,7 +5,10 @@ The numbers are the ``error_code`` constants of every ``capsule_ros/srv`` servic
 agree). Raise the most specific class; the node maps any
 ``CapsuleRosError`` to its code and any other exception to ``INTERNAL``.
 """
+import errno
+import os
 from enum import IntEnum
+from typing import Optional, Union
 
 
 class ErrorCode(IntEnum):
@@ -78,3 +81,30 @@ class ConfigError(InvalidArgument):
 def error_code_of(exc: BaseException) -> ErrorCode:
     """The service error code for any exception (INTERNAL for unexpected ones)."""
     return exc.code if isinstance(exc, CapsuleRosError) else ErrorCode.INTERNAL
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (whitespace runs collapsed); an OSError that
+    carries its path reads ``'PATH': cause`` (``'PATH' -> 'OTHER': cause`` for a rename)."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        where = repr(os.fsdecode(exc.filename))
+        if exc.filename2 is not None:
+            where += f" -> {os.fsdecode(exc.filename2)!r}"
+        return f"{where}: {exc.strerror}"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def path_error(exc: OSError, what: str, path: Union[str, os.PathLike, None] = None) -> CapsuleRosError:
+    """The typed error of a failed operation on a file or directory, in one line naming it
+    and the cause in the system's words: ``{what} 'PATH': cause`` (``path``: the one to
+    name, by default the error's own). ENOENT is NotFound; EACCES and EPERM (an immutable
+    file) PermissionDenied; ENOSPC, EDQUOT and EFBIG (a file size limit)
+    ResourceExhausted; any other CapsuleIOError."""
+    name: Optional[str] = os.fsdecode(path) if path is not None else \
+        os.fsdecode(exc.filename) if exc.filename is not None else None
+    cause = exc.strerror or one_line(exc)
+    text = f"{what} {name!r}: {cause}" if name is not None else f"{what}: {cause}"
+    kind = {errno.ENOENT: NotFound, errno.EACCES: PermissionDenied, errno.EPERM: PermissionDenied,
+            errno.ENOSPC: ResourceExhausted, errno.EDQUOT: ResourceExhausted,
+            errno.EFBIG: ResourceExhausted}.get(exc.errno or 0, CapsuleIOError)
+    return kind(text)

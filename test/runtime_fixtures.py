@@ -138,3 +138,31 @@ def eager_gru(obs: np.ndarray, **factory) -> list:
             action, upcoming, *state = net.emit(chunk[:, index], chunk[:, rows], *state)
             out.append((action[0].numpy().copy(), upcoming[0].numpy().copy()))
     return out
+
+
+# -- a module with the export interface (capsule_ros.policies.export) -------------------------------
+
+class RunningSum(torch.nn.Module):
+    """``capsule-ros export --module runtime_fixtures:RunningSum`` (with test/ on PYTHONPATH):
+    a running sum of the joints through a linear head, its weights seeded; ``width`` sets
+    the size of the written program (the head has width x width weights)."""
+
+    inputs = [BufferSpec("joints", (4,), torch.float32, BufferKind.INPUT)]
+    action_dim, chunk_horizon = 2, 1
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.state = [BufferSpec("total", (width,), torch.float32, BufferKind.RECURRENT)]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.embed = torch.nn.Linear(4, width)
+            self.head = torch.nn.Linear(width, 2)
+            self.mix = torch.nn.Linear(width, width)
+
+    def initial_state(self):
+        return {"total": torch.zeros(self.state[0].shape)}
+
+    def forward(self, joints, total):
+        total = self.mix(total + self.embed(joints))
+        action = self.head(total)
+        return action, action[:, None], total

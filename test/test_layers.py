@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "capsule_ros"
 
 # Lowest first. Generated interfaces (msg / srv / action) sit just below the ROS layer.
 LAYERS = (
-    ("capsule_ros",),                                   # config, errors, metrics, paths, polling
+    ("capsule_ros",),                                   # config, errors, files, metrics, paths, polling
     ("capsule_ros.runtime", "capsule_ros.sim"),         # mechanism, the core; the simulated arm (numpy)
     ("capsule_ros.chunking",),                          # an execution mode above the core (the core never imports it)
     ("capsule_ros.policies",),                          # model code over the runtime's protocol
@@ -25,6 +25,7 @@ LAYERS = (
     ("capsule_ros.serving",),                           # the session: what the node does, without ROS
     ("capsule_ros.updates",),                           # model updates: check, regenerate, the node's background
     ("capsule_ros.bag",),                               # rosbag2 record and replay engine (no ROS)
+    ("capsule_ros.fleet",),                             # many robots from the batch slots of one runtime (no ROS)
     ("capsule_ros.msg", "capsule_ros.srv", "capsule_ros.action"),
     ("capsule_ros.ros",),                               # the node and everything rclpy
     ("capsule_ros.bt",),                                # behaviour-tree leaves
@@ -32,7 +33,8 @@ LAYERS = (
     ("capsule_ros.cli",),
 )
 ROS_FREE = ("capsule_ros", "capsule_ros.runtime", "capsule_ros.sim", "capsule_ros.chunking", "capsule_ros.policies",
-            "capsule_ros.capsules", "capsule_ros.serving", "capsule_ros.updates", "capsule_ros.bag")
+            "capsule_ros.capsules", "capsule_ros.serving", "capsule_ros.updates", "capsule_ros.bag",
+            "capsule_ros.fleet")
 
 
 def layer_of(module: str) -> Tuple[int, str]:

@@ -4,6 +4,7 @@ Timings are printed, never asserted. ROS-free (bench/run_gpu.sh runs the CUDA te
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -71,11 +72,13 @@ def test_bench_step_policy_act_reports_steps_and_the_capsule_against_the_copy_li
 def test_bench_chunking_reports_every_side_and_says_why_one_did_not_run(tmp_path):
     """The quick ACT case through the command: the session sides report their figures and
     bit-equal sync actions need LeRobot's side, which is reported as not run (no LeRobot
-    environment given) with the reason; the finished case is printed on stderr at once."""
+    environment where CAPSULE_ROS_LEROBOT_PYTHON points: an explicit ``--lerobot-python``
+    that is missing is refused instead, test_cli_errors.py) with the reason; the finished
+    case is printed on stderr at once."""
     result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "chunking", "--quick",
-                             "--device", "cpu", "--cases", "act10", "--steps", "40", "--json",
-                             "--lerobot-python", str(tmp_path / "no-lerobot" / "python")],
-                            capture_output=True, text=True, timeout=300, cwd=REPO)
+                             "--device", "cpu", "--cases", "act10", "--steps", "40", "--json"],
+                            capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env={**os.environ, "CAPSULE_ROS_LEROBOT_PYTHON": str(tmp_path / "no-lerobot" / "python")})
     assert result.returncode == 0, result.stderr[-3000:]
     (case,) = json.loads(result.stdout)["cases"]
     assert case["lerobot"] == {"ran": False, "reason": case["lerobot"]["reason"]}

@@ -148,7 +148,7 @@ def test_a_directory_where_a_capsule_file_should_be(served):
     inspect = subprocess.run(["capsule-ros", "inspect", str(tmp / "policy-capsules" / "adir.capsule")],
                              capture_output=True, text=True, timeout=60)
     assert inspect.returncode == 2 and "Traceback" not in inspect.stderr
-    assert len(inspect.stderr.strip().splitlines()) == 1 and "is a directory" in inspect.stderr
+    assert len(inspect.stderr.strip().splitlines()) == 1 and "is a directory" in inspect.stderr.lower()
 
 
 def test_status_stays_consistent_under_four_clients_committing_and_dropping(tmp_path, rclpy_context):

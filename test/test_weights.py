@@ -57,6 +57,7 @@ def test_a_file_that_is_not_safetensors_is_a_config_error_and_never_unpickled(tm
     with pytest.raises(ConfigError, match="not a valid safetensors file") as err:
         read_weights(path)
     assert str(path) in str(err.value)
+    assert ("it is truncated" in str(err.value)) == (content == "truncated"), err.value
     assert not sentinel.exists()
 
 

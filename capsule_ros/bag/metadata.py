@@ -133,6 +133,9 @@ class RecordingMeta:
     versions: Dict[str, str] = field(default_factory=dict)
     initial_inputs: int = 0
     numerics: str = ""                  # '' = not recorded (a bag from before the level, or a foreign bag)
+    # a fleet robot's bag: the robot, its slot, the fleet's slots, batching and the robot's
+    # seed (capsule_ros.fleet.replay replays it at the fleet's shape); empty for a policy_node's
+    fleet: Dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def for_node(cls, config: ServingConfig, action_topic: str, events_topic: str,
@@ -160,7 +163,8 @@ class RecordingMeta:
             "versions": json.dumps(self.versions, sort_keys=True), "initial_inputs": str(self.initial_inputs),
             "numerics": self.numerics,
             "chunking": json.dumps({k: self.params["control"].get(k) for k in
-                                    ("chunking", "inference_delay_steps", "execution_horizon")}, sort_keys=True)
+                                    ("chunking", "inference_delay_steps", "execution_horizon")}, sort_keys=True),
+            **({"fleet": json.dumps(self.fleet, sort_keys=True)} if self.fleet else {}),
         }.items()}
 
     @classmethod
@@ -180,7 +184,8 @@ class RecordingMeta:
                        messages=int(custom.get(PREFIX + "messages", "-1")),
                        versions=json.loads(custom.get(PREFIX + "versions", "{}")),
                        initial_inputs=int(custom.get(PREFIX + "initial_inputs", "0")),
-                       numerics=custom.get(PREFIX + "numerics", ""))
+                       numerics=custom.get(PREFIX + "numerics", ""),
+                       fleet=json.loads(custom.get(PREFIX + "fleet", "{}")))
         except (yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
             raise BadBag(f"garbled capsule_ros metadata in metadata.yaml custom_data: {exc!r}") from None
 

@@ -11,9 +11,14 @@ it; one writer thread serialises and writes, so disk I/O never stalls a control 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
+import os
 import queue
+import shutil
+import stat
 import threading
 import time
 from pathlib import Path
@@ -73,13 +78,19 @@ class BagWriter:
             raise RecordError(f"bag {str(self.path)!r} exists already: choose another path") from None
         self._connections: Dict[str, Connection] = {}
         self._open = False
+        self._made: Optional[Path] = None          # the topmost directory open() made: discard() removes it
 
     def open(self) -> BagWriter:
+        made = None if self.path.exists() else self.path
+        while made is not None and made.parent != made and not made.parent.exists():
+            made = made.parent
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _make_parent(self.path)
             self._writer.open()
         except (WriterError, OSError) as exc:
+            _remove(made)
             raise RecordError(f"cannot create bag {str(self.path)!r}: {exc}") from None
+        self._made = made
         self._open = True
         return self
 
@@ -126,14 +137,38 @@ class BagWriter:
             self._open = False
             self._writer.abort()
 
+    def discard(self) -> None:
+        """Abort and remove what ``open`` made: a bag that could not be finished (a full disk)
+        leaves nothing half-written behind."""
+        self._open = False
+        with contextlib.suppress(Exception):         # also after a close that failed half-way
+            self._writer.abort()
+        _remove(self._made)
+        self._made = None
+
     def __enter__(self) -> BagWriter:
         return self.open()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
-            self.abort()
+            self.discard()
         else:
             self.close()                          # a no-op when the caller closed it with metadata
+
+
+def _make_parent(path: Path) -> None:
+    """``path``'s directory, made with its parents; the error names the real cause (a file
+    or a symlink loop where a directory should be), not mkdir's "File exists"."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        if not stat.S_ISDIR(os.stat(path.parent).st_mode):          # a symlink loop raises ELOOP here
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)) from None
+
+
+def _remove(made: Optional[Path]) -> None:
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 _STOP = object()
@@ -172,13 +207,15 @@ class NodeRecorder:
     @classmethod
     def start(cls, path: str, directory: str, storage: str, config, action_topic: str, events_topic: str,
               fingerprint: str = "", initial_inputs: int = 0,
-              serialize: Optional[Callable[[Any], bytes]] = None) -> NodeRecorder:
+              serialize: Optional[Callable[[Any], bytes]] = None,
+              fleet: Optional[Dict[str, Any]] = None) -> NodeRecorder:
         """Open a new bag (``path`` "" = ``<directory>/<UTC stamp>``) with a connection per
         port, ``~/action`` and ``~/capsule_events``. ``initial_inputs``: how many sensor
         messages the caller writes first as the inputs' state at the start (the last
-        message of each port; no step was taken on them during the recording)."""
+        message of each port; no step was taken on them during the recording). ``fleet``: a
+        fleet robot's bag (``RecordingMeta.fleet``: ``capsule_ros.fleet.replay.fleet_record``)."""
         meta = dataclasses.replace(RecordingMeta.for_node(config, action_topic, events_topic, fingerprint),
-                                   initial_inputs=initial_inputs)
+                                   initial_inputs=initial_inputs, fleet=dict(fleet or {}))
         storage = storage or "mcap"
         storage_plugin(storage)                   # refuse a bad name before any thread starts
         recorder = cls(Path(path).expanduser() if path else new_bag_path(directory), storage, meta, serialize)
@@ -225,7 +262,7 @@ class NodeRecorder:
         try:
             writer.add_recording_topics(self.meta)
         except BaseException:
-            writer.abort()
+            writer.discard()
             raise
         return writer
 
@@ -257,12 +294,13 @@ class NodeRecorder:
                 self._error = exc
                 LOG.error("recording to %s failed: %r; further messages are not recorded", self.path, exc)
         if self._error is not None:
-            writer.abort()
+            writer.discard()
             return
         try:
             writer.close(self.meta)
         except Exception as exc:  # noqa: BLE001 - reported by close()
             self._error = exc
+            writer.discard()
 
 
 def write_bag(path: Path, storage: str, meta: RecordingMeta, typestore: Typestore,

@@ -538,10 +538,12 @@ class Replayer:
 
 # -- library entry point ------------------------------------------------------------------------------
 
-def replay_bag(bag, options: ReplayOptions = ReplayOptions(), node_target=None) -> Verdict:
+def replay_bag(bag, options: ReplayOptions = ReplayOptions(), node_target=None, fleet_target=None) -> Verdict:
     """Replay ``bag`` and return the verdict (raises BagError subclasses). With
     ``options.node``, ``node_target`` makes the policy_node target (the bag layer has no
-    ROS: ``capsule_ros.ros.replay_target.NodeTarget``, as ``capsule-ros replay --node`` passes)."""
+    ROS: ``capsule_ros.ros.replay_target.NodeTarget``, as ``capsule-ros replay --node`` passes).
+    A fleet robot's bag (``RecordingMeta.fleet``) replays in-process on ``fleet_target``
+    (``capsule_ros.fleet.replay.FleetRobotTarget``: at the fleet's shape)."""
     from capsule_ros.serving.factory import capsule_directory_path
     config = None
     if options.params_file is not None:
@@ -571,8 +573,15 @@ def replay_bag(bag, options: ReplayOptions = ReplayOptions(), node_target=None) 
         except CapsuleRosError as exc:
             raise ReplaySetupError(f"capsule directory {directory}: {exc}") from None
         recording.scan()                            # a bad bag fails before anything starts
+        fleet = recording.meta.fleet
+        if fleet and (options.node or fleet_target is None):
+            raise ReplaySetupError(f"this bag was recorded for robot {fleet.get('robot')!r} of a fleet of "
+                                   f"{fleet.get('slots')} slots ({fleet.get('batching')}): it replays in-process at "
+                                   "the fleet's shape (capsule-ros replay; capsule_ros.fleet.replay)")
         with contextlib.ExitStack() as stack:
-            if options.node:
+            if fleet:
+                target = stack.enter_context(fleet_target(cfg, fleet, capsule_dir, ablation))
+            elif options.node:
                 workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="capsule_replay_")))
                 target = stack.enter_context(node_target(cfg, capsule_dir, workdir, options.timeout_s))
             else:

@@ -14,7 +14,7 @@ a read-only ``CapsuleDirectory``, which neither creates, changes nor recovers an
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 from capsule_ros.bag.verdict import Act
 from capsule_ros.capsules.directory import CapsuleDirectory
@@ -23,6 +23,9 @@ from capsule_ros.runtime.schema import BufferKind
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.records import ActionRecord, EventKind, EventRecord, HoldMode
+
+if TYPE_CHECKING:
+    from capsule_ros.serving.session import PolicySession
 
 
 @runtime_checkable
@@ -108,7 +111,6 @@ class InProcessTarget:
 
     def __init__(self, config: ServingConfig, directory: Optional[CapsuleDirectory],
                  ablation: Sequence[BufferKind] = ()):
-        from capsule_ros.serving.factory import build_session
         self._now = 0                              # the log time of the message being replayed
         self._jumped_ns = 0                        # minus the node's clock jumps so far (NodeRecording)
         self._interrupt_action: Optional[ActionRecord] = None     # the last INTERRUPT's safe action
@@ -118,9 +120,15 @@ class InProcessTarget:
         # the verdict reports what the replay saw
         options = SessionOptions(clock_ns=self._clock_ns, enforce_deadline=False, warnings=False,
                                  on_event=self._on_event)
-        self.session = build_session(config, directory=directory, options=options)
+        self.session = self._build(config, directory, options)
         self.directory = directory
         self.ablation = tuple(ablation)
+
+    def _build(self, config: ServingConfig, directory: Optional[CapsuleDirectory],
+               options: SessionOptions) -> PolicySession:
+        """The session the replay drives (a fleet robot's target serves it from a fleet)."""
+        from capsule_ros.serving.factory import build_session
+        return build_session(config, directory=directory, options=options)
 
     def __enter__(self) -> InProcessTarget:
         return self

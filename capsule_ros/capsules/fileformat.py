@@ -621,9 +621,10 @@ def _end_of_file(f: io.FileIO, path: PathLike) -> None:
 def _check_expected(header: CapsuleHeader, fingerprint: Optional[str],
                     schema: Optional[Sequence[Mapping[str, Any]]]) -> None:
     if fingerprint is not None and header.fingerprint != fingerprint:
+        kernel = f"kernel {header.fingerprint_parts.kernel}, " if header.fingerprint_parts is not None else ""
         raise FingerprintMismatch(
-            f"capsule {header.capsule_id!r} was made by graph {header.fingerprint[:12]} ({header.nbytes} bytes); "
-            f"this runtime is {str(fingerprint)[:12]}")
+            f"capsule {header.capsule_id!r} was made by graph {header.fingerprint[:12]} ({kernel}{header.nbytes} "
+            f"bytes); this runtime is {str(fingerprint)[:12]}")
     if schema is None:
         return
     expected = tuple(BufferRecord.of(e) for e in schema)

@@ -2,9 +2,10 @@
 and why; whether their recipes can regenerate them; how long that would take, and the
 storage it would need. A dry run: only headers are read, nothing is written.
 
-Exit status (a CI gate, docs/model-updates.md): 0 when no capsule would be lost, 2 when
-some would (invalidated, and no recipe can regenerate it: each says why), 3 for bad
-arguments or files. Strings from capsule files are printed quoted (``repr``).
+Exit status (a CI gate, docs/model-updates.md, docs/command-line.md): 0 when no capsule
+would be lost, 2 when some would (invalidated, and no recipe can regenerate it: each says
+why), 3 for bad arguments or files (one line on stderr). Strings from capsule files are
+printed quoted (``repr``).
 """
 from __future__ import annotations
 
@@ -14,20 +15,15 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from capsule_ros.cli.model_update import (
-    assessment_json,
-    deployment_args,
-    load_deployment_config,
-    open_source,
-    run_guarded,
-)
+from capsule_ros.cli.command import COMMANDS
+from capsule_ros.cli.model_update import assessment_json, deployment_args, load_deployment_config, open_source
 from capsule_ros.runtime.fingerprint import CAUSES
 from capsule_ros.updates.assessment import CheckReport, Fate, check
 from capsule_ros.updates.deployment import load_deployment
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", help="capsule directory to check")
+    parser.add_argument("directory", metavar="DIR", help="capsule directory to check")
     deployment_args(parser)
     parser.add_argument("--steps-per-second", type=float, default=None,
                         help="the new policy's replay rate for the time estimate (default: measured here)")
@@ -79,25 +75,22 @@ def _text(report: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    def work() -> int:
-        config = load_deployment_config(args)
-        directory = open_source(Path(args.directory), config, args.key_file)
-        deployment = load_deployment(config)
-        try:
-            report = report_json(check(directory, deployment, args.steps_per_second))
-        finally:
-            deployment.close()
-        print(json.dumps(report, indent=2, sort_keys=True) if args.json else _text(report))
-        if report["exit"]:
-            print(f"capsule-ros check: {report['lost']} capsule(s) would be lost", file=sys.stderr)
-        return int(report["exit"])
-    return run_guarded("check", work)
+    """Check the directory; the exit status (errors: ``COMMANDS['check'].guard``)."""
+    config = load_deployment_config(args)
+    directory = open_source(Path(args.directory), "DIR", config, args.key_file)
+    deployment = load_deployment(config)
+    try:
+        report = report_json(check(directory, deployment, args.steps_per_second))
+    finally:
+        deployment.close()
+    print(json.dumps(report, indent=2, sort_keys=True) if args.json else _text(report))
+    if report["exit"]:
+        print(f"capsule-ros check: {report['lost']} capsule(s) would be lost", file=sys.stderr)
+    return int(report["exit"])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="capsule-ros check", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return COMMANDS["check"].main(argv, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ topics), then runs a scripted capsule plan through the node's services:
 5. episodes 2..N: plain seeded reaches, for the success rate.
 
 The node records the run into a rosbag2 (``~/record``). Writes ``runs/<stamp>/``: the
-bag, the saved capsules, ``report.png`` and ``summary.json``; exits 1 if anything failed.
+bag, the saved capsules, ``report.png`` and ``summary.json`` (each complete or absent);
+exits 1 if a check of the run failed. ``--out`` and ``--weights`` are checked before
+anything starts; an unusable one, or a policy_node that cannot start, ends in one line on
+stderr and exit 2, with nothing of the run left (docs/command-line.md).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import contextlib
 import datetime
 import json
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -30,6 +34,10 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from capsule_ros.cli.command import COMMANDS
+from capsule_ros.cli.paths import input_file, run_dir
+from capsule_ros.errors import CapsuleRosError, InvalidArgument, path_error
+from capsule_ros.files import write_file
 from capsule_ros.ros.spinning import drain
 from capsule_ros.sim.arm import ArmSim, Observation
 
@@ -138,16 +146,26 @@ class ArmDriver:
         return self.sim.success
 
 
+class NodeDidNotStart(CapsuleRosError):
+    """policy_node exited during start-up (its one-line reason), or was not ready in time."""
+
+
 def wait_ready(client, driver: ArmDriver, node_proc, timeout: float = 60.0) -> None:
-    """Until the node's services answer and it subscribes to the arm's topics."""
+    """Until the node's services answer and it subscribes to the arm's topics;
+    NodeDidNotStart with the node's own one-line reason if it exits first."""
     from capsule_ros.polling import wait_until
 
     def still_running() -> None:
         if node_proc.proc.poll() is not None:
-            raise RuntimeError(f"policy_node exited during start-up: {node_proc.log().strip()[-400:]}")
-    wait_until(lambda: (client.ready() and driver.joints.get_subscription_count() > 0
-                        and driver.goals.get_subscription_count() > 0), timeout, "policy_node to be ready",
-               interval=0.1, check=still_running)
+            lines = [line for line in node_proc.log().splitlines() if line.strip()]
+            raise NodeDidNotStart(f"policy_node could not start: {lines[-1] if lines else 'no output'} "
+                                  f"(exit {node_proc.proc.returncode})")
+    try:
+        wait_until(lambda: (client.ready() and driver.joints.get_subscription_count() > 0
+                            and driver.goals.get_subscription_count() > 0), timeout, "policy_node to be ready",
+                   interval=0.1, check=still_running)
+    except TimeoutError as exc:
+        raise NodeDidNotStart(f"{exc} (its log: {node_proc.log_path})") from None
 
 
 class Progress:
@@ -192,15 +210,23 @@ def run(args) -> int:
 
     started = time.monotonic()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out or f"runs/{stamp}").resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    weights = {"": None, "random": ""}.get(args.weights)
+    if weights is None and args.weights:
+        weights = str(input_file(args.weights, "--weights").resolve())
+    out, made = run_dir(args.out or f"runs/{stamp}", "--out")
+    out = out.resolve()
     ns = "/demo"
-    weights = {"": None, "random": ""}.get(args.weights, args.weights)
     params = {"runtime": {"device": args.device}, **({"policy": {"weights": weights}} if weights is not None else {}),
               "capsules": {"directory": str(out / "capsules")},
               "ports": {"joints": {"qos": "reliable", "depth": 10}},
               "control": {"status_rate_hz": 50.0}}       # fast status: the arm waits for each new goal
-    node_proc = start_policy_node(out, params, namespace=ns, params_file=share_file("config", "policy.yaml"))
+    try:             # writes its parameter file and log into the run directory: a full disk shows here
+        node_proc = start_policy_node(out, params, namespace=ns, params_file=share_file("config", "policy.yaml"))
+    except BaseException as exc:
+        _discard(made)
+        if isinstance(exc, OSError):
+            raise path_error(exc, "--out", out) from None
+        raise
     rclpy.init()
     spun = SpunNode(rclpy, "capsule_demo")
     events: queue.Queue = queue.Queue()
@@ -215,6 +241,7 @@ def run(args) -> int:
     outcomes: List[bool] = []
     failures: List[str] = []
     node_code: Optional[int] = None
+    refused: Optional[NodeDidNotStart] = None
     try:
         with Progress(args.episodes, args.headless) as progress:
             wait_ready(client, driver, node_proc)
@@ -233,6 +260,8 @@ def run(args) -> int:
             recorded = client.record(start=False)
             summary["bag"], summary["bag_messages"] = recorded.bag_path, recorded.messages
             status = _latest(statuses, timeout=3.0)
+    except NodeDidNotStart as exc:
+        refused = exc
     except Exception as exc:  # noqa: BLE001 - reported in summary.json and the exit code
         failures.append(f"{type(exc).__name__}: {exc}")
         status = None
@@ -240,6 +269,9 @@ def run(args) -> int:
         spun.close()
         rclpy.try_shutdown()
         node_code = node_proc.stop()
+    if refused is not None:                 # nothing was run: nothing of the run is kept
+        _discard(made)
+        raise refused
     if node_code != 0:
         failures.append(f"policy_node exited with {node_code} (log: {node_proc.log_path})")
     identical, compared, note = rollback_check(segments.get("original"), segments.get("rolled_back"))
@@ -267,7 +299,7 @@ def run(args) -> int:
     if segments:
         from capsule_ros.cli.report import write_report
         write_report(out / "report.png", segments, plan, summary, round_trips)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_file(out / "summary.json", json.dumps(summary, indent=2))
     print(json.dumps({k: summary[k] for k in ("episodes", "success_rate", "steps", "step_p50_ms", "step_p99_ms",
                                               "restore_p50_us", "restore_p99_us", "identical_after_rollback",
                                               "rollback_check", "bag_verdict", "wall_s")}, indent=2))
@@ -366,8 +398,13 @@ def _event_dict(event) -> dict:
             "rollback": event.rollback, "fallback": event.fallback}
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="capsule-ros demo", description=__doc__.splitlines()[0])
+def _discard(made: Optional[Path]) -> None:
+    """Remove the run directory (and parents) made for a run that was refused before it ran."""
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--episodes", type=int, default=10, help="seeded episodes (default 10)")
     parser.add_argument("--device", default="cpu", help="policy device: cpu | cuda | auto (default cpu)")
     parser.add_argument("--headless", action="store_true", help="plain log lines instead of the live view")
@@ -375,10 +412,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-steps", type=int, default=150, help="step budget of one reach")
     parser.add_argument("--weights", default="", help="policy weights (default: config/policy.yaml's, the "
                         "shipped arm_reach policy); 'random' for seeded random weights")
-    args = parser.parse_args(argv)
+
+
+def checked_run(args: argparse.Namespace) -> int:
     if args.episodes < 1:
-        parser.error("--episodes must be at least 1")
+        raise InvalidArgument("--episodes must be at least 1")
     return run(args)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return COMMANDS["demo"].main(argv, add_arguments, checked_run)
 
 
 if __name__ == "__main__":

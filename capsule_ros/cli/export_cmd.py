@@ -8,7 +8,9 @@ called with the ``--set`` values as keyword arguments (each value read as YAML: 
 booleans, lists; anything else is a string). The interface, the checks and the file are
 described in ``capsule_ros.policies.export`` and docs/bring-your-own-policy.md.
 
-Exit status 0 when the file was written, 2 with a one-line reason on stderr when not.
+Exit status 0 when the file was written, 2 with a one-line reason on stderr when not
+(docs/command-line.md): ``--out`` is checked before the module is traced, and the file is
+written completely or not at all.
 """
 from __future__ import annotations
 
@@ -19,10 +21,9 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from capsule_ros.errors import CapsuleRosError
-
-EXIT_WRITTEN = 0
-EXIT_REFUSED = 2
+from capsule_ros.cli.command import COMMANDS
+from capsule_ros.cli.paths import output_file
+from capsule_ros.errors import InvalidArgument
 
 
 def _values(assignments: List[str]) -> Dict[str, Any]:
@@ -31,7 +32,7 @@ def _values(assignments: List[str]) -> Dict[str, Any]:
     for item in assignments:
         name, sep, text = item.partition("=")
         if not sep or not name.isidentifier():
-            raise ValueError(f"--set {item!r}: must be NAME=VALUE")
+            raise InvalidArgument(f"--set {item!r}: must be NAME=VALUE")
         try:
             value = yaml.safe_load(text) if text else ""
         except yaml.YAMLError:
@@ -40,30 +41,33 @@ def _values(assignments: List[str]) -> Dict[str, Any]:
     return values
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="capsule-ros export", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--module", required=True, help="package.module:factory returning the nn.Module to export")
     parser.add_argument("--set", dest="values", action="append", default=[], metavar="NAME=VALUE",
                         help="keyword argument of the factory (repeatable)")
     parser.add_argument("--out", required=True, type=Path, help="the .pt2 file to write")
     parser.add_argument("--check-steps", type=int, default=8,
                         help="steps the program and the module run side by side to compare (default: %(default)s)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export the module; 0 (errors: ``COMMANDS['export'].guard``)."""
+    out = output_file(args.out, "--out")
+    from capsule_ros.policies.export import InterfaceError, export_module, load_factory
+    values = _values(args.values)
+    factory = load_factory(args.module)
     try:
-        from capsule_ros.policies.export import InterfaceError, export_module, load_factory
-        values = _values(args.values)
-        factory = load_factory(args.module)
-        try:
-            module = factory(**values)
-        except TypeError as exc:
-            raise InterfaceError(f"--module {args.module}: {exc}") from None
-        report = export_module(module, args.out, check_steps=args.check_steps,
-                               source={"module": args.module, "arguments": values})
-    except (CapsuleRosError, ValueError, OSError) as exc:
-        print(f"capsule-ros export: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_REFUSED
+        module = factory(**values)
+    except Exception as exc:  # noqa: BLE001 - the factory's own refusal, named as such
+        raise InterfaceError(f"--module {args.module}: {type(exc).__name__}: {exc}") from None
+    report = export_module(module, out, check_steps=args.check_steps,
+                           source={"module": args.module, "arguments": values})
     print(report.summary())
-    return EXIT_WRITTEN
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return COMMANDS["export"].main(argv, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """``capsule-ros inspect FILE``: print a capsule file's header and verify every chunk.
 
 Exit status 0 when the file verifies, 2 when it does not (or cannot be verified, e.g. an
-encrypted file without ``--key-file``), with a one-line reason on stderr. Nothing here
+encrypted file without ``--key-file``, or cannot be read), with a one-line reason on
+stderr (docs/command-line.md). Nothing here
 trusts the file: the header is printed only after it validated, and strings from it are
 printed quoted (``repr``) so a label cannot carry terminal escapes.
 """
@@ -14,6 +15,8 @@ from typing import List, Optional
 
 from capsule_ros.capsules.config import CapsuleStoreConfig
 from capsule_ros.capsules.fileformat import CapsuleHeader, load_kek, read_header, verify_capsule
+from capsule_ros.cli.command import COMMANDS
+from capsule_ros.cli.paths import input_file
 from capsule_ros.errors import CapsuleRosError, PermissionDenied
 
 EXIT_VALID = 0
@@ -71,7 +74,11 @@ def _json(path: str, header: Optional[CapsuleHeader], reason: Optional[str], err
 
 
 def run(args: argparse.Namespace) -> int:
-    """Inspect one file; returns the exit status."""
+    """Inspect one file; returns the exit status (a file that cannot be read at all:
+    ``COMMANDS['inspect'].guard``)."""
+    input_file(args.file, "capsule file")
+    if args.key_file:
+        input_file(args.key_file, "--key-file")
     max_bytes = int(args.max_mb * 2**20)
     header = reason = error = None
     try:
@@ -93,9 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="capsule-ros inspect", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return COMMANDS["inspect"].main(argv, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -1,56 +1,63 @@
 """`capsule-ros`: the command line (demo, replay, record, inspect, export, check, regenerate, bench).
 
 Subcommands import what they need lazily, so `capsule-ros bench snapshot` runs on a
-machine without ROS and `--help` is instant.
+machine without ROS and `--help` is instant. Every subcommand ends an error in one line
+and its documented exit status (``capsule_ros.cli.command``, docs/command-line.md).
 """
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 from typing import List, Optional
 
+from capsule_ros.cli.command import COMMANDS
+from capsule_ros.errors import InvalidArgument, path_error
+
 
 def _bench(args) -> int:
-    from capsule_ros.errors import ConfigError
     from capsule_ros.runtime import numerics
     if args.policy != "builtin" and args.which != "step":
-        raise SystemExit(f"capsule-ros bench {args.which}: --policy {args.policy} is an option of bench step only")
+        raise InvalidArgument(f"bench {args.which}: --policy {args.policy} is an option of bench step only")
     if args.cpu_hog and args.which != "services":
-        raise SystemExit(f"capsule-ros bench {args.which}: --cpu-hog is an option of bench services only")
+        raise InvalidArgument(f"bench {args.which}: --cpu-hog is an option of bench services only")
+    if args.lerobot_python is not None:
+        from capsule_ros.cli.paths import input_file
+        if args.which != "chunking":
+            raise InvalidArgument(f"bench {args.which}: --lerobot-python is an option of bench chunking only")
+        python = input_file(args.lerobot_python, "--lerobot-python").absolute()
+        if not os.access(python, os.X_OK):
+            raise path_error(OSError(errno.EACCES, "Permission denied (not executable)", str(python)),
+                             "--lerobot-python")
+        args.lerobot_python = str(python)
     args.numerics = [level.strip() for level in args.numerics.split(",") if level.strip()]
     unknown = [level for level in args.numerics if level not in numerics.CHOICES]
     if unknown or not args.numerics:
-        raise SystemExit(f"capsule-ros bench: --numerics {','.join(unknown)}: levels are {', '.join(numerics.CHOICES)}")
+        raise InvalidArgument(f"--numerics {','.join(unknown)}: levels are {', '.join(numerics.CHOICES)}")
     if len(args.numerics) > 1 and args.which != "step":
-        raise SystemExit(f"capsule-ros bench {args.which}: several --numerics levels side by side is bench step only")
-    if len(args.numerics) == 1:
-        try:       # before the benchmark runs torch: the level is fixed at its first operation
-            numerics.pin(args.numerics[0])
-        except ConfigError as exc:
-            raise SystemExit(f"capsule-ros bench: --numerics {args.numerics[0]}: {exc}") from None
+        raise InvalidArgument(f"bench {args.which}: several --numerics levels side by side is bench step only")
+    if len(args.numerics) == 1:   # before the benchmark runs torch: the level is fixed at its first operation
+        numerics.pin(args.numerics[0])
     module = __import__(f"capsule_ros.benchmarks.{args.which}", fromlist=["main"])
     return module.main(args)
 
 
-DELEGATED = {
-    "demo": ("capsule_ros.cli.demo", "the main job: sim + policy node + scripted capsule plan + report"),
-    "replay": ("capsule_ros.cli.replay_cmd", "replay a rosbag step by step and verify the actions"),
-    "record": ("capsule_ros.cli.record_cmd", "record the node's topics into a rosbag2"),
-    "inspect": ("capsule_ros.cli.inspect_cmd", "print and verify a capsule file"),
-    "export": ("capsule_ros.cli.export_cmd", "trace a policy module into a .pt2 program (policy.kind: exported)"),
-    "check": ("capsule_ros.cli.check_cmd", "which capsules a new deployment would invalidate, and why (CI gate)"),
-    "regenerate": ("capsule_ros.cli.regenerate_cmd", "rebuild a capsule directory for a new deployment from "
-                                                     "its recipes, with a drift report"),
-}
+DELEGATED = {"demo": "capsule_ros.cli.demo", "replay": "capsule_ros.cli.replay_cmd",
+             "record": "capsule_ros.cli.record_cmd", "inspect": "capsule_ros.cli.inspect_cmd",
+             "export": "capsule_ros.cli.export_cmd", "check": "capsule_ros.cli.check_cmd",
+             "regenerate": "capsule_ros.cli.regenerate_cmd"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="capsule-ros", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="capsule-ros", description=__doc__.splitlines()[0],
+                                     epilog="Each command's --help lists its exit statuses; an error is one line on "
+                                            "stderr (docs/command-line.md).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    bench = sub.add_parser("bench", help="benchmarks (one JSON object with --json)")
+    bench = sub.add_parser("bench", help=COMMANDS["bench"].description, epilog=COMMANDS["bench"].epilog())
     bench.add_argument("which", choices=("snapshot", "reenter", "step", "services", "loop", "commits", "lifecycle",
-                                         "cancel", "chunking", "regenerate"))
+                                         "cancel", "chunking", "regenerate", "fleet"))
     bench.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on a 2-core CPU")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -62,9 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--module", default="capsule_gru_policy.export:module",
                        help="step --policy exported: package.module:factory of the module to export "
                             "(default: %(default)s, the example package)")
-    bench.add_argument("--cases", help="chunking: comma-separated cases (default: act100,act10,diffusion,"
-                                       "diffusion-small,smolvla-tiny,smolvla-mid; --quick skips smolvla-mid)")
-    bench.add_argument("--steps", type=int, help="chunking: steps per side (default 3000; --quick 200)")
+    bench.add_argument("--cases", help="chunking, fleet: comma-separated cases (chunking default: act100,act10,"
+                                       "diffusion,diffusion-small,smolvla-tiny,smolvla-mid,pi0-tiny,pi05-tiny,pi0-mid; "
+                                       "--quick skips smolvla-mid and pi0-mid; fleet default: default,act,recurrent)")
+    bench.add_argument("--steps", type=int, help="chunking: steps per side (default 3000; --quick 200); fleet: "
+                                                 "control periods per side and N (default 200; --quick 50)")
     bench.add_argument("--lerobot-python", help="chunking: the Python of LeRobot's environment for its baseline "
                                                 "loop (default tools/lerobot_bench/.venv/bin/python)")
     bench.add_argument("--numerics", default="portable", metavar="LEVEL[,LEVEL...]",
@@ -75,18 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="services: a busy loop on every core for the whole run (a loaded robot computer)")
     bench.set_defaults(func=_bench)
 
-    for name, (_, text) in DELEGATED.items():
-        sub.add_parser(name, help=f"{text} (see capsule-ros {name} --help)", add_help=False)
+    for name in DELEGATED:
+        sub.add_parser(name, help=f"{COMMANDS[name].description} (see capsule-ros {name} --help)", add_help=False)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:            # the subcommand parses its own options
-        module = __import__(DELEGATED[argv[0]][0], fromlist=["main"])
+        module = __import__(DELEGATED[argv[0]], fromlist=["main"])
         return int(module.main(argv[1:]) or 0)
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:                    # --help, or a usage error (argparse's 2: bench's refusal)
+        return exc.code if isinstance(exc.code, int) else COMMANDS["bench"].refused
+    return COMMANDS["bench"].guard(lambda: args.func(args))
 
 
 if __name__ == "__main__":

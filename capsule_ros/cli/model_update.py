@@ -1,22 +1,20 @@
 """What ``capsule-ros check`` and ``capsule-ros regenerate`` share: the deployment's
-arguments (its parameter file), opening the source directory, the exit status of an
-error (3: bad arguments or files, with one line on stderr), and the JSON of a capsule's
-assessment: the commands' reports are typed (``capsule_ros.updates``) and become JSON
-only here, at the edge."""
+arguments (its parameter file), opening the source directory, each path checked before
+any work (``capsule_ros.cli.paths``), and the JSON of a capsule's assessment: the
+commands' reports are typed (``capsule_ros.updates``) and become JSON only here, at the
+edge. Errors become one line and exit status 3 in ``capsule_ros.cli.command``."""
 from __future__ import annotations
 
 import argparse
 import math
-import sys
-import traceback
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from capsule_ros.capsules.directory import CapsuleDirectory
-from capsule_ros.errors import CapsuleRosError
+from capsule_ros.cli.paths import input_dir, input_file
+from capsule_ros.errors import ConfigError
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.updates.assessment import Assessment
-from capsule_ros.updates.errors import EXIT_BAD, BadArguments
 
 
 def deployment_args(parser: argparse.ArgumentParser) -> None:
@@ -28,33 +26,21 @@ def deployment_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_deployment_config(args: argparse.Namespace) -> ServingConfig:
-    path = Path(args.params).expanduser()
-    if not path.is_file():
-        raise BadArguments(f"--params {str(path)!r}: no such file")
-    return ServingConfig.from_file(path, args.node_name)
-
-
-def open_source(path: Path, config: ServingConfig, key_file: Optional[str]) -> CapsuleDirectory:
-    """A capsule directory opened read-only (nothing in it is created, moved or written)."""
-    if not path.expanduser().is_dir():
-        raise BadArguments(f"{str(path)!r} is not a directory")
-    return CapsuleDirectory(path, key_file=config.capsules.key_file if key_file is None else key_file,
-                            max_file_bytes=int(config.capsules.max_file_mb * 2**20), read_only=True)
-
-
-def run_guarded(command: str, work: Callable[[], int]) -> int:
-    """``work``'s exit status; a typed error (a bad parameter file, key or argument) is one
-    line on stderr and exit 3, and so is an unexpected one (with its traceback): never 1,
-    which a pipeline reads as drift."""
+    """The parameter file's serving config; an error names the file."""
+    path = input_file(args.params, "--params")
+    if args.key_file:
+        input_file(args.key_file, "--key-file")
     try:
-        return work()
-    except CapsuleRosError as exc:
-        print(f"capsule-ros {command}: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_BAD
-    except Exception:  # noqa: BLE001 - a pipeline must not read a crash as exit 1 (drift): traceback, then 3
-        traceback.print_exc()
-        print(f"capsule-ros {command}: internal error (above); nothing was written", file=sys.stderr)
-        return EXIT_BAD
+        return ServingConfig.from_file(path, args.node_name)
+    except ConfigError as exc:
+        raise ConfigError(f"--params {str(path)!r}: {exc}") from None
+
+
+def open_source(path: Path, what: str, config: ServingConfig, key_file: Optional[str]) -> CapsuleDirectory:
+    """A capsule directory opened read-only (nothing in it is created, moved or written)."""
+    return CapsuleDirectory(input_dir(path, what),
+                            key_file=config.capsules.key_file if key_file is None else key_file,
+                            max_file_bytes=int(config.capsules.max_file_mb * 2**20), read_only=True)
 
 
 def assessment_json(item: Assessment) -> dict:

@@ -5,42 +5,49 @@
 
 The node writes the bag itself (it records sensor messages as it receives them, in the
 order it processes them), so ``--out`` is a path on the node's machine; a relative one
-is made absolute here. The bag path is the only line on stdout.
+is made absolute here. The bag path is the only line on stdout. A refusal (the node's
+own, with its reason, e.g. a path it cannot write) is one line on stderr and exit 2
+(docs/command-line.md); the node leaves nothing of a bag it could not finish.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
 from typing import List, Optional
 
+from capsule_ros.cli.command import COMMANDS
+from capsule_ros.errors import CapsuleRosError
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="capsule-ros record",
-        description="Ask a running policy node to record a rosbag2 (sensor ports, ~/action, ~/capsule_events) "
-                    "through its ~/record service; prints the bag path (docs/rosbag-replay.md).")
+DESCRIPTION = ("Ask a running policy node to record a rosbag2 (sensor ports, ~/action, ~/capsule_events) through its "
+               "~/record service; prints the bag path (docs/rosbag-replay.md).")
+
+
+class Unavailable(CapsuleRosError):
+    """This machine cannot run the command (no ROS 2)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", default="/capsule_policy", help="the policy node's full name")
     parser.add_argument("--out", default="", metavar="DIR",
                         help="bag directory to create (default: <record.directory>/<UTC stamp> of the node)")
     parser.add_argument("--storage", choices=("mcap", "sqlite3"), default="mcap", help="rosbag2 storage plugin")
     parser.add_argument("--duration", type=float, default=0.0, metavar="S", help="stop after S seconds (0: Ctrl-C)")
     parser.add_argument("--wait", type=float, default=10.0, metavar="S", help="how long to wait for the node")
-    return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Record; 0 (errors, the node's refusals among them: ``COMMANDS['record'].guard``)."""
     try:
         import rclpy
         from rclpy.context import Context
 
-        from capsule_ros.ros.client import CapsuleClient, ServiceError
+        from capsule_ros.ros.client import CapsuleClient
         from capsule_ros.ros.spinning import SpunNode
     except ImportError as exc:
-        print(f"capsule-ros record: needs ROS 2 and the built package ({exc})", file=sys.stderr)
-        return 2
+        raise Unavailable(f"needs ROS 2 and the built package ({exc})") from None
     out = os.path.abspath(os.path.expanduser(args.out)) if args.out else ""
     context = Context()
     rclpy.init(context=context)      # not the default context: no rclpy signal handlers, Ctrl-C is ours
@@ -52,27 +59,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         started = True
         print(f"recording {args.node} to {response.bag_path}"
               + (f" for {args.duration:g} s" if args.duration > 0 else " (Ctrl-C stops)"), file=sys.stderr)
-        stop = threading.Event()
-        try:
-            stop.wait(args.duration if args.duration > 0 else None)
-        except KeyboardInterrupt:
-            pass
-        response = client.record(False)
+        with contextlib.suppress(KeyboardInterrupt):      # Ctrl-C: the way to stop without --duration
+            threading.Event().wait(args.duration if args.duration > 0 else None)
         started = False
+        response = client.record(False)
         print(f"wrote {response.messages} messages", file=sys.stderr)
         print(response.bag_path)
         return 0
-    except ServiceError as exc:
-        print(f"capsule-ros record: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        if started:
-            response = client.record(False, check=False)
-            print(response.bag_path)
-        return 130
     finally:
+        if started:                    # interrupted while stopping: the node still stops, the bag is kept
+            stopped = client.record(False, check=False)
+            if stopped.success:
+                print(stopped.bag_path)
         spun.close()
         context.try_shutdown()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return COMMANDS["record"].main(argv, add_arguments, run, DESCRIPTION)
 
 
 if __name__ == "__main__":

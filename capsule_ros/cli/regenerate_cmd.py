@@ -8,9 +8,10 @@ in a hidden sibling directory, renamed at the end; an existing, non-empty DST is
 and SRC is opened read-only. Progress goes to stderr when it is a terminal, or with
 ``--progress``.
 
-Exit status (docs/model-updates.md): 0 all regenerated (or copied) within the drift bound;
-1 drift over ``--max-drift``; 2 some capsule could not be regenerated (each with its
-reason; wins over 1); 3 bad arguments or files (nothing written).
+Exit status (docs/model-updates.md, docs/command-line.md): 0 all regenerated (or copied)
+within the drift bound; 1 drift over ``--max-drift``; 2 some capsule could not be
+regenerated (each with its reason; wins over 1); 3 bad arguments or files, or DST could
+not be written (one line on stderr; nothing written).
 """
 from __future__ import annotations
 
@@ -18,20 +19,22 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 from typing import List, Optional
 
-from capsule_ros.cli.model_update import deployment_args, finite_or_inf, load_deployment_config, run_guarded
+from capsule_ros.cli.command import COMMANDS
+from capsule_ros.cli.model_update import deployment_args, finite_or_inf, load_deployment_config
+from capsule_ros.cli.paths import input_dir, probe_dir, replaceable_dir
 from capsule_ros.updates.deployment import load_deployment
 from capsule_ros.updates.errors import BadArguments
 from capsule_ros.updates.regeneration import Outcome, RegenerationReport, Status
-from capsule_ros.updates.staging import regenerate_directory
+from capsule_ros.updates.staging import check_directories, regenerate_directory
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", help="capsule directory to regenerate (never written)")
+    parser.add_argument("source", metavar="SRC", help="capsule directory to regenerate (never written)")
     deployment_args(parser)
-    parser.add_argument("--out", required=True, help="directory to create with the regenerated capsules")
+    parser.add_argument("--out", metavar="DST", required=True,
+                        help="directory to create with the regenerated capsules (absent, or an empty directory)")
     parser.add_argument("--max-drift", type=float, default=None,
                         help="bound on |new action - recorded action| along each recipe (exit 1 above it)")
     parser.add_argument("--progress", action="store_true", help="progress on stderr even when it is not a terminal")
@@ -69,26 +72,26 @@ def _text(report: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    def work() -> int:
-        if args.max_drift is not None and not (math.isfinite(args.max_drift) and args.max_drift >= 0):
-            raise BadArguments(f"--max-drift {args.max_drift}: must be a finite number >= 0")
-        config = load_deployment_config(args)
-        progress = None
-        if args.progress or sys.stderr.isatty():
-            def progress(text: str) -> None:
-                print(f"capsule-ros regenerate: {text}", file=sys.stderr, flush=True)
-        report = report_json(regenerate_directory(Path(args.source), Path(args.out), lambda: load_deployment(config),
-                                                  max_drift=args.max_drift, key_file=args.key_file,
-                                                  progress=progress))
-        print(json.dumps(report, indent=2, sort_keys=True) if args.json else _text(report))
-        return int(report["exit"])
-    return run_guarded("regenerate", work)
+    """Regenerate SRC into DST; the exit status (errors: ``COMMANDS['regenerate'].guard``)."""
+    if args.max_drift is not None and not (math.isfinite(args.max_drift) and args.max_drift >= 0):
+        raise BadArguments(f"--max-drift {args.max_drift}: must be a finite number >= 0")
+    source = input_dir(args.source, "SRC")
+    out = replaceable_dir(args.out, "DST")
+    check_directories(source, out)                  # DST is not SRC nor in it: before anything is made beside it
+    probe_dir(out.parent, "DST", out)
+    config = load_deployment_config(args)
+    progress = None
+    if args.progress or sys.stderr.isatty():
+        def progress(text: str) -> None:
+            print(f"capsule-ros regenerate: {text}", file=sys.stderr, flush=True)
+    report = report_json(regenerate_directory(source, out, lambda: load_deployment(config), max_drift=args.max_drift,
+                                              key_file=args.key_file, progress=progress))
+    print(json.dumps(report, indent=2, sort_keys=True) if args.json else _text(report))
+    return int(report["exit"])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="capsule-ros regenerate", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return COMMANDS["regenerate"].main(argv, add_arguments, run)
 
 
 if __name__ == "__main__":

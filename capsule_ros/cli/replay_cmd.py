@@ -16,18 +16,15 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from capsule_ros.bag.ablation import ABLATIONS
+from capsule_ros.cli.command import COMMANDS
+from capsule_ros.cli.paths import input_dir, input_file
 
-EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_BAD, EXIT_PARTIAL = 0, 1, 2, 3
+EXIT_IDENTICAL, EXIT_BAD = 0, 2
+DESCRIPTION = ("Drive the recorded policy step by step from a bag's sensor messages and compare every action with "
+               "the recorded one, bit for bit (docs/rosbag-replay.md).")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="capsule-ros replay",
-        description="Drive the recorded policy step by step from a bag's sensor messages and compare every "
-                    "action with the recorded one, bit for bit (docs/rosbag-replay.md).",
-        epilog="exit status: 0 every recorded action in scope bit-identical; 1 a divergence (with --verify); "
-               "3 no divergence but some actions skipped (with --verify, unless --partial); 2 a bad bag, a replay "
-               "that cannot start, or nothing verified")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bag", help="rosbag2 directory recorded by capsule_ros (MCAP or sqlite3)")
     parser.add_argument("--verify", action="store_true",
                         help="exit 1 on a divergence, 3 when some recorded actions could not be compared")
@@ -44,13 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="re-entries restore only these buffers (expected to diverge)")
     parser.add_argument("--timeout", type=float, default=60.0, help="--node: seconds to wait for the node")
     parser.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
-    return parser
 
 
 def replay(bag, options):
-    """``capsule_ros.bag.replay.replay_bag`` with the policy_node target for ``--node``."""
+    """``capsule_ros.bag.replay.replay_bag`` with the policy_node target for ``--node`` (and a
+    fleet robot's bag on its fleet's shape: ``capsule_ros.fleet.replay``)."""
     from capsule_ros.bag.errors import ReplaySetupError
-    from capsule_ros.bag.replay import replay_bag
+    from capsule_ros.fleet.replay import replay_fleet_bag as replay_bag
     node_target: Any = None
     if options.node:
         try:
@@ -60,21 +57,16 @@ def replay(bag, options):
     return replay_bag(bag, options, node_target)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    from capsule_ros.bag.errors import BagError
+def run(args: argparse.Namespace) -> int:
+    """Replay the bag; the exit status (errors: ``COMMANDS['replay'].guard``)."""
+    bag = input_dir(args.bag, "BAG")
+    params_file = input_file(args.params_file, "--params-file") if args.params_file else None
+    capsule_dir = input_dir(args.capsule_dir, "--capsule-dir") if args.capsule_dir else None
     from capsule_ros.bag.replay import ReplayOptions
-    options = ReplayOptions(from_capsule=args.from_capsule, node=args.node, params_file=args.params_file,
-                            capsule_dir=args.capsule_dir, ablation=args.ablation, timeout_s=args.timeout,
+    options = ReplayOptions(from_capsule=args.from_capsule, node=args.node, params_file=params_file,
+                            capsule_dir=capsule_dir, ablation=args.ablation, timeout_s=args.timeout,
                             partial=args.partial)
-    try:
-        verdict = replay(args.bag, options)
-    except BagError as exc:
-        print(f"capsule-ros replay: {' '.join(str(exc).split())}", file=sys.stderr)
-        return EXIT_BAD
-    except KeyboardInterrupt:
-        print("capsule-ros replay: interrupted", file=sys.stderr)
-        return 130
+    verdict = replay(bag, options)
     if args.json:
         print(verdict.to_json())
     else:
@@ -85,6 +77,10 @@ def main(argv: Optional[List[str]] = None) -> int:
               "re-entry of a known capsule, --from-capsule)", file=sys.stderr)
         return EXIT_BAD
     return verdict.exit_code(allow_partial=args.partial) if args.verify else EXIT_IDENTICAL
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return COMMANDS["replay"].main(argv, add_arguments, run, DESCRIPTION)
 
 
 if __name__ == "__main__":

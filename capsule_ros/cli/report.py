@@ -1,10 +1,13 @@
 """report.png of `capsule-ros demo`: trajectories, the capsule timeline, latencies."""
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any, List, Mapping
 
 import numpy as np
+
+from capsule_ros.files import write_file
 
 COLORS = {"original": "#1f77b4", "rolled_back": "#ff7f0e", "branch": "#2ca02c"}
 LABELS = {"original": "original (interrupt, hold, re-enter)", "rolled_back": "rolled back to the start capsule",
@@ -88,5 +91,7 @@ def write_report(path: Path, segments: Mapping[str, Any], plan: dict, summary: d
                 bbox=dict(boxstyle="round", fc="white", ec="0.7"))
     ax_lat.set_title("latency")
     fig.suptitle("capsule_ros demo: commit, interrupt, re-enter, roll back, fork on the simulated arm")
-    fig.savefig(path, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
+    write_file(path, image.getvalue())

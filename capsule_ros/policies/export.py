@@ -37,8 +37,6 @@ import functools
 import hashlib
 import importlib
 import io
-import os
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, cast
@@ -47,6 +45,7 @@ import torch
 from torch import nn
 
 from capsule_ros.errors import ConfigError
+from capsule_ros.files import write_file
 from capsule_ros.policies.binding import Requirement, require
 from capsule_ros.policies.exported import MAX_INITIAL_BYTES, METADATA_FILE, PHASE_FILE, ProgramInterface, functional
 from capsule_ros.runtime.arena import BufferSpec, dtype_name
@@ -313,15 +312,11 @@ def export_module(module: nn.Module, path: Path, *, check_steps: int = 8,
             buffer = io.BytesIO()
             torch.export.save(programs[phase], buffer)
             extra[PHASE_FILE.format(phase)] = base64.b64encode(buffer.getvalue()).decode()
-    path = Path(path)
-    # written beside the target under its own name (torch names the archive's root folder
-    # after the file), then renamed into place
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
-        staged = Path(tmp) / path.name
-        torch.export.save(programs.get("forward") or programs["plan"], staged, extra_files=extra)
-        os.replace(staged, path)
-    data = path.read_bytes()
-    return ExportReport(path, hashlib.sha256(data).hexdigest(), len(data), interface, check_steps, mismatch)
+    archive = io.BytesIO()       # in memory: torch's zip writer aborts the process on a failed file write
+    torch.export.save(programs.get("forward") or programs["plan"], archive, extra_files=extra)
+    data = archive.getvalue()
+    write_file(Path(path), data)
+    return ExportReport(Path(path), hashlib.sha256(data).hexdigest(), len(data), interface, check_steps, mismatch)
 
 
 def _compare(programs: Mapping[str, torch.export.ExportedProgram], module: nn.Module, interface: ProgramInterface,

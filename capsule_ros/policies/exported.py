@@ -39,6 +39,7 @@ import hashlib
 import io
 import json
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
@@ -277,7 +278,7 @@ class _Archive:
         try:
             self.zip = zipfile.ZipFile(source)
         except (OSError, zipfile.BadZipFile) as exc:
-            raise ProgramError(f"{where}: not a .pt2 archive ({exc})") from None
+            raise ProgramError(f"{where}: {_not_a_zip(source)} ({exc})") from None
         names = self.zip.namelist()
         roots = {name.split("/", 1)[0] for name in names}
         if len(roots) != 1 or any("/" not in name for name in names):
@@ -288,7 +289,25 @@ class _Archive:
     def read(self, member: str) -> bytes:
         if member not in self.members:
             raise ProgramError(f"{self.where}: the archive has no {member!r}; write it with `capsule-ros export`")
-        return self.zip.read(self.members[member])
+        try:
+            return self.zip.read(self.members[member])
+        except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+            raise ProgramError(f"{self.where}: the archive's {member!r} is damaged ({exc}); export it again") from None
+
+
+def _not_a_zip(source: Any) -> str:
+    """Why a file is no zip archive: one that starts as a zip but lacks the directory at
+    its end was cut short (an interrupted copy), anything else is not a .pt2 at all."""
+    try:
+        if isinstance(source, io.BytesIO):
+            head = source.getvalue()[:4]
+        else:
+            with open(source, "rb") as f:
+                head = f.read(4)
+    except OSError:
+        head = b""
+    return ("a .pt2 archive cut short: the file is truncated (no zip directory at its end)" if head == b"PK\x03\x04"
+            else "not a .pt2 archive")
 
 
 def read_interface(path: Path, where: str) -> ProgramInterface:

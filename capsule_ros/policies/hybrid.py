@@ -402,7 +402,10 @@ class AttentionLayer(nn.Module):
     def step(self, x: torch.Tensor, state: State, ctx: StepContext, kernels: LayerKernels) -> torch.Tensor:
         ring = state[self.kv_name]
         x, kv = kernels.attention_decode(x, ring, ctx.old_bias, ctx.phases, *self._weights(), self.shape)
-        ring[:, :, ctx.slot] = kv                              # in-place ring write (one index_put)
+        # in-place ring write (one index_put over the ring's slot axis, first in a transposed
+        # view): the same bytes as ring[:, :, slot] = kv, and a form torch.func.vmap batches
+        # (a fleet's batched step, capsule_ros.runtime.batching)
+        ring.transpose(0, 2).index_put_((ctx.slot,), kv.transpose(0, 2))
         return x
 
     def sequence(self, x: torch.Tensor, state: Optional[State], kernels: LayerKernels) -> torch.Tensor:

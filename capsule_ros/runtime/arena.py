@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Dict, Iterable, Iterator, List, Mapping, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -143,14 +143,19 @@ class StateArena:
     chunking mode's landing buffer for a refill worker's chunk. They get an allocation of
     their own beside ``storage`` and views of their own (``scratch_views``: never among the
     ``views`` a policy is handed), so the programs read only this arena's addresses and
-    ``addresses`` covers them too."""
+    ``addresses`` covers them too.
 
-    def __init__(self, layout: ArenaLayout, device: torch.device, scratch: Sequence[BufferSpec] = ()):
+    ``storage`` / ``scratch_storage``: bytes to lay the buffers over instead of allocating
+    them (uint8 of the layouts' sizes, on ``device``): one slot of a fleet's arena, whose
+    slots are each one contiguous range (``capsule_ros.runtime.slots``)."""
+
+    def __init__(self, layout: ArenaLayout, device: torch.device, scratch: Sequence[BufferSpec] = (), *,
+                 storage: Optional[torch.Tensor] = None, scratch_storage: Optional[torch.Tensor] = None):
         self.layout = layout
         self.device = torch.device(device)
-        self.storage = torch.zeros(layout.nbytes, dtype=torch.uint8, device=self.device)
         self.scratch_layout = ArenaLayout(scratch)
-        self.scratch = torch.zeros(self.scratch_layout.nbytes, dtype=torch.uint8, device=self.device)
+        self.storage = _bytes_for(layout, self.device, storage)
+        self.scratch = _bytes_for(self.scratch_layout, self.device, scratch_storage)
         self._views = _views_of(self.storage, layout)
         self.scratch_views: Mapping[str, torch.Tensor] = _views_of(self.scratch, self.scratch_layout)
         clash = sorted(set(self._views) & set(self.scratch_views))
@@ -185,6 +190,26 @@ class StateArena:
 
     def zero_(self) -> None:
         self.storage.zero_()
+
+
+def _same_device(actual: torch.device, wanted: torch.device) -> bool:
+    """Whether a tensor on ``actual`` lives on ``wanted``; an index-less ``cuda`` is the current CUDA device."""
+    def indexed(device: torch.device) -> torch.device:
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+    return indexed(actual) == indexed(wanted)
+
+
+def _bytes_for(layout: ArenaLayout, device: torch.device, given: Optional[torch.Tensor]) -> torch.Tensor:
+    """``given`` (checked: contiguous uint8 of the layout's size on ``device``), or new zeroed bytes."""
+    if given is None:
+        return torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
+    if given.dtype != torch.uint8 or given.dim() != 1 or given.numel() != layout.nbytes \
+            or not given.is_contiguous() or not _same_device(given.device, device):
+        raise InvalidArgument(f"arena storage: needs contiguous uint8[{layout.nbytes}] on {device}, got "
+                              f"{str(given.dtype).replace('torch.', '')}{list(given.shape)} on {given.device}")
+    return given
 
 
 def _views_of(storage: torch.Tensor, layout: ArenaLayout) -> Dict[str, torch.Tensor]:

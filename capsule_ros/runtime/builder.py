@@ -98,7 +98,8 @@ def compose_programs(programs: Mapping[str, Program], guard: Optional[StepGuard]
 def build_policy_runtime(policy: StatefulPolicy, config: RuntimeConfig = RuntimeConfig(), *,  # noqa: B008 - frozen
                          mode: ModeSetup = EVERY_STEP, inputs: Optional[Mapping[str, object]] = None,
                          identity: Optional[RuntimeIdentity] = None, streams: Optional[StreamKeeper] = None,
-                         stream_role: str = "step", policy_checked: bool = False) -> PolicyRuntime:
+                         stream_role: str = "step", policy_checked: bool = False,
+                         arena: Optional[StateArena] = None) -> PolicyRuntime:
     """A runtime of ``policy`` run in ``mode`` (see the module docstring for the phases).
 
     ``inputs``: input buffer name -> what fills it (part of the fingerprint; the node
@@ -108,11 +109,14 @@ def build_policy_runtime(policy: StatefulPolicy, config: RuntimeConfig = Runtime
     ConfigError) when the policy's step cannot run on its declared inputs or cannot be
     captured, and PolicyStateError when it keeps state outside its buffers
     (``runtime.state_check``; skipped with ``policy_checked``, for a replica whose policy
-    passed it with the original)."""
+    passed it with the original). ``arena``: the arena to build in, with the mode's scratch
+    (a slot of a fleet's arena, ``capsule_ros.runtime.slots``); default a new one."""
     placed = place_policy(policy, config)
     streams = streams or StreamKeeper()
     stream = streams.get(placed.device, stream_role)
-    arena = StateArena(ArenaLayout(placed.policy.state_spec()), placed.device, scratch=mode.scratch(placed.policy))
+    if arena is None:
+        arena = StateArena(ArenaLayout(placed.policy.state_spec()), placed.device,
+                           scratch=mode.scratch(placed.policy))
     bound = mode.bind(ModeContext(placed.policy, arena, stream, streams, config.cuda_graphs))
     transfer = HostTransfer(arena, pinned=placed.device.type == "cuda")
     guard = StepGuard(arena) if config.guard_steps else None
@@ -144,8 +148,11 @@ def replica_of(runtime: PolicyRuntime, role: str = "replica") -> PolicyRuntime:
     inline: a replica replays, it does not race).
 
     Both share the fingerprint, so capsules move freely between them; they never share
-    state, so the two branches cannot affect each other.
+    state, so the two branches cannot affect each other. A runtime that says how its
+    replicas are made (``PolicyRuntime.make_replica``: a fleet slot) gets one made so.
     """
+    if runtime.make_replica is not None:
+        return runtime.make_replica(role)
     return build_policy_runtime(runtime.policy, runtime.config, mode=runtime.mode.setup.for_replica(),
                                 inputs=runtime.inputs, identity=runtime.identity, streams=runtime.streams,
                                 stream_role=role, policy_checked=True)

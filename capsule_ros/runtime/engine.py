@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, Mapping, MutableMapping, Optional, Sequence
+from typing import Callable, Dict, Mapping, MutableMapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from capsule_ros.errors import InvalidArgument
 from capsule_ros.runtime import numerics
 from capsule_ros.runtime.arena import STATE_KINDS, BufferKind, StateArena
 from capsule_ros.runtime.fingerprint import FingerprintParts, RuntimeIdentity
-from capsule_ros.runtime.graphs import ProgramGraphs
+from capsule_ros.runtime.graphs import StepPrograms
 from capsule_ros.runtime.marks import ModeMark
 from capsule_ros.runtime.mode import ExecutionMode, MarkBytes, StepReport
 from capsule_ros.runtime.policy import ACTION, CHUNK, EPISODE, POSITION, STEP, StatefulPolicy
@@ -124,12 +124,14 @@ def release_device_memory(device: torch.device) -> None:
 
 class StepGuard:
     """The step guard's copy (``runtime.guard_steps``): ``keep`` runs first in every
-    program (inside its graph), ``put_back`` restores what the last step changed."""
+    program (inside its graph), ``put_back`` restores what the last step changed.
+    ``copy``: where the copy lives when its owner keeps it (a fleet slot's range of the
+    copy the fleet's programs take of every slot)."""
 
-    def __init__(self, arena: StateArena):
+    def __init__(self, arena: StateArena, copy: Optional[torch.Tensor] = None):
         start, end = arena.layout.byte_range(*STATE_KINDS, BufferKind.OUTPUT)
         self.state = arena.storage[start:end]             # everything a step writes
-        self.copy = torch.empty_like(self.state)
+        self.copy = torch.empty_like(self.state) if copy is None else copy
 
     def keep(self) -> None:
         self.copy.copy_(self.state)
@@ -154,8 +156,13 @@ class PolicyRuntime:
     docstring). Made by ``build_policy_runtime``: the constructor assigns what its phases
     built."""
 
+    # Who builds a replica of this runtime (``builder.replica_of``) when a plain one would
+    # compute other bits: a fleet slot's replica is a slot of a fleet of the same shape
+    # (``capsule_ros.runtime.fleet``). None: ``replica_of`` builds a plain runtime.
+    make_replica: Optional[Callable[[str], PolicyRuntime]] = None
+
     def __init__(self, *, config: RuntimeConfig, device: torch.device, numerics_level: str,
-                 policy: StatefulPolicy, arena: StateArena, mode: ExecutionMode, graphs: ProgramGraphs,
+                 policy: StatefulPolicy, arena: StateArena, mode: ExecutionMode, graphs: StepPrograms,
                  transfer: HostTransfer, guard: Optional[StepGuard], fold_outputs: bool, identity: RuntimeIdentity,
                  inputs: Mapping[str, object], stream: Optional[torch.cuda.Stream], streams: StreamKeeper):
         self.config = config
@@ -304,8 +311,7 @@ class PolicyRuntime:
         if not self._outputs_in_host:
             return self.read_outputs()
         self._outputs_in_host = False
-        assert self.stream is not None
-        self.stream.synchronize()
+        self.synchronize()
         return self._host_outputs(self.transfer.outputs)
 
     def _host_outputs(self, v: Mapping[str, np.ndarray]) -> StepOutputs:

@@ -43,19 +43,50 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Set
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Protocol, Set
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from capsule_ros.errors import ConfigError
-from capsule_ros.runtime.arena import BufferKind, StateArena
+from capsule_ros.runtime.arena import ArenaLayout, BufferKind
 from capsule_ros.runtime.mode import STEP_PROGRAM
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.runtime.streams import on_stream
 
 LOG = logging.getLogger(__name__)
+
+
+class ProgramArena(Protocol):
+    """What the programs run over: a ``StateArena``, or a fleet's arena of slots
+    (``capsule_ros.runtime.slots.FleetArena``): its bytes and scratch bytes (saved and put
+    back around warm-up and capture), the single-robot layout (named in errors), the
+    device, and the addresses of its views (the debug check)."""
+
+    storage: torch.Tensor
+    scratch: torch.Tensor
+    layout: ArenaLayout
+    device: torch.device
+
+    @property
+    def views(self) -> Mapping[str, torch.Tensor]: ...
+
+    def addresses(self) -> Dict[str, int]: ...
+
+
+class StepPrograms(Protocol):
+    """What a runtime steps through (``ProgramGraphs``, or a fleet slot's share of its
+    fleet's programs): a program by name, a prefill, whether graphs were captured."""
+
+    @property
+    def captured(self) -> bool: ...
+
+    def step(self, program: str = STEP_PROGRAM, eager: bool = False) -> None: ...
+
+    def prefill(self, tokens: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class GraphAddressError(RuntimeError):
@@ -71,7 +102,7 @@ class ProgramGraphs:
     """Runs a runtime's programs and ``policy.prefill`` over ``arena`` (see the module
     docstring)."""
 
-    def __init__(self, policy: StatefulPolicy, arena: StateArena, programs: Mapping[str, Callable[[], None]], *,
+    def __init__(self, policy: StatefulPolicy, arena: ProgramArena, programs: Mapping[str, Callable[[], None]], *,
                  use_graphs: bool, stream: Optional[torch.cuda.Stream], debug_checks: bool = False,
                  warmup_steps: int = 3, eager_fallback: bool = False,
                  owned: Optional[Mapping[str, torch.Tensor]] = None):

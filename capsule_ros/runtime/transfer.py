@@ -19,14 +19,19 @@ from capsule_ros.runtime.streams import on_stream
 
 class HostTransfer:
     """The input staging buffer and the outputs' host buffer of one arena, with numpy
-    views of each buffer in them (see the module docstring)."""
+    views of each buffer in them (see the module docstring). ``staging`` / ``outputs``:
+    host bytes to use instead of allocating them (a fleet slot's rows of the fleet's host
+    buffers, ``capsule_ros.runtime.fleet``)."""
 
-    def __init__(self, arena: StateArena, pinned: bool):
+    def __init__(self, arena: StateArena, pinned: bool, *, staging: Optional[torch.Tensor] = None,
+                 outputs: Optional[torch.Tensor] = None):
         layout = arena.layout
         in_start, in_end = layout.byte_range(BufferKind.INPUT)
         out_start, out_end = layout.byte_range(BufferKind.META, BufferKind.OUTPUT)
-        self.input_staging = torch.zeros(in_end - in_start, dtype=torch.uint8, pin_memory=pinned)
-        self.output_host = torch.zeros(out_end - out_start, dtype=torch.uint8, pin_memory=pinned)
+        self.input_staging = staging if staging is not None else torch.zeros(in_end - in_start, dtype=torch.uint8,
+                                                                               pin_memory=pinned)
+        self.output_host = outputs if outputs is not None else torch.zeros(out_end - out_start, dtype=torch.uint8,
+                                                                            pin_memory=pinned)
         self.input_region = arena.storage[in_start:in_end]
         self.output_region = arena.storage[out_start:out_end]
         self.staging: Dict[str, np.ndarray] = {}

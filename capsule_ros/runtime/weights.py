@@ -12,7 +12,9 @@ mis-shaped name (the hybrid's ``policy.weights`` and the LeRobot checkpoints sha
 """
 from __future__ import annotations
 
+import json
 import os
+import struct
 from pathlib import Path
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
@@ -46,8 +48,27 @@ def read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
             metadata = dict(f.metadata() or {})
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
     except (SafetensorError, OSError) as exc:
-        raise ConfigError(f"{path}: not a valid safetensors file ({exc})") from None
+        raise ConfigError(f"{path}: {_not_safetensors(path)} ({' '.join(str(exc).split())})") from None
     return tensors, metadata
+
+
+def _not_safetensors(path: Path) -> str:
+    """Why ``path`` does not read as safetensors; when its header reads and describes more
+    bytes than the file holds, that it was cut short (an interrupted copy)."""
+    invalid = "not a valid safetensors file"
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            (header_bytes,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_bytes > size:
+                return invalid
+            header = json.loads(f.read(header_bytes))
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return invalid
+    if 8 + header_bytes + end > size:
+        return f"{invalid}: it is truncated (its header describes {8 + header_bytes + end} bytes, the file has {size})"
+    return invalid
 
 
 SHOWN_NAMES = 5     # names listed per kind of problem in a load error (the rest are counted)

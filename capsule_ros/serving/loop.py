@@ -24,6 +24,7 @@ import numpy as np
 
 from capsule_ros.errors import InvalidArgument
 from capsule_ros.runtime.engine import PolicyRuntime
+from capsule_ros.runtime.mode import StepReport
 from capsule_ros.serving.config import ControlConfig, PortConfig
 from capsule_ros.serving.episode import Episode, Events
 from capsule_ros.serving.notices import Notices
@@ -40,7 +41,7 @@ from capsule_ros.serving.records import (
     StepFault,
     clock_jump_detail,
 )
-from capsule_ros.serving.stepping import GuardedStep, LogStep
+from capsule_ros.serving.stepping import GuardedStep, LogStep, PendingStep, StepResult
 
 LOG = logging.getLogger(__name__)
 
@@ -60,6 +61,49 @@ class LoopPicture(NamedTuple):
     counters: SessionCounters          # a copy
     step_ms: Dict[float, float]        # percentile -> ms
     ports: Tuple[PortPicture, ...]
+
+
+class Tick:
+    """A tick begun (``ControlLoop.begin_tick``): ``pending``, the guarded step it waits for
+    (None: it needs none: interrupted, idle, inputs missing); ``record``, its result, once
+    it has one. Its driver either lets it step its own runtime (``run``) or steps the
+    runtime itself (with others, in one fleet step) and gives the outcome to ``finish``.
+    Under the session's boundary from begin to finish."""
+
+    def __init__(self, loop: ControlLoop, now_ns: int, stamp_ns: int, deadline_s: Optional[float],
+                 pending: Optional[PendingStep], record: Optional[ActionRecord]):
+        self._loop = loop
+        self.now_ns, self.stamp_ns, self.deadline_s = now_ns, stamp_ns, deadline_s
+        self.pending = pending
+        self.record = record
+
+    @property
+    def needs_step(self) -> bool:
+        """Whether the runtime must step before ``finish`` (and the upload did not fail)."""
+        return self.pending is not None and self.pending.error is None
+
+    def run(self) -> Optional[ActionRecord]:
+        """The runtime's own step if one is pending, then ``finish``: the whole tick."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.record = self._loop.finish_tick(self, self._loop.stepper.step_alone(pending))
+        return self.record
+
+    def __enter__(self) -> Tick:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """A block that ends before its driver finished the tick: the step counts as failed
+        (undone with the guard), so the inputs' lock and the watchdog are let go."""
+        self.finish(None, RuntimeError("the tick's block ended before its step was finished"))
+
+    def finish(self, report: Optional[StepReport], error: Optional[BaseException] = None) -> Optional[ActionRecord]:
+        """After its driver stepped the runtime (``report``) or the step raised (``error``);
+        a no-op returning the record when nothing is pending."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.record = self._loop.finish_tick(self, self._loop.stepper.finish(pending, report, error))
+        return self.record
 
 
 class ControlLoop:
@@ -156,26 +200,37 @@ class ControlLoop:
         replay re-enacting one); INTERRUPTED: the hold mode's safe action (None when silent);
         IDLE or inputs missing: None. After a policy action, ports older than their
         ``staleness_ms`` count a stale step."""
+        return self.begin_tick(now_ns, stamp_ns, late).run()
+
+    def begin_tick(self, now_ns: int, stamp_ns: Optional[int], late: bool) -> Tick:
+        """``tick`` in two halves: what it does up to its runtime's step (a ``Tick`` whose
+        driver steps the runtime, alone with ``Tick.run``, or with other sessions' runtimes in
+        one fleet step and then ``Tick.finish``)."""
         episode = self._episode
         stamp_ns = now_ns if stamp_ns is None else stamp_ns
         if episode.state == EpisodeState.INTERRUPTED:
-            return self.safe_record(episode.hold_mode, stamp_ns)
+            return Tick(self, now_ns, stamp_ns, None, None, self.safe_record(episode.hold_mode, stamp_ns))
         if episode.state != EpisodeState.RUNNING:
-            return None
+            return Tick(self, now_ns, stamp_ns, None, None, None)
         if not self.inputs.ready:
             self.notices.warn("inputs", f"waiting for first message on port(s) {self.inputs.missing()}")
-            return None
+            return Tick(self, now_ns, stamp_ns, None, None, None)
         enforce = self._options.enforce_deadline
         deadline = self._control.effective_deadline_s() if enforce else None
-        result = self.stepper.run(episode.step, deadline, forced_late=late, enforce=enforce)
+        pending = self.stepper.begin(episode.step, deadline, forced_late=late, enforce=enforce)
+        return Tick(self, now_ns, stamp_ns, deadline, pending, None)
+
+    def finish_tick(self, tick: Tick, result: StepResult) -> Optional[ActionRecord]:
+        """The second half of a tick whose guarded step ended with ``result``."""
+        episode = self._episode
         episode.step = result.step
         out = result.outputs
         if result.fault != StepFault.NONE or out is None:
-            return self._faulted(result.fault, stamp_ns, result.overran, deadline)
+            return self._faulted(result.fault, tick.stamp_ns, result.overran, tick.deadline_s)
         episode.last_action = out.action
-        self._count_stale_ports(now_ns)
+        self._count_stale_ports(tick.now_ns)
         return ActionRecord(out.action, out.chunk, ActionSource.POLICY, episode.episode_id, episode.step,
-                            episode.lineage, stamp_ns)
+                            episode.lineage, tick.stamp_ns)
 
     def clock_jumped(self, delta_ns: int) -> None:
         """The clock jumped by ``delta_ns`` (negative: back): the ports forget their stamp

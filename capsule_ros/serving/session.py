@@ -1,28 +1,27 @@
 """PolicySession: one runtime and one capsule store served, without ROS.
 
-``capsule_ros.ros`` maps topics and services onto it; ``capsule-ros replay`` and the demo
-drive it directly. Policy, not mechanism: the runtime and the store provide verbs (step,
-snapshot, restore, fork); the session decides when to use them. It composes parts with one
-job each, the control loop (``capsule_ros.serving.loop``) and the episode state machine
-(``capsule_ros.serving.machine``: the verbs over the capsule set and the recompute
-fallback), and owns the step boundary and the lifecycle itself. Its faces: ``verbs`` (the
-table of ``capsule_ros.serving.verbs``), ``loop`` (``feed``, ``tick``, ``clock_jumped``),
-``status()`` and ``episode``, and the lifecycle (``warm_up``, ``suspend`` / ``resume``,
-``reconfigure``, ``release``, ``close``). What its owner decides about it is one frozen
-``SessionOptions``, given at construction.
+``capsule_ros.ros`` maps topics and services onto it; ``capsule-ros replay`` and the demo drive it
+directly. Policy, not mechanism: the runtime and the store provide verbs (step, snapshot, restore, fork);
+the session decides when to use them. It composes parts with one job each, the control loop
+(``capsule_ros.serving.loop``) and the episode state machine (``capsule_ros.serving.machine``: the verbs
+over the capsule set and the recompute fallback), and owns the step boundary and the lifecycle itself.
+Its faces: ``verbs`` (the table of ``capsule_ros.serving.verbs``), ``loop`` (``feed``, ``tick``,
+``clock_jumped``), ``status()`` and ``episode``, and the lifecycle (``warm_up``, ``suspend`` /
+``resume``, ``reconfigure``, ``release``, ``close``). What its owner decides about it is one frozen
+``SessionOptions``, given at construction. A fleet's robots (``capsule_ros.fleet``) are sessions that
+share one boundary (``together_with``), ticked together (``ticking_together``).
 
 Concurrency: this module shows every use of the boundary (``capsule_ros.serving.boundary``):
 ``blocking()`` for a tick, ``held()`` for a verb (BUSY after ``control.service_timeout_ms``;
 WRONG_STATE while suspended), ``lifecycle()`` for the node's transitions and parameters,
-``unless_busy()`` for status. The parts never take it and never call back into the
-session (test_layers.py and test_session_parts.py hold both): they return plans and
-results, and each says whether it runs under the boundary or outside it. File I/O and a
-recompute's replay happen outside it.
+``unless_busy()`` for status. The parts never take it and never call back into the session
+(test_layers.py and test_session_parts.py hold both): they return plans and results, and each says
+whether it runs under the boundary or outside it. File I/O and a recompute's replay happen outside it.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -37,7 +36,7 @@ from capsule_ros.serving.capsule_set import CapsuleSet, DirectoryWatch
 from capsule_ros.serving.config import ControlConfig, PortConfig
 from capsule_ros.serving.episode import Episode, Events
 from capsule_ros.serving.files import SaveFailed, SaveJob, Source
-from capsule_ros.serving.loop import ControlLoop, Fed
+from capsule_ros.serving.loop import ControlLoop, Fed, Tick
 from capsule_ros.serving.machine import EpisodeMachine
 from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.ports import stamp_ns
@@ -75,9 +74,10 @@ class PolicySession:
     def __init__(self, runtime: PolicyRuntime, store: CapsuleStore, control: ControlConfig, *,
                  directory: Optional[CapsuleDirectory] = None, ports: Optional[Mapping[str, PortConfig]] = None,
                  prefix: Sequence[int] = (), watch: Optional[DirectoryWatch] = None,
-                 options: Optional[SessionOptions] = None):
+                 options: Optional[SessionOptions] = None, together_with: Optional[PolicySession] = None):
+        """``together_with``: share its boundary (a fleet's robots: ``ticking_together``)."""
         options = options or SessionOptions()
-        boundary = Boundary(control.service_timeout_ms / 1e3)
+        boundary = together_with.parts.boundary if together_with else Boundary(control.service_timeout_ms / 1e3)
         episode = Episode(np.zeros(runtime.policy.action_dim, dtype=np.float32))
         events = Events(episode, options.on_event)
         recompute = Recompute(runtime, store, control.input_log_steps, control.input_log_max_mb, tuple(prefix))
@@ -113,9 +113,8 @@ class PolicySession:
         return self._parts.machine.picture(self._parts.boundary.suspended)
 
     def status(self) -> SessionStatus:
-        """A consistent picture taken between steps. Never waits for a service: while one
-        holds the boundary, the previous picture is returned (status must not delay the
-        control loop, and reading the store while a service changes it is not safe)."""
+        """A consistent picture taken between steps. Never waits for a service: while one holds the
+        boundary, the previous one (status must not delay the loop, nor read the store under a verb)."""
         boundary = self._parts.boundary
         with boundary.unless_busy() as entered:
             if entered:
@@ -136,12 +135,11 @@ class PolicySession:
 
     def suspend(self, reason: str, hold_mode: int = HoldMode.HOLD_LAST, *,
                 timeout_s: Optional[float] = None) -> Optional[Capsule]:
-        """Stop serving the verbs (the node's lifecycle deactivate): from now on each verb
-        answers WrongState(``reason``), also one already waiting for the boundary (so none
-        can change the state before ``resume``); at the next boundary a RUNNING episode is
-        interrupted with ``hold_mode`` and its capsule committed, which ``resume`` re-enters.
-        The interrupt capsule, or None. Busy when no boundary comes within ``timeout_s``
-        (ResourceExhausted: no room for the capsule): served again, nothing changed."""
+        """Stop serving the verbs (the node's lifecycle deactivate): from now on each verb answers
+        WrongState(``reason``), also one already waiting (none changes the state before ``resume``);
+        at the next boundary a RUNNING episode is interrupted with ``hold_mode`` and its capsule
+        committed, which ``resume`` re-enters. The interrupt capsule, or None. Busy when no boundary
+        comes within ``timeout_s`` (ResourceExhausted: no room for the capsule): nothing changed."""
         mode, boundary = hold_mode_of(hold_mode), self._parts.boundary
         boundary.suspend(reason)
         try:
@@ -152,10 +150,9 @@ class PolicySession:
             raise
 
     def resume(self, timeout_s: Optional[float] = None) -> Optional[ReenterResult]:
-        """Serve the verbs again (the node's lifecycle activate), at one boundary: the
-        episode ``suspend`` interrupted resumes from its interrupt capsule (bit for bit),
-        then the verbs are served. Busy when no boundary comes within ``timeout_s``: still
-        suspended, nothing changed."""
+        """Serve the verbs again (the node's lifecycle activate), at one boundary: the episode ``suspend``
+        interrupted resumes from its interrupt capsule (bit for bit), then the verbs are served. Busy
+        when no boundary comes within ``timeout_s``: still suspended, nothing changed."""
         boundary = self._parts.boundary
         with boundary.lifecycle(timeout_s):
             result = self._parts.machine.resume()
@@ -163,10 +160,9 @@ class PolicySession:
             return result
 
     def reconfigure(self, control: ControlConfig, ports: Optional[Mapping[str, PortConfig]] = None) -> None:
-        """Run-time settings take effect at the next boundary (the node's parameters): the
-        control section, and the ports' settings that do not change what fills a buffer
-        (staleness, QoS...). InvalidArgument, with nothing changed, for what the control
-        loop cannot take (``ControlLoop.check``). Busy when no boundary comes in time."""
+        """Run-time settings take effect at the next boundary (the node's parameters): the control section, and the
+        ports' settings that do not change what fills a buffer (staleness, QoS...). InvalidArgument, with nothing
+        changed, for what the control loop cannot take (``ControlLoop.check``). Busy when no boundary comes in time."""
         ports, loop, boundary = dict(ports or {}), self._parts.loop, self._parts.boundary
         loop.check(control, ports)
         with boundary.lifecycle():          # also while the verbs are suspended (an inactive node)
@@ -180,9 +176,8 @@ class PolicySession:
             self._watch.close()
 
     def release(self, timeout_s: float = 30.0) -> None:
-        """Close, then free the runtime, its replica and the capsule store at a boundary (the
-        node's lifecycle ``cleanup``): device memory goes back to the driver and the session
-        cannot run again (its boundary answers WRONG_STATE from now on). Capsule files stay."""
+        """Close, then free the runtime, its replica and the capsule store at a boundary (lifecycle
+        ``cleanup``): the session cannot run again (WRONG_STATE from now on). Capsule files stay."""
         self.close()
         parts = self._parts
         with parts.boundary.lifecycle(timeout_s):
@@ -216,10 +211,9 @@ class SessionLoop:
 
     def feed(self, port: str, msg: Any, now_ns: Optional[int] = None, *, stage_only: bool = False,
              late: bool = False) -> Fed:
-        """A sensor message at ``now_ns`` (default: the session's clock): staged (or dropped,
-        counted and warned about) and, in trigger mode on the trigger port, the tick it
-        triggers, stamped with its header stamp (``stage_only``: no tick; ``late``: that
-        tick counts as a deadline miss)."""
+        """A sensor message at ``now_ns`` (default: the session's clock): staged (or dropped, counted and warned about)
+        and, in trigger mode on the trigger port, the tick it triggers, stamped with its header stamp (``stage_only``:
+        no tick; ``late``: that tick counts as a deadline miss)."""
         now = self.observe_clock(self._loop.now() if now_ns is None else now_ns)
         drop = self._loop.accept(port, msg, now)
         if drop is not None:
@@ -235,19 +229,18 @@ class SessionLoop:
             return self._loop.tick(now, stamp_ns, late)
 
     def observe_clock(self, now_ns: int) -> int:
-        """The session's clock as the control loop reads it (``feed``, ``tick``; the node
-        before it records a message): a time earlier than the last one read is a jump back
-        (``clock_jumped``), for clocks that report none. Returns ``now_ns``."""
+        """The session's clock as the control loop reads it (``feed``, ``tick``; the node before it
+        records a message): a time earlier than the last one read is a jump back (``clock_jumped``),
+        for clocks that report none. Returns ``now_ns``."""
         jump = self._loop.observe_clock(now_ns)
         if jump is not None:
             self.clock_jumped(jump)
         return now_ns
 
     def clock_jumped(self, delta_ns: int) -> None:
-        """The session's clock jumped by ``delta_ns`` (negative: back), as a simulated clock
-        does at every loop of ``ros2 bag play --clock --loop``: ``ControlLoop.clock_jumped``
-        (a replay re-enacts its CLOCK_JUMP event there). The node calls it from its clock's
-        jump callback. At a boundary, waiting as long as it takes (like a tick)."""
+        """The session's clock jumped by ``delta_ns`` (negative: back), as a simulated clock does at
+        every loop of ``ros2 bag play --clock --loop``: ``ControlLoop.clock_jumped`` (a replay re-enacts
+        its CLOCK_JUMP event there), from the node's clock's jump callback. At a boundary, like a tick."""
         with self._boundary.blocking():
             self._loop.clock_jumped(delta_ns)
 
@@ -274,12 +267,11 @@ class SessionVerbs:
 
     # -- verbs that change the episode ---------------------------------------------------------------
     def commit(self, label: str = "", persist: bool = False, pin: bool = False) -> Capsule:
-        """Snapshot the whole state at this boundary into a new capsule: the lineage and the
-        COMMIT event change at this boundary. With ``persist`` the capsule is then saved
-        outside the boundary (the control loop keeps stepping) and this returns once its
-        file is written. Raises InvalidArgument (label), WrongState (IDLE), ResourceExhausted,
-        Busy, CapsuleIOError (persist without a directory), all with nothing changed; and
-        SaveFailed when the capsule was made but its file could not be written."""
+        """Snapshot the whole state at this boundary into a new capsule: the lineage and the COMMIT event change at this
+        boundary. With ``persist`` the capsule is then saved outside the boundary (the control loop keeps stepping) and
+        this returns once its file is written. Raises InvalidArgument (label), WrongState (IDLE), ResourceExhausted,
+        Busy, CapsuleIOError (persist without a directory), all with nothing changed; and SaveFailed when the capsule
+        was made but its file could not be written."""
         check_label(label)
         saver = self._capsules.require_saver() if persist else None
         with self._boundary.held():
@@ -293,10 +285,9 @@ class SessionVerbs:
         return capsule
 
     def reset(self, capsule_id: str = "") -> EpisodeStart:
-        """Start a new episode from the initial state or from a capsule's state (in memory
-        or read from its file). Raises InvalidArgument, NotFound, CorruptCapsule,
-        FingerprintMismatch, PermissionDenied, CapsuleIOError (the capsule), ResourceExhausted
-        (no room for the episode's root capsule) and Busy, with the live state unchanged."""
+        """Start a new episode from the initial state or from a capsule's state (in memory or read from its file).
+        Raises InvalidArgument, NotFound, CorruptCapsule, FingerprintMismatch, PermissionDenied, CapsuleIOError (the
+        capsule), ResourceExhausted (no room for the episode's root capsule) and Busy, with the live state unchanged."""
         if not capsule_id:
             with self._boundary.held():
                 return self._machine.start(None)
@@ -305,24 +296,20 @@ class SessionVerbs:
 
     def interrupt(self, hold_mode: int = HoldMode.HOLD_LAST, commit: bool = True, *,
                   timeout_s: Optional[float] = None) -> Optional[Capsule]:
-        """Stop acting at this boundary; optionally commit the boundary capsule (held until
-        re-entered or replaced). Raises InvalidArgument (hold mode), WrongState (not
-        RUNNING), ResourceExhausted (commit without room) and Busy (no boundary within
-        ``timeout_s``, default control.service_timeout_ms)."""
+        """Stop acting at this boundary; optionally commit the boundary capsule (held until re-entered or replaced).
+        Raises InvalidArgument (hold mode), WrongState (not RUNNING), ResourceExhausted (commit without room) and Busy
+        (no boundary within ``timeout_s``, default control.service_timeout_ms)."""
         mode = hold_mode_of(hold_mode)
         with self._boundary.held(timeout_s):
             self._machine.require(EpisodeState.RUNNING, verb="interrupt")
             return self._machine.interrupt(mode, commit)
 
     def reenter(self, capsule_id: str = "", *, only: Sequence[BufferKind] = ()) -> ReenterResult:
-        """Restore a capsule and resume ("" = the interrupt capsule, or the untouched live
-        state after an interrupt without one). A capsule that cannot be restored is rebuilt
-        by the recompute fallback when the input log covers it, or else from its file's
-        recipe under this fingerprint (on a replica, outside the boundary: the control loop
-        keeps stepping meanwhile). Raises the capsule's own error (with the reasons there is
-        no fallback), WrongState, ResourceExhausted, Busy.
-
-        ``only`` (an ablation, ``capsule-ros replay --ablation``): restore just these buffer
+        """Restore a capsule and resume ("" = the interrupt capsule, or the untouched live state after an interrupt
+        without one). A capsule that cannot be restored is rebuilt by the recompute fallback when the input log covers
+        it, or else from its file's recipe under this fingerprint (on a replica, outside the boundary: the control loop
+        keeps stepping meanwhile). Raises the capsule's own error (with the reasons there is no fallback), WrongState,
+        ResourceExhausted, Busy.  ``only`` (an ablation, ``capsule-ros replay --ablation``): restore just these buffer
         kinds of the capsule and keep the rest of the live state."""
         if only and capsule_id:
             return self._reenter_only(capsule_id, only)
@@ -390,16 +377,14 @@ class SessionVerbs:
         return self._write(job)
 
     def load(self, capsule_id: str) -> Capsule:
-        """Read and verify a capsule file into memory (the live state is not touched).
-        Raises NotFound, CorruptCapsule, FingerprintMismatch, PermissionDenied,
-        CapsuleIOError (the file's own problem, even when the capsule is in memory),
-        ResourceExhausted and Busy."""
+        """Read and verify a capsule file into memory (the live state is not touched). Raises NotFound,
+        CorruptCapsule, FingerprintMismatch, PermissionDenied, CapsuleIOError (the file's own problem,
+        even when the capsule is in memory), ResourceExhausted and Busy."""
         self._capsules.require_saver()
         fetched = self._capsules.reader.read(check_capsule_id(capsule_id))
         with self._boundary.held():
             return self._machine.loaded(fetched)
 
-    # -- internals -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _held_with(self, capsule_id: str) -> Iterator[Source]:
         """The boundary held, with the capsule's state in memory or from its file, read and
@@ -416,8 +401,8 @@ class SessionVerbs:
         raise Busy(f"capsule {capsule_id!r} kept leaving memory while it was being read; try again")
 
     def _write(self, job: SaveJob) -> Capsule:
-        """Outside the boundary: the file of a save begun under it. Its loan always ends
-        under the boundary, which must not give up on that (it waits behind at most a step)."""
+        """Outside the boundary: the file of a save begun under it. Its loan always ends under
+        the boundary, which must not give up on that (it waits behind at most a step)."""
         saver = self._capsules.require_saver()
         try:
             path = saver.write(job)
@@ -430,8 +415,7 @@ class SessionVerbs:
         return job.capsule
 
     def _reenter_only(self, capsule_id: str, only: Sequence[BufferKind]) -> ReenterResult:
-        """``reenter(capsule_id, only=...)``: re-enter, then put every other buffer kind back
-        from a capsule of the live state taken just before."""
+        """``reenter(capsule_id, only=...)``: re-enter, then the other kinds back from the live state's."""
         with self._boundary.held():
             live = self._machine.snapshot_live("ablation: live state")
         try:
@@ -443,3 +427,24 @@ class SessionVerbs:
             with self._boundary.blocking():
                 self._store.drop(live.id)
 
+
+
+@contextlib.contextmanager
+def ticking_together(ticks: Sequence[Tuple[PolicySession, Optional[int], bool]]) -> Iterator[List[Tick]]:
+    """Ticks (session, stamp, late) of sessions sharing one boundary (a fleet's robots), begun at one
+    boundary held for the block: the driver steps them in one fleet step, then ``Tick.finish``es each."""
+    nows = [session.loop.observe_clock(session._parts.loop.now()) for session, _, _ in ticks]
+    with ticks[0][0]._parts.boundary.blocking(), contextlib.ExitStack() as stack:
+        yield [stack.enter_context(session._parts.loop.begin_tick(now, stamp, late))
+               for (session, stamp, late), now in zip(ticks, nows, strict=True)]
+
+
+def release_together(sessions: Sequence[PolicySession], timeout_s: float = 30.0) -> None:
+    """``release`` of closed sessions sharing one boundary and store (a fleet's robots; the fleet closes
+    the runtime), at one boundary, which from then on answers WRONG_STATE to all of them."""
+    with sessions[0]._parts.boundary.lifecycle(timeout_s):
+        for parts in (session._parts for session in sessions):
+            parts.machine.release()
+            parts.recompute.close()
+        sessions[0]._parts.store.close()
+        sessions[0]._parts.boundary.close()

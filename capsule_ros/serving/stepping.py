@@ -31,6 +31,7 @@ import numpy as np
 
 from capsule_ros.metrics import LatencyWindow
 from capsule_ros.runtime.engine import PolicyRuntime, StepOutputs
+from capsule_ros.runtime.mode import StepReport
 from capsule_ros.serving.ports import SensorInputs
 from capsule_ros.serving.records import SessionCounters, StepFault
 from capsule_ros.serving.watchdog import DeadlineWatchdog
@@ -38,6 +39,20 @@ from capsule_ros.serving.watchdog import DeadlineWatchdog
 LOG = logging.getLogger(__name__)
 # (the state's step before it, the inputs it read or None, its action or None): a counted step
 LogStep = Callable[[int, Optional[np.ndarray], Optional[np.ndarray]], None]
+
+
+@dataclass
+class PendingStep:
+    """A guarded step begun (``GuardedStep.begin``) whose runtime step its driver runs."""
+
+    from_step: int
+    deadline_s: Optional[float]
+    forced_late: bool
+    enforce: bool
+    watchdog: Optional[DeadlineWatchdog]
+    start: float
+    uploaded: bool = True
+    error: Optional[BaseException] = None      # the upload raised: the step must not run
 
 
 @dataclass(frozen=True)
@@ -94,44 +109,76 @@ class GuardedStep:
         """One step from state step ``from_step`` (``deadline_s`` None: no deadline;
         ``forced_late``: count it late whatever its time, e.g. a replay re-enacting a miss;
         ``enforce`` False: timing makes no step late, a late refill included)."""
+        return self.step_alone(self.begin(from_step, deadline_s, forced_late, enforce))
+
+    def begin(self, from_step: int, deadline_s: Optional[float], forced_late: bool = False,
+              enforce: bool = True) -> PendingStep:
+        """The first half of ``run``: the watchdog armed, the inputs' lock taken (until
+        ``finish``: the staged inputs must not change under the step) and the inputs
+        uploaded. Its driver then runs the runtime's step, alone (``step_alone``) or with
+        other runtimes' in one fleet step (``capsule_ros.fleet``), and always ``finish``es it."""
         watchdog = self._watchdog if deadline_s is not None else None
         if watchdog is not None and deadline_s is not None:
             watchdog.arm(deadline_s)
         self.idle.clear()
+        pending = PendingStep(from_step, deadline_s, forced_late, enforce, watchdog, time.perf_counter())
+        self.inputs.lock.acquire()
         try:
-            return self._run(from_step, deadline_s, forced_late, watchdog, enforce)
+            pending.uploaded = self.runtime.load_inputs()
+        except Exception as exc:  # noqa: BLE001 - the step's fault: ``finish`` counts it (ERROR)
+            pending.error = exc
+        return pending
+
+    def step_alone(self, pending: PendingStep) -> StepResult:
+        """The runtime's own step for ``pending``, then ``finish``."""
+        report, error = None, pending.error
+        if error is None:
+            try:
+                report = self.runtime.step()
+            except Exception as exc:  # noqa: BLE001 - the step's fault: ``finish`` counts it (ERROR)
+                error = exc
+        return self.finish(pending, report, error)
+
+    def finish(self, pending: PendingStep, report: Optional[StepReport],
+               error: Optional[BaseException] = None) -> StepResult:
+        """The second half: the step ran (``report``) or raised (``error``); its outputs
+        read and judged, the step logged or undone, the lock released, the fault counted."""
+        try:
+            return self._finish(pending, report, error)
         finally:
             self.idle.set()
 
-    def _run(self, from_step: int, deadline_s: Optional[float], forced_late: bool,
-             watchdog: Optional[DeadlineWatchdog], enforce: bool) -> StepResult:
-        fault, out, start = StepFault.NONE, None, time.perf_counter()
-        refill_late, uploaded = False, True
-        with self.inputs.lock:
-            try:
-                uploaded = self.runtime.load_inputs()
-                refill_late = self.runtime.step().late
-                out = self.runtime.read_step_outputs()
-                if not (np.isfinite(out.action).all() and np.isfinite(out.chunk).all()):
-                    fault = StepFault.NONFINITE
-            except Exception as exc:
-                fault = StepFault.ERROR
-                self.counters.last_fault = f"{type(exc).__name__}: {exc}"
-                LOG.debug("step failed", exc_info=True)
+    def _finish(self, pending: PendingStep, report: Optional[StepReport],
+                error: Optional[BaseException]) -> StepResult:
+        fault, out, from_step, deadline_s = StepFault.NONE, None, pending.from_step, pending.deadline_s
+        error = error if error is not None else pending.error
+        try:
+            if error is not None or report is None:
+                raise error if error is not None else RuntimeError("the step did not run")
+            out = self.runtime.read_step_outputs()
+            if not (np.isfinite(out.action).all() and np.isfinite(out.chunk).all()):
+                fault = StepFault.NONFINITE
+        except Exception as exc:
+            fault = StepFault.ERROR
+            self.counters.last_fault = f"{type(exc).__name__}: {exc}"
+            LOG.debug("step failed", exc_info=True)
+        try:
             if fault == StepFault.NONE or not self.runtime.guarded:
-                self.log_step(from_step, self.runtime.input_staging.numpy() if uploaded else None,
+                self.log_step(from_step, self.runtime.input_staging.numpy() if pending.uploaded else None,
                               out.action if out is not None else None)
-        seconds = time.perf_counter() - start
-        overran = watchdog.disarm() if watchdog is not None else False
+        finally:
+            self.inputs.lock.release()
+        seconds = time.perf_counter() - pending.start
+        overran = pending.watchdog.disarm() if pending.watchdog is not None else False
         self.latency.record(seconds)
         if fault != StepFault.NONE or out is None:
             return StepResult(out, fault, self._after_fault(fault, from_step), seconds, overran)
         self.counters.steps += 1
-        refill_late = refill_late and enforce
+        refill_late = report is not None and report.late and pending.enforce
         if refill_late:
             self.counters.late_refills += 1
             self.counters.last_fault = f"the refill taking over at step {from_step + 1} had not finished in time"
-        if forced_late or overran or refill_late or (deadline_s is not None and seconds > deadline_s):
+        if pending.forced_late or overran or refill_late or (deadline_s is not None and seconds > deadline_s):
             fault = StepFault.LATE
             self.counters.deadline_misses += 1
         return StepResult(out, fault, out.step, seconds, overran)

@@ -190,13 +190,15 @@ class Regeneration:
             def steps_done(done: int) -> None:
                 self._say(f"    {item.capsule_id}: {done}/{item.steps} steps")
             made = regenerate_capsule(self.deployment, header, recipe, root_state, self.max_drift, steps_done)
-            capsule = Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
-                              int(made.data.numel()), self.deployment.fingerprint, header.stamp_ns,
-                              numerics=made.numerics, mark=made.mark)
-            self.out.save(capsule, made.data, self.deployment.schema, recipe=made.recipe, parts=self.deployment.parts)
         except CapsuleRosError as exc:
             return Outcome(item.capsule_id, Status.SKIPPED, f"{type(exc).__name__}: {exc}", item.steps,
                            seconds=time.perf_counter() - started)
+        capsule = Capsule(header.capsule_id, header.label, header.parent_id, header.episode_id, header.step,
+                          int(made.data.numel()), self.deployment.fingerprint, header.stamp_ns,
+                          numerics=made.numerics, mark=made.mark)
+        # outside the try: a write that fails (a full disk, a file size limit) is not this
+        # capsule's to skip; it stops the run
+        self.out.save(capsule, made.data, self.deployment.schema, recipe=made.recipe, parts=self.deployment.parts)
         return Outcome(item.capsule_id, Status.REGENERATED, "", item.steps, made.drift, made.first_over,
                        time.perf_counter() - started, made.recipe.info.nbytes)
 

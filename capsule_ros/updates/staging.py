@@ -1,9 +1,11 @@
 """``capsule-ros regenerate``'s directories: DST is written completely or not at all.
 
 The regeneration builds DST in a hidden sibling named after the process
-(``staging_dir``), fsyncs every file and the directory, and renames it to DST at the end;
-a run killed at any point (``kill -9`` included) leaves no DST, and the next run removes
-the dead run's leftovers. SRC is opened read-only and never written.
+(``staging_dir``), fsyncs every file and the directory, and renames it to DST at the end
+(onto an empty DST too: one rename, so DST is never absent or partial); a run killed at
+any point (``kill -9`` included) leaves no DST, and the next run removes the dead run's
+leftovers; a write that fails (a full disk) stops the run with an error naming DST, the
+sibling removed. SRC is opened read-only and never written.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from capsule_ros.capsules.directory import CapsuleDirectory
+from capsule_ros.errors import CapsuleIOError, CapsuleRosError, one_line
 from capsule_ros.updates.deployment import Deployment
 from capsule_ros.updates.errors import BadArguments
 from capsule_ros.updates.regeneration import Progress, Regeneration, RegenerationReport
@@ -79,14 +82,15 @@ def regenerate_directory(src: Path, dst: Path, load: Callable[[], Deployment], *
     staging = staging_dir(dst.absolute())
     try:
         source = CapsuleDirectory(src, key_file=key, max_file_bytes=max_file_bytes, read_only=True)
-        out = CapsuleDirectory(staging, key_file=key, chunk_bytes=int(capsules.chunk_mb * 2**20),
-                               max_file_bytes=max_file_bytes)
-        regeneration = Regeneration(source, out, deployment, max_drift, progress)
-        regeneration.run()
-        _fsync_dir(staging)
-        if dst.is_dir():
-            dst.rmdir()                            # empty (checked): the rename puts the whole result there
-        os.rename(staging, dst)
+        try:
+            out = CapsuleDirectory(staging, key_file=key, chunk_bytes=int(capsules.chunk_mb * 2**20),
+                                   max_file_bytes=max_file_bytes)
+            regeneration = Regeneration(source, out, deployment, max_drift, progress)
+            regeneration.run()
+            _fsync_dir(staging)
+            os.rename(staging, dst)                # onto an empty DST too: one atomic rename, DST never absent
+        except (CapsuleRosError, OSError) as exc:
+            raise CapsuleIOError(f"DST {str(dst)!r} was not written: {one_line(exc)}") from exc
         _fsync_dir(dst.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -15,6 +15,7 @@ is refused with the tensor and the dimension it concerns.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Tuple
@@ -85,6 +86,43 @@ def _external_files(proto) -> List[str]:
     return seen
 
 
+def _check_external_extents(proto, sizes: Mapping[str, int], where: str) -> None:
+    """Every initializer kept in an external data file lies inside that file: a truncated
+    ``.data`` file (an interrupted copy) is refused naming the tensor and its bytes, before
+    ONNX Runtime reads it (whose own report of it is a C++ dump)."""
+    import math
+
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+    from onnx.helper import tensor_dtype_to_np_dtype
+    for tensor in _initializers(proto.graph):
+        if not uses_external_data(tensor):
+            continue
+        info = ExternalDataInfo(tensor)
+        length = info.length
+        if length is None:
+            try:
+                itemsize = tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+            except (KeyError, TypeError, ValueError):
+                continue                            # a type whose size ONNX Runtime checks itself
+            length = math.prod(tensor.dims) * itemsize
+        start, size = int(info.offset or 0), sizes[info.location]
+        if start + int(length) > size:
+            raise OnnxModelError(f"{where}: its external data file {info.location!r} is truncated: initializer "
+                                 f"{tensor.name!r} is bytes {start}..{start + int(length)} of it, the file has "
+                                 f"{size} (copy or export the model again)")
+
+
+def onnxruntime_reason(exc: BaseException) -> str:
+    """ONNX Runtime's reason for an error, in one line: the innermost of its nested
+    ``[ONNXRuntimeError] : N : CODE :`` messages, without the C++ source location and
+    function signature in front of it."""
+    text = " ".join(str(exc).split())
+    parts = [p.strip() for p in re.split(r"\[ONNXRuntimeError\] : \d+ : \w+ :", text) if p.strip()]
+    reason = parts[-1] if parts else text
+    reason = re.sub(r"^(?:Exception during initialization: )?(?:\S+\.(?:cc|cpp|h):\d+ \S+ )?", "", reason)
+    return reason or text or type(exc).__name__
+
+
 def _initializers(graph) -> Iterator:
     yield from graph.initializer
     for node in graph.node:
@@ -152,11 +190,13 @@ def read_model(path: Path, dims: Mapping[str, int], where: str) -> OnnxModel:
     try:
         proto = onnx.load_model_from_string(data)
     except Exception as exc:  # noqa: BLE001 - any parse failure: say so in one line
-        raise OnnxModelError(f"{where}: not an ONNX model ({type(exc).__name__}: {exc})") from None
+        raise OnnxModelError(f"{where}: not a readable ONNX model, the file is truncated or not ONNX "
+                             f"({type(exc).__name__}: {' '.join(str(exc).split())})") from None
     digest = hashlib.sha256()
     digest.update(f"{path.name}|{len(data)}|".encode())
     digest.update(data)
     files = [path.name]
+    sizes = {}
     for location in _external_files(proto):
         external = (path.parent / location).resolve()
         if path.parent.resolve() not in external.parents or not external.is_file():
@@ -166,6 +206,8 @@ def read_model(path: Path, dims: Mapping[str, int], where: str) -> OnnxModel:
         digest.update(f"|{location}|{len(blob)}|".encode())
         digest.update(blob)
         files.append(location)
+        sizes[location] = len(blob)
+    _check_external_extents(proto, sizes, where)
     graph = proto.graph
     initialised = {t.name for t in graph.initializer}
     inputs = tuple(_tensor(v, dims, where, "input") for v in graph.input if v.name not in initialised)

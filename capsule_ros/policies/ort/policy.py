@@ -53,7 +53,7 @@ import torch
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.ort.arrays import ArrayOps, ops_for
 from capsule_ros.policies.ort.interface import ModelRoles, StatePair, buffer_name
-from capsule_ros.policies.ort.model import OnnxModel, OnnxModelError, in_place_safe
+from capsule_ros.policies.ort.model import OnnxModel, OnnxModelError, in_place_safe, onnxruntime_reason
 from capsule_ros.policies.ort.observations import ObservationPlan, assembler, constant_tensors
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
 from capsule_ros.runtime.policy import (
@@ -93,7 +93,7 @@ class SessionSettings:
         options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1
         options.use_deterministic_compute = True
-        options.log_severity_level = 3
+        options.log_severity_level = 4                  # fatal only: errors reach us as exceptions (open_session)
         for name, value in self.dims:
             options.add_free_dimension_override_by_name(name, value)
         return options
@@ -210,11 +210,7 @@ class OnnxPolicy(StatefulPolicy):
             if stream is not None:
                 cuda.update(user_compute_stream=str(stream), has_user_compute_stream="1")
             providers = [("CUDAExecutionProvider", cuda)]
-        try:
-            session = ort.InferenceSession(str(self.model.path), sess_options=options, providers=providers)
-        except Exception as exc:  # noqa: BLE001 - ONNX Runtime's own reason, in one line
-            raise OnnxModelError(f"{self.model.where}: ONNX Runtime cannot load it on {PROVIDERS[device_type]} "
-                                 f"({type(exc).__name__}: {' '.join(str(exc).split())[:400]})") from None
+        session = open_session(ort, self.model, options, providers, PROVIDERS[device_type])
         if session.get_providers()[0] != PROVIDERS[device_type]:
             raise OnnxModelError(f"{self.model.where}: ONNX Runtime runs it on {session.get_providers()}, not "
                                  f"{PROVIDERS[device_type]}")
@@ -386,6 +382,20 @@ def _action_map(policy: OnnxPolicy, raw_view: torch.Tensor, action_view: torch.T
     return act
 
 
+def open_session(ort: Any, model: OnnxModel, options: Any, providers: list, provider: str) -> Any:
+    """An ``InferenceSession`` of the model; OnnxModelError with ONNX Runtime's reason in
+    one line (``onnxruntime_reason``) when it cannot be made. ONNX Runtime logs nothing of
+    its own (``SessionSettings.options``: fatal messages only) and falls back to no other
+    provider (it would print an "EP Error" block on stdout): its full message is logged at
+    DEBUG."""
+    try:
+        return ort.InferenceSession(str(model.path), sess_options=options, providers=providers, enable_fallback=0)
+    except Exception as exc:  # noqa: BLE001 - ONNX Runtime's own reason, in one line
+        LOG.debug("%s: ONNX Runtime on %s: %s", model.where, provider, exc)
+        raise OnnxModelError(f"{model.where}: ONNX Runtime cannot load it on {provider}: "
+                             f"{onnxruntime_reason(exc)}") from None
+
+
 def decide_in_place(policy_model: OnnxModel, roles: ModelRoles, settings: SessionSettings,
                     binding: str) -> ModelRoles:
     """The roles with ``in_place`` set for every pair ONNX Runtime's optimised CPU graph
@@ -401,12 +411,12 @@ def decide_in_place(policy_model: OnnxModel, roles: ModelRoles, settings: Sessio
     with tempfile.TemporaryDirectory() as tmp:
         options = settings.options(ort)
         options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        open_session(ort, policy_model, options, ["CPUExecutionProvider"], "CPUExecutionProvider")
         try:
-            ort.InferenceSession(str(policy_model.path), sess_options=options, providers=["CPUExecutionProvider"])
             graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
         except Exception as exc:  # noqa: BLE001 - no analysis: every state is copied (always correct)
             LOG.info("%s: state outputs are copied (ONNX Runtime's optimised graph could not be read: %s)",
-                     policy_model.where, exc)
+                     policy_model.where, " ".join(str(exc).split()))
             return roles
     pairs = tuple(replace(p, in_place=in_place_safe(graph, p.input.name, p.output.name)) for p in roles.pairs)
     LOG.info("%s: state %s", policy_model.where, ", ".join(

@@ -1,0 +1,342 @@
+"""`capsule-ros bench fleet`: N robots served by one fleet of S batch slots, against N
+separate runtimes in one process, for N = 1 .. S, side by side in one run.
+
+Cases (``--cases``, default all three):
+
+- ``default``: the default policy (config/policy.yaml, its shipped weights);
+- ``act``: the ACT benchmark checkpoint (``benchmarks/lerobot_act.py``: LeRobot's default
+  architecture, one 480 x 640 camera; ``--quick``: small, 96 x 128), sync chunking, the
+  robots' chunks at staggered rows (each robot's refills fall on its own steps);
+- ``recurrent``: an Isaac Lab-style recurrent actor as exported to ONNX (an LSTM of 256
+  and an ELU MLP of 512, 256, 128 on 48 observations, 12 actions; ``--quick``: 64, 64/64),
+  written in torch (``RecurrentActor``): ONNX Runtime's LSTM cannot be batched by vmap (a
+  policy.kind onnx fleet runs the loop batching, which is what ``loop`` measures).
+
+Sides, each at the session level (what a node pays per control period: every robot's
+inputs staged, the step, the outputs read and checked, the accounting):
+
+- ``fleet``: one ``FleetSession`` of S slots (``fleet.batching: vmap``), N of its robots
+  stepping in each fleet step (the other slots idle);
+- ``loop``: the same with ``fleet.batching: loop`` (the batch-invariant path: each slot runs
+  the single-robot program);
+- ``separate``: N ``PolicySession`` s, each with its own runtime and copy of the weights,
+  ticked one after the other per control period.
+
+(N ``policy_node`` processes are a side the node layer adds: ``SIDES``.)
+
+``--steps``: control periods per side and N (default 200; ``--quick``: 50, and S = 4).
+
+Figures per side and N: robot-steps/s (N x ticks / wall time), the time of a control
+period for all N robots (p50 / p99 ms) and, for ``separate``, one robot's step. Ratios:
+fleet and loop aggregate robot-steps/s over separate's. For the fleet at N = S: a robot's
+commit (its snapshot at the boundary) and the other robots' next fleet step against their
+steps without it (``snapshot_stall_ms``); and whether a robot's actions in the fleet equal
+its actions in a single runtime bit for bit (``identical_to_single``: the batch size S
+changes a batched step's bits; the loop batching's equal a single runtime's).
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device
+from capsule_ros.config import load_params_file
+from capsule_ros.runtime.arena import BufferKind, BufferSpec
+from capsule_ros.runtime.policy import ACTION, RNG, STEP, State, StatefulPolicy, standard_specs
+from capsule_ros.serving.config import ServingConfig
+
+CASES = ("default", "act", "recurrent")
+OBS, ACTIONS = 48, 12
+
+
+class RecurrentActor(StatefulPolicy):
+    """An rsl_rl recurrent actor as Isaac Lab exports it to ONNX (observation normaliser,
+    one LSTM layer in ONNX's gate order i, o, f, c written as linear layers, an ELU MLP), as
+    a StatefulPolicy: h and c are its recurrent state."""
+
+    action_dim, chunk_horizon = ACTIONS, 1
+    mean: torch.Tensor               # buffers (register_buffer), declared for the type checker
+    std: torch.Tensor
+
+    def __init__(self, hidden: int, mlp: Sequence[int], seed: int = 0):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.hidden = hidden
+            self.gates = nn.Linear(OBS + hidden, 4 * hidden)
+            widths = [hidden, *mlp]
+            self.mlp = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:], strict=True))
+            self.head = nn.Linear(widths[-1], ACTIONS)
+            self.register_buffer("mean", torch.randn(OBS) * 0.1)
+            self.register_buffer("std", torch.rand(OBS) + 0.5)
+        self.mlp_widths = tuple(mlp)
+
+    def state_spec(self) -> List[BufferSpec]:
+        return [BufferSpec("obs", (OBS,), torch.float32, BufferKind.INPUT),
+                BufferSpec("h", (self.hidden,), torch.float32, BufferKind.RECURRENT),
+                BufferSpec("c", (self.hidden,), torch.float32, BufferKind.RECURRENT),
+                *standard_specs(ACTIONS, 1)]
+
+    def init_state(self, state: State, *, episode: int, seed: int) -> None:
+        for name in ("h", "c", ACTION, STEP):
+            state[name].zero_()
+        state[RNG][0] = seed
+
+    def step(self, state: State) -> None:
+        obs = (state["obs"] - self.mean) / self.std
+        gates = self.gates(torch.cat([obs, state["h"]]))
+        i, o, f, g = gates.chunk(4)
+        c = torch.sigmoid(f) * state["c"] + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        x = h
+        for layer in self.mlp:
+            x = nn.functional.elu(layer(x))
+        action = self.head(x)
+        state["h"].copy_(h)
+        state["c"].copy_(c)
+        state[ACTION].copy_(action)
+        state["chunk"].copy_(action[None])
+        state[STEP].add_(1)
+
+    def architecture(self) -> dict:
+        return {"policy": "bench recurrent actor", "hidden": self.hidden, "mlp": list(self.mlp_widths)}
+
+
+@dataclasses.dataclass
+class Case:
+    """What a case serves: its config, the policy (None: ``policy.kind``'s), its inputs."""
+
+    name: str
+    config: ServingConfig
+    make_policy: Optional[Callable[[], StatefulPolicy]]
+    stagger: int                      # steps between the robots' chunk phases (0: no chunking)
+    frames: Dict[str, Any]            # port -> a few input rows to cycle through (numpy)
+
+
+def _params(name: str, device: torch.device) -> Dict[str, Any]:
+    """A config file's parameters on ``device``, without a capsule directory, deadlines or
+    port staleness (the benchmark stages inputs directly, as no message arrives), and small
+    capsule pools (a commit at a time; the pools are allocated up front, per session)."""
+    params = load_params_file(config_path(name))
+    params["runtime"]["device"] = str(device)
+    params["capsules"].update(directory="", device_budget_mb=8.0, host_budget_mb=8.0)
+    params["control"].update(deadline_ms=0.0, input_log_steps=64)
+    for port in params["ports"]["names"]:
+        params["ports"][port]["staleness_ms"] = 0.0
+    return params
+
+
+def make_case(name: str, device: torch.device, quick: bool, workdir: Path, rng: np.random.Generator,
+              slots: int) -> Case:
+    frames: Dict[str, Any]
+    if name == "default":
+        config = ServingConfig.from_params(_params("policy.yaml", device))
+        frames = {"joints": rng.normal(size=(8, 4)).astype(np.float32),
+                  "goal": rng.normal(size=(8, 2)).astype(np.float32)}
+        return Case(name, config, None, 0, frames)
+    if name == "act":
+        from capsule_ros.benchmarks.lerobot_act import serving_config, write_act_checkpoint
+        config = serving_config(write_act_checkpoint(workdir / "act", quick=quick))
+        config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device=str(device)),
+                                     capsules=dataclasses.replace(config.capsules, device_budget_mb=16.0,
+                                                                  host_budget_mb=16.0),
+                                     control=dataclasses.replace(config.control, deadline_ms=0.0,
+                                                                 input_log_steps=8),
+                                     ports={port_name: dataclasses.replace(port, staleness_ms=0.0)
+                                            for port_name, port in config.ports.items()})
+        shape = config.ports["top_camera"].shape
+        frames = {"joints": rng.normal(size=(8, config.ports["joints"].shape[0])).astype(np.float32),
+                  "top_camera": rng.integers(0, 256, size=(4, *shape), dtype=np.uint8)}
+        horizon = 100                 # the checkpoint's n_action_steps: a chunk lasts 100 steps
+        return Case(name, config, None, max(1, horizon // slots), frames)
+    hidden, mlp = (64, (64, 64)) if quick else (256, (512, 256, 128))
+    params = _params("policy.yaml", device)
+    params["ports"] = {"names": ["obs"], "obs": {"topic": "observation", "type": "std_msgs/msg/Float32MultiArray",
+                                                  "fields": ["data"], "shape": [OBS], "dtype": "float32"}}
+    params["control"]["trigger_port"] = "obs"
+    return Case(name, ServingConfig.from_params(params), lambda: RecurrentActor(hidden, mlp), 0,
+                {"obs": rng.normal(size=(8, OBS)).astype(np.float32)})
+
+
+def _stage(loop: Any, case: Case, t: int) -> None:
+    for port, rows in case.frames.items():
+        loop.write_input(port, rows[t % len(rows)])
+
+
+def fleet_side(case: Case, slots: int, ns: Sequence[int], ticks: int, batching: str) -> Dict[str, Any]:
+    """One fleet of ``slots`` robots; for each N, ``ticks`` fleet steps of its first N robots."""
+    from capsule_ros.fleet import FleetConfig, build_fleet
+    names = tuple(f"r{i}" for i in range(slots))
+    policy = case.make_policy() if case.make_policy is not None else None
+    fleet = build_fleet(case.config, FleetConfig(robots=names, batching=batching), policy=policy)
+    _stagger(case, [fleet.robot(name).loop for name in names])
+    out: Dict[str, Any] = {"by_n": {}}
+    for n in ns:
+        active = names[:n]
+        seconds = []
+        for t in range(ticks):
+            for name in active:
+                _stage(fleet.robot(name).loop, case, t)
+            start = time.perf_counter()
+            fleet.tick(active)
+            seconds.append(time.perf_counter() - start)
+        out["by_n"][n] = _figures(n, np.asarray(seconds))
+    if batching == "vmap":
+        out["snapshot_stall_ms"] = _snapshot_stall(fleet, case, names, ticks)
+    out["first_robot"] = _first_robot_actions(fleet, case, names[0])
+    fleet.release()
+    return out
+
+
+def separate_side(case: Case, ns: Sequence[int], ticks: int) -> Dict[str, Any]:
+    """max(ns) separate sessions, each its own runtime; for each N, the first N ticked in turn."""
+    from capsule_ros.runtime.builder import runtime_identity
+    from capsule_ros.serving.factory import PreparedServing, port_bindings, start_session
+    sessions = []
+    for _ in range(max(ns)):
+        if case.make_policy is None:
+            from capsule_ros.serving.factory import build_session
+            sessions.append(build_session(case.config))
+        else:
+            policy = case.make_policy()
+            identity = runtime_identity(policy, case.config.runtime, port_bindings(case.config))
+            sessions.append(start_session(PreparedServing(case.config, policy, identity)))
+    _stagger(case, [session.loop for session in sessions])
+    out: Dict[str, Any] = {"by_n": {}}
+    for n in ns:
+        periods, robot = [], []
+        for t in range(ticks):
+            for session in sessions[:n]:
+                _stage(session.loop, case, t)
+            start = time.perf_counter()
+            for session in sessions[:n]:
+                one = time.perf_counter()
+                session.loop.tick()
+                robot.append(time.perf_counter() - one)
+            periods.append(time.perf_counter() - start)
+        out["by_n"][n] = {**_figures(n, np.asarray(periods)), "robot_step_ms": pct(robot, 1e3)}
+    out["first_robot"] = _first_robot_actions(None, case, "", session=sessions[0])
+    for session in sessions:
+        session.release()
+    return out
+
+
+# Sides by name: the node layer adds ``nodes`` (N policy_node processes) here.
+SIDES: Dict[str, Callable[..., Dict[str, Any]]] = {}
+
+
+def _stagger(case: Case, loops: Sequence[Any]) -> None:
+    """Robot k runs k x ``case.stagger`` steps alone first: each robot's chunk at another row."""
+    for k, loop in enumerate(loops):
+        for t in range(k * case.stagger):
+            _stage(loop, case, t)
+            loop.tick()
+
+
+def _figures(n: int, seconds: np.ndarray) -> Dict[str, Any]:
+    return {"robot_steps_per_s": float(n * len(seconds) / seconds.sum()), "period_ms": pct(seconds, 1e3)}
+
+
+def _snapshot_stall(fleet: Any, case: Case, names: Sequence[str], ticks: int) -> Dict[str, Any]:
+    """Robot 0 commits (and drops it) before every other fleet step of the others: the
+    commit's time at the boundary, and the others' step after it against without."""
+    others = names[1:] or names
+    plain: List[float] = []
+    after: List[float] = []
+    commits: List[float] = []
+    robot = fleet.robot(names[0])
+    for t in range(ticks):
+        for name in others:
+            _stage(fleet.robot(name).loop, case, t)
+        if t % 2:
+            start = time.perf_counter()
+            capsule = robot.verbs.commit("stall")
+            commits.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        fleet.tick(others)
+        (after if t % 2 else plain).append(time.perf_counter() - start)
+        if t % 2:
+            robot.verbs.drop(capsule.id)
+    return {"commit_ms": pct(commits, 1e3), "next_step_ms": pct(after, 1e3), "without_ms": pct(plain, 1e3),
+            "stall_p50_ms": float(np.percentile(after, 50) - np.percentile(plain, 50)) * 1e3}
+
+
+def _first_robot_actions(fleet: Any, case: Case, name: str, session: Any = None, steps: int = 16) -> List[list]:
+    """A robot's actions on the case's inputs after a reset (for the bits comparison)."""
+    session = session if session is not None else fleet.robot(name).session
+    session.verbs.reset()
+    actions = []
+    for t in range(steps):
+        _stage(fleet.robot(name).loop if fleet is not None else session.loop, case, t)
+        record = fleet.tick([name])[name] if fleet is not None else session.loop.tick()
+        actions.append(record.values.tolist())
+    return actions
+
+
+def run_case(case: Case, slots: int, ns: Sequence[int], ticks: int) -> Dict[str, Any]:
+    sides = {"fleet": fleet_side(case, slots, ns, ticks, "vmap"), "loop": fleet_side(case, slots, ns, ticks, "loop"),
+             "separate": separate_side(case, ns, ticks)}
+    for extra, measure in SIDES.items():
+        sides[extra] = measure(case, ns, ticks)
+    single = np.asarray(sides["separate"].pop("first_robot"), dtype=np.float32)
+    out: Dict[str, Any] = {"sides": sides, "ratios": {}, "identical_to_single": {}, "max_abs_diff_to_single": {}}
+    for name in ("fleet", "loop"):
+        mine = np.asarray(sides[name].pop("first_robot"), dtype=np.float32)
+        out["identical_to_single"][name] = bool(mine.tobytes() == single.tobytes())
+        out["max_abs_diff_to_single"][name] = float(np.abs(mine - single).max())
+    for n in ns:
+        base = sides["separate"]["by_n"][n]["robot_steps_per_s"]
+        out["ratios"][n] = {name: sides[name]["by_n"][n]["robot_steps_per_s"] / base for name in ("fleet", "loop")}
+    return out
+
+
+def run(device: torch.device, quick: bool, cases: Sequence[str], ticks: Optional[int] = None) -> Dict[str, Any]:
+    slots = 4 if quick else 16
+    ns = [n for n in (1, 2, 4, 8, 16) if n <= slots]
+    ticks = ticks or (50 if quick else 200)
+    rng = np.random.default_rng(0)
+    result: Dict[str, Any] = {"environment": environment(device), "slots": slots, "ns": ns, "ticks": ticks,
+                              "cases": {}}
+    with tempfile.TemporaryDirectory(prefix="capsule_bench_fleet_") as workdir:
+        for name in cases:
+            case = make_case(name, device, quick, Path(workdir), rng, slots)
+            result["cases"][name] = run_case(case, slots, ns, ticks)
+    return result
+
+
+def table(result: Dict[str, Any]) -> None:
+    for name, case in result["cases"].items():
+        rows = []
+        for n in result["ns"]:
+            row: List[object] = [n]
+            for side in ("fleet", "loop", "separate"):
+                figures = case["sides"][side]["by_n"][n]
+                row += [figures["robot_steps_per_s"], figures["period_ms"]["p50"], figures["period_ms"]["p99"]]
+            row += [case["ratios"][n]["fleet"], case["ratios"][n]["loop"]]
+            rows.append(row)
+        print_table(f"bench fleet, {name} (S = {result['slots']}): robot-steps/s and control period p50 / p99 (ms)",
+                    ["N", "fleet/s", "p50", "p99", "loop/s", "p50", "p99", "separate/s", "p50", "p99",
+                     "fleet x", "loop x"], rows)
+        stall = case["sides"]["fleet"].get("snapshot_stall_ms", {})
+        print(f"  commit p50 {stall.get('commit_ms', {}).get('p50', 0):.3f} ms, others' next step +"
+              f"{stall.get('stall_p50_ms', 0):.3f} ms; identical to a single runtime: {case['identical_to_single']}")
+
+
+def main(args) -> int:
+    device = resolve_device(args.device)
+    cases = [c.strip() for c in (args.cases or ",".join(CASES)).split(",") if c.strip()]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        raise SystemExit(f"capsule-ros bench fleet: --cases {unknown}: cases are {', '.join(CASES)}")
+    emit(run(device, args.quick, cases, args.steps), args.json, table)
+    return 0
+
+
+__all__ = ["RecurrentActor", "SIDES", "main"]
