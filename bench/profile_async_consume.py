@@ -34,6 +34,7 @@ from capsule_ros.benchmarks.chunking import CASES, PORTS, Pacer, at, observation
 from capsule_ros.benchmarks.common import resolve_device
 from capsule_ros.benchmarks.lerobot_act import serving_config
 from capsule_ros.chunking.mode import ChunkProgram
+from capsule_ros.runtime import numerics
 
 TICK = "capsule.tick."
 TOP = 25
@@ -147,7 +148,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rate", type=float, default=50.0, help="Hz (bench chunking paces a GPU at 50)")
     parser.add_argument("--quick", action="store_true", help="small networks and a 96 x 128 camera")
     parser.add_argument("--back-to-back", action="store_true", help="no pacing (every step on a warm machine)")
+    parser.add_argument("--numerics", default="portable", choices=numerics.CHOICES,
+                        help="CPU numerics level, pinned before torch's first operation (as capsule-ros bench does)")
     args = parser.parse_args(argv)
+    numerics.pin(args.numerics)
     device = resolve_device(args.device)
     camera = (96, 128) if args.quick else (480, 640) if device.type == "cuda" else (240, 320)
     case = CASES[args.case]
