@@ -32,7 +32,9 @@ from torch.autograd import DeviceType
 
 from capsule_ros.benchmarks.chunking import CASES, PORTS, Pacer, at, observations, side_session
 from capsule_ros.benchmarks.common import resolve_device
+from capsule_ros.benchmarks.lerobot_act import serving_config
 from capsule_ros.chunking.mode import ChunkProgram
+from capsule_ros.runtime import numerics
 
 TICK = "capsule.tick."
 TOP = 25
@@ -113,7 +115,7 @@ def tables(events, ticks: int) -> List[str]:
 
 def profile_mode(checkpoint: Path, device: torch.device, chunking: str, obs: Dict[str, np.ndarray], steps: int,
                  rate: float, paced: bool) -> List[str]:
-    session = side_session(checkpoint, device, chunking, rate, paced, 3 * steps + 20)
+    session = side_session(serving_config(checkpoint), device, chunking, rate, paced, 3 * steps + 20)
     period = 1.0 / rate
     try:
         schedule = session.parts.runtime.mode.schedule.describe()
@@ -146,7 +148,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rate", type=float, default=50.0, help="Hz (bench chunking paces a GPU at 50)")
     parser.add_argument("--quick", action="store_true", help="small networks and a 96 x 128 camera")
     parser.add_argument("--back-to-back", action="store_true", help="no pacing (every step on a warm machine)")
+    parser.add_argument("--numerics", default="portable", choices=numerics.CHOICES,
+                        help="CPU numerics level, pinned before torch's first operation (as capsule-ros bench does)")
     args = parser.parse_args(argv)
+    numerics.pin(args.numerics)
     device = resolve_device(args.device)
     camera = (96, 128) if args.quick else (480, 640) if device.type == "cuda" else (240, 320)
     case = CASES[args.case]

@@ -6,11 +6,12 @@
 # step-act (bench step --policy act: ACT from a LeRobot checkpoint, graph vs eager, its capsule
 # vs the copy limit), fleet (bench fleet: N robots of one fleet of 16 slots against N separate
 # runtimes, the default policy, ACT and a recurrent actor) or fleet-default / fleet-act /
-# fleet-recurrent (one case of it); default: all of them. Writes pytest output and one JSON per benchmark to
-# OUT_DIR (default: bench/results/<date>). Needs torch with CUDA, numpy, pyyaml, rich,
-# safetensors and pytest + hypothesis for the tests; no ROS (CAPSULE_ROS_WITHOUT_ROS=1 proves
-# it). The example policy package (examples/gru_policy) is used from the checkout through
-# PYTHONPATH, like capsule_ros.
+# fleet-recurrent (one case of it); default: all of them. Writes pytest output and one JSON
+# per benchmark to OUT_DIR (default: bench/results/<date>). Needs torch with CUDA, numpy,
+# pyyaml, rich, safetensors and pytest + hypothesis for the tests, and transformers 5.5.4
+# (with tokenizers 0.22.2 and huggingface_hub 1.33.0: requirements/lock.txt) for the VLA
+# tests; no ROS (CAPSULE_ROS_WITHOUT_ROS=1 proves it). The example policy package
+# (examples/gru_policy) is used from the checkout through PYTHONPATH, like capsule_ros.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench/results/$(date -u +%Y-%m-%d)}"
@@ -24,7 +25,7 @@ for task in "${TASKS[@]}"; do
   if [[ "$task" == tests ]]; then
     python3 -m pytest test/test_runtime.py test/test_store.py test/test_lerobot_parity.py \
       test/test_policy_contract.py test/test_exported.py test/test_lerobot_bench.py test/test_chunking.py test/test_modes.py \
-      test/test_fleet.py test/test_fleet_chunking.py -m cuda -q \
+      test/test_fleet.py test/test_fleet_chunking.py test/test_vla_parity.py test/test_lerobot_pi.py -m cuda -q \
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.txt"
     continue
   fi

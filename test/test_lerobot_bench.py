@@ -124,3 +124,56 @@ def test_bench_step_policy_act_on_the_gpu_captures_a_graph_that_acts_like_eager(
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = json.loads(result.stdout)["policies"]
     assert row["graph"]["graph_captured"] and row["graph_matches_eager"] and row["graph_speedup"] > 0
+
+
+LEROBOT_PYTHON = REPO / "tools" / "lerobot_bench" / ".venv" / "bin" / "python"
+
+
+@pytest.mark.skipif(not LEROBOT_PYTHON.exists(), reason="LeRobot's environment (tools/lerobot_bench/setup.sh) writes "
+                    "the SmolVLA checkpoint; test_vla_parity.py covers the policy without it")
+def test_bench_chunking_smolvla_against_lerobots_own_loop(tmp_path):
+    """The tiny SmolVLA case: LeRobot writes the checkpoint, its loop and both session sides
+    serve it; the sync side's actions are LeRobot's bit for bit (same noise, same task)."""
+    result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "chunking", "--quick",
+                             "--device", "cpu", "--cases", "smolvla-tiny", "--steps", "60", "--json"],
+                            capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (case,) = json.loads(result.stdout)["cases"]
+    assert case["lerobot"]["ran"] and case["lerobot"]["lerobot"] == "0.6.1"
+    assert case["actions_equal_lerobot"] is True, case
+    assert case["sync"]["refills"] == 2                      # 60 steps, 50 rows per chunk
+    assert case["async"]["delay"] >= 1 and case["async"]["consume_p99_ms"] > 0
+
+
+def test_bench_chunking_smolvla_without_lerobot_says_why(tmp_path):
+    from capsule_ros.benchmarks import chunking
+    result = chunking.run_case(chunking.CASES["smolvla-tiny"], torch_device("cpu"), quick=True, steps=10,
+                               lerobot_python=tmp_path / "no-lerobot" / "python")
+    for side in ("lerobot", "sync", "async"):
+        assert result[side]["ran"] is False and "written by LeRobot" in result[side]["reason"]
+
+
+@pytest.mark.skipif(not LEROBOT_PYTHON.exists(), reason="LeRobot's environment (tools/lerobot_bench/setup.sh) runs "
+                    "LeRobot's side; test_lerobot_pi.py covers the policy without it")
+def test_bench_chunking_pi0_and_pi05_against_lerobots_own_loop(tmp_path):
+    """The tiny π0 and π0.5 cases: capsule_ros writes the checkpoint, LeRobot loads it (scaled)
+    and runs its loop, both session sides serve it; the sync side's actions are LeRobot's bit
+    for bit (same noise, same task, π0.5's prompt with the state of each planning step)."""
+    result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "chunking", "--quick",
+                             "--device", "cpu", "--cases", "pi0-tiny,pi05-tiny", "--steps", "60", "--json"],
+                            capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for case in json.loads(result.stdout)["cases"]:
+        assert case["lerobot"]["ran"] and case["lerobot"]["lerobot"] == "0.6.1", case["case"]
+        assert case["actions_equal_lerobot"] is True, case
+        assert case["sync"]["refills"] == 2                  # 60 steps, 50 rows per chunk
+        assert case["async"]["delay"] >= 1 and case["async"]["consume_p99_ms"] > 0
+
+
+def test_bench_chunking_pi0_without_lerobot_still_runs_its_own_sides(tmp_path):
+    from capsule_ros.benchmarks import chunking
+    result = chunking.run_case(chunking.CASES["pi0-tiny"], torch_device("cpu"), quick=True, steps=10,
+                               lerobot_python=tmp_path / "no-lerobot" / "python")
+    assert result["lerobot"]["ran"] is False and "no LeRobot environment" in result["lerobot"]["reason"]
+    for side in ("sync", "async"):                     # a session side's figures have no "ran" key
+        assert result[side].get("ran", True) and result[side]["refills"] >= 1, result[side]

@@ -146,7 +146,9 @@ class InProcessTarget:
         undecodable one is counted and dropped), at the recording's log time: when the
         node received it."""
         self._at(log_ns)
-        fed = self.session.loop.feed(port, msg, stage_only=not tick, late=late)
+        adapter = self.session.parts.loop.ports.get(port)
+        fed = self.session.loop.feed(port, raw if adapter is not None and adapter.takes_raw else msg,
+                                     stage_only=not tick, late=late)
         return _acts(fed.record)
 
     def step(self, stamp: Optional[int] = None, late: bool = False, log_ns: Optional[int] = None) -> List[Act]:

@@ -8,7 +8,13 @@ U-Net of (128, 256, 512) channels, about a tenth of the default's work: on a 2-c
 default U-Net's refill takes longer than a chunk's rows last at 10 Hz, so no delay can hide
 it, which the ``diffusion`` case reports); ``benchmarks/lerobot_act.py`` and ``lerobot_diffusion.py`` write the
 checkpoints (LeRobot's default architectures, one camera: 240 x 320 on a CPU, ALOHA's
-480 x 640 on a GPU; ``--quick``: small networks and a 96 x 128 camera). Every side gets the
+480 x 640 on a GPU; ``--quick``: small networks and a 96 x 128 camera). The VLA cases
+``smolvla-tiny`` (30 Hz) and ``smolvla-mid`` (10 Hz) (SmolVLA, chunk 50 all executed, two cameras and a
+task; ``benchmarks/lerobot_smolvla.py``) serve a checkpoint LeRobot itself writes, so they need
+LeRobot's environment for every side (``--quick`` runs the tiny one only); ``pi0-tiny``,
+``pi05-tiny`` and ``pi0-mid`` (π0 / π0.5, the same schedule and inputs;
+``benchmarks/lerobot_pi.py`` writes the checkpoint, LeRobot loads it through
+``tools/lerobot_fixtures/pi_scaled.load_pi``; ``--quick`` skips the mid one). Every side gets the
 same checkpoint and the same seeded observations (joint positions as a random walk, a
 panning textured camera), one torch thread each and the same CPU numerics level
 (``runtime.numerics``) on a CPU.
@@ -62,11 +68,13 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from capsule_ros.benchmarks import lerobot_pi, lerobot_smolvla
 from capsule_ros.benchmarks.common import emit, environment, print_table, resolve_device
 from capsule_ros.benchmarks.lerobot_act import CAMERA, PORTS, STATE, serving_config, write_act_checkpoint
 from capsule_ros.benchmarks.lerobot_diffusion import write_diffusion_checkpoint
 from capsule_ros.chunking.mode import TAKEOVERS, ChunkingMode, ChunkProgram
 from capsule_ros.errors import ConfigError
+from capsule_ros.serving.config import ServingConfig
 
 REPO = Path(__file__).resolve().parents[2]
 LEROBOT_SCRIPT = REPO / "tools" / "lerobot_bench" / "select_action_loop.py"
@@ -76,13 +84,21 @@ DEFAULT_LEROBOT_PYTHON = REPO / "tools" / "lerobot_bench" / ".venv" / "bin" / "p
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str                     # act | diffusion
+    kind: str                     # act | diffusion | smolvla | pi0 | pi05
     rate_hz: float
     chunk_size: int = 100         # ACT
     n_action_steps: int = 100
     down_dims: Optional[Sequence[int]] = None     # Diffusion: the U-Net's channels (None: DiffusionConfig's)
+    size: str = ""                # SmolVLA: lerobot_smolvla.SPECS; π0: lerobot_pi.BENCH
 
-    def write(self, directory: Path, camera, quick: bool) -> Path:
+    def write(self, directory: Path, camera, quick: bool, python: Optional[Path] = None) -> Path:
+        if self.kind in ("pi0", "pi05"):             # capsule_ros writes it; LeRobot loads it scaled
+            return lerobot_pi.write_pi_checkpoint(directory.parent, lerobot_pi.bench_spec(self.kind, self.size))[0]
+        if self.kind == "smolvla":
+            if python is None or not python.exists():
+                raise ConfigError(f"the SmolVLA checkpoint is written by LeRobot, and there is no LeRobot environment "
+                                  f"at {python} (run tools/lerobot_bench/setup.sh or pass --lerobot-python)")
+            return lerobot_smolvla.write_smolvla_checkpoint(directory.parent, self.size, python)
         if self.kind == "act":
             features = {"chunk_size": self.chunk_size, "n_action_steps": self.n_action_steps,
                         "input_features": {STATE: {"type": "STATE", "shape": [14]},
@@ -95,23 +111,32 @@ class Case:
 
 CASES = {c.name: c for c in (Case("act100", "act", 30.0, 100, 100), Case("act10", "act", 30.0, 100, 10),
                              Case("diffusion", "diffusion", 10.0, n_action_steps=8),
-                             Case("diffusion-small", "diffusion", 10.0, n_action_steps=8, down_dims=(128, 256, 512)))}
+                             Case("diffusion-small", "diffusion", 10.0, n_action_steps=8, down_dims=(128, 256, 512)),
+                             Case("smolvla-tiny", "smolvla", 30.0, 50, 50, size="tiny"),
+                             Case("smolvla-mid", "smolvla", 10.0, 50, 50, size="mid"),
+                             Case("pi0-tiny", "pi0", 30.0, 50, 50, size="tiny"),
+                             Case("pi05-tiny", "pi05", 30.0, 50, 50, size="tiny"),
+                             Case("pi0-mid", "pi0", 30.0, 50, 50, size="mid"))}
+QUICK_SKIPS = ("smolvla-mid", "pi0-mid")     # --quick: minutes per chunk side on a CPU, not seconds
 
 
 SIDES = ("lerobot", "sync", "sync_paced", "async")
 FRAMES = 64    # distinct camera frames, cycled (3000 frames of 480 x 640 would take 2.7 GB)
 
 
-def observations(steps: int, camera, seed: int = 0) -> Dict[str, np.ndarray]:
-    """Joint positions [steps, 14] (a smooth random walk) and ``FRAMES`` camera frames
-    [FRAMES, H, W, 3] (a random texture panned a pixel per frame); step t sees frame
-    t % FRAMES (``frame``)."""
+def observations(steps: int, camera, seed: int = 0, joints: int = 14,
+                 cameras: Sequence[str] = (CAMERA,)) -> Dict[str, np.ndarray]:
+    """Joint positions [steps, joints] (a smooth random walk) and, per camera, ``FRAMES``
+    frames [FRAMES, H, W, 3] (a random texture panned a pixel per frame; fewer for fewer
+    steps); step t sees frame t % FRAMES (``at``)."""
     rng = np.random.default_rng(seed)
-    joints = np.cumsum(rng.normal(0, 0.02, (steps, 14)), axis=0).astype(np.float32)
+    out = {STATE: np.cumsum(rng.normal(0, 0.02, (steps, joints)), axis=0).astype(np.float32)}
     height, width = camera
-    scene = rng.integers(0, 256, (height, width + FRAMES, 3), dtype=np.uint8)
-    frames = np.stack([scene[:, t:t + width] for t in range(FRAMES)])
-    return {STATE: joints, CAMERA: frames}
+    frames = min(FRAMES, steps)            # never more frames than steps: LeRobot's loop runs the longest array
+    for key in cameras:
+        scene = rng.integers(0, 256, (height, width + frames, 3), dtype=np.uint8)
+        out[key] = np.stack([scene[:, t:t + width] for t in range(frames)])
+    return out
 
 
 def at(values: np.ndarray, t: int) -> np.ndarray:
@@ -134,8 +159,9 @@ def summary(seconds: Union[Sequence[float], np.ndarray], period: float, actions:
 
 
 def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.ndarray], period: float,
-                 tmp: Path, level: str) -> Dict[str, Any]:
-    """LeRobot's loop in its own environment, or why it did not run."""
+                 tmp: Path, level: str, extra: Sequence[str] = ()) -> Dict[str, Any]:
+    """LeRobot's loop in its own environment, or why it did not run (``extra``: more
+    arguments of the loop's script, a SmolVLA's VLM files and task)."""
     if python is None or not python.exists():
         return {"ran": False, "reason": f"no LeRobot environment at {python} (run tools/lerobot_bench/setup.sh or "
                                         "pass --lerobot-python)"}
@@ -144,7 +170,7 @@ def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.nda
     np.savez(inputs, **arrays)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CAPSULE_ROS_NUMERICS": level}
     done = subprocess.run([str(python), str(LEROBOT_SCRIPT), "--checkpoint", str(checkpoint), "--observations",
-                           str(inputs), "--out", str(out)], env=env, capture_output=True, text=True)
+                           str(inputs), "--out", str(out), *extra], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         return {"ran": False, "reason": f"the LeRobot loop failed: {done.stderr.strip()[-600:]}"}
     with np.load(out, allow_pickle=False) as data:
@@ -178,13 +204,12 @@ class Pacer:
         time.sleep(max(0.0, self.next_at - time.perf_counter()))
 
 
-def side_session(checkpoint: Path, device: torch.device, chunking: str, rate: float, paced: bool, steps: int):
-    """A ``PolicySession`` of the checkpoint as a side runs it: a timer at ``rate``, the
+def side_session(base: ServingConfig, device: torch.device, chunking: str, rate: float, paced: bool, steps: int):
+    """A ``PolicySession`` serving ``base`` as a side runs it: a timer at ``rate``, the
     episode's inputs logged as a node logs them, one CPU thread, seed 0, deadlines
     enforced when ``paced``."""
     from capsule_ros.serving.factory import build_session
     from capsule_ros.serving.options import SessionOptions
-    base = serving_config(checkpoint)
     control = dataclasses.replace(base.control, mode="timer", rate_hz=rate, deadline_ms=0.0, chunking=chunking,
                                   inference_delay_steps="auto", autostart=True,
                                   input_log_steps=steps,                 # the episode's inputs, as a node logs them
@@ -196,18 +221,19 @@ def side_session(checkpoint: Path, device: torch.device, chunking: str, rate: fl
     return session
 
 
-def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.device, chunking: str, rate: float,
-                 paced: bool, wake_floor: bool = False) -> Dict[str, Any]:
-    """The steps through a session (see the module docstring); ``wake_floor``: measure
-    ``gpu_wake_floor`` after them (a paced side on a GPU)."""
+def session_side(base: ServingConfig, ports_of: Dict[str, str], obs: Dict[str, np.ndarray], device: torch.device,
+                 chunking: str, rate: float, paced: bool, wake_floor: bool = False) -> Dict[str, Any]:
+    """The steps through a session serving ``base`` (see the module docstring); ``ports_of``:
+    feature key -> the port that feeds it; ``wake_floor``: measure ``gpu_wake_floor`` after
+    them (a paced side on a GPU)."""
     steps = len(obs[STATE])
-    session = side_session(checkpoint, device, chunking, rate, paced, steps)
+    session = side_session(base, device, chunking, rate, paced, steps)
     mode = session.parts.runtime.mode
     schedule = mode.schedule
     start_refills = mode.counters.refills           # start-up (checks, rehearsal) planned some already
     period = 1.0 / rate
     seconds, actions, seams = np.zeros(steps), [], []
-    ports = {PORTS[key]: value for key, value in obs.items()}
+    ports = {ports_of[key]: value for key, value in obs.items()}
     pacer = Pacer(period, paced)
     for t in range(steps):
         for port, value in ports.items():
@@ -262,19 +288,40 @@ def gpu_wake_floor(runtime, period: float, runs: int = 100) -> Dict[str, Any]:
 
 
 def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_python: Optional[Path]) -> dict:
-    camera = (96, 128) if quick else (480, 640) if device.type == "cuda" else (240, 320)
+    vla, pi = case.kind == "smolvla", case.kind in ("pi0", "pi05")
+    camera = lerobot_smolvla.camera_of(case.size) if vla else lerobot_pi.BENCH[case.size].camera_shape if pi else \
+        (96, 128) if quick else (480, 640) if device.type == "cuda" else (240, 320)
     period = 1.0 / (50.0 if device.type == "cuda" else case.rate_hz)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        checkpoint = case.write(tmp / "pretrained_model", camera, quick)
-        obs = observations(steps, camera)
-        level = serving_config(checkpoint).runtime.numerics            # the session's: LeRobot runs at it too
-        lerobot = lerobot_side(lerobot_python, checkpoint, obs, period, tmp, level) if device.type == "cpu" else \
+        try:
+            checkpoint = case.write(tmp / "pretrained_model", camera, quick, lerobot_python)
+        except (ConfigError, RuntimeError) as exc:
+            return {"case": case.name, "camera": list(camera), "rate_hz": 1.0 / period, "steps": steps,
+                    **{side: {"ran": False, "reason": str(exc)} for side in SIDES}}
+        if vla:
+            config, ports_of = lerobot_smolvla.serving_config(checkpoint), lerobot_smolvla.PORTS
+            obs = observations(steps, camera, joints=lerobot_smolvla.JOINTS,
+                               cameras=(lerobot_smolvla.FRONT, lerobot_smolvla.WRIST))
+            extra: Sequence[str] = ("--vlm", str(checkpoint.parent / "vlm"), "--task", lerobot_smolvla.TASK)
+        elif pi:
+            tokenizer = checkpoint.parent / "paligemma_tokenizer"
+            config = lerobot_pi.serving_config(checkpoint, tokenizer)
+            spec = lerobot_pi.BENCH[case.size]
+            ports_of = {STATE: "joints", **{key: lerobot_pi.port_of(key) for key in spec.camera_keys}}
+            obs = observations(steps, camera, joints=spec.joints, cameras=spec.camera_keys)
+            extra = ("--vlm", str(tokenizer), "--task", lerobot_pi.BENCH_TASK)
+        else:
+            config, ports_of, obs, extra = serving_config(checkpoint), PORTS, observations(steps, camera), ()
+        level = config.runtime.numerics            # the session's: LeRobot runs at it too
+        lerobot = lerobot_side(lerobot_python, checkpoint, obs, period, tmp, level, extra) \
+            if device.type == "cpu" else \
             {"ran": False, "reason": "LeRobot's loop is measured on the CPU only (no LeRobot on the GPU machine)"}
-        sync = _refused_or(lambda: session_side(checkpoint, obs, device, "sync", 1.0 / period, paced=False))
-        sync_paced = _refused_or(lambda: session_side(checkpoint, obs, device, "sync", 1.0 / period, paced=True))
-        asynchronous = _refused_or(lambda: session_side(checkpoint, obs, device, "async", 1.0 / period, paced=True,
-                                                        wake_floor=True))
+        sync = _refused_or(lambda: session_side(config, ports_of, obs, device, "sync", 1.0 / period, paced=False))
+        sync_paced = _refused_or(lambda: session_side(config, ports_of, obs, device, "sync", 1.0 / period,
+                                                      paced=True))
+        asynchronous = _refused_or(lambda: session_side(config, ports_of, obs, device, "async", 1.0 / period,
+                                                        paced=True, wake_floor=True))
     sides: Dict[str, Dict[str, Any]] = {"lerobot": lerobot, "sync": sync, "sync_paced": sync_paced,
                                         "async": asynchronous}
     actions = {side: values.pop("_actions", None) for side, values in sides.items()}
@@ -334,6 +381,8 @@ def run(device_name: str = "auto", quick: bool = False, steps: Optional[int] = N
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         raise SystemExit(f"--cases {unknown}: not among {list(CASES)}")
+    if quick:
+        cases = [name for name in cases if name not in QUICK_SKIPS]
     return {"bench": "chunking", **environment(device), "quick": quick,
             "cases": [run_case(CASES[name], device, quick, steps, python) for name in cases]}
 

@@ -83,6 +83,7 @@ class FleetChunking:
         cadence = context.policy.cadence()
         if cadence is None:
             raise ConfigError(f"{type(context.policy).__name__} declares no chunk cadence: it runs every step")
+        context.policy.bind_schedule(self.chunking.schedule)     # before any program is captured
         rows = context.arena.scratch_views[ROWS]
         rows.copy_(torch.arange(rows.shape[1], dtype=torch.int64, device=rows.device).expand_as(rows))
         worker = None

@@ -81,6 +81,7 @@ class Chunking:
         cadence = context.policy.cadence()
         if cadence is None:
             raise ConfigError(f"{type(context.policy).__name__} declares no chunk cadence: it runs every step")
+        context.policy.bind_schedule(self.schedule)      # before any program is captured
         rows = context.arena.scratch_views[ROWS]
         rows.copy_(torch.arange(rows.shape[0], dtype=torch.int64))
         worker = None
@@ -181,9 +182,12 @@ class ChunkingMode(ExecutionMode):
             return ChunkProgram.REQUEST
         return ChunkProgram.CONSUME
 
+    def plans(self) -> bool:
+        """Whether the next step plans a chunk (a refill, or an asynchronous request)."""
+        return self.next_program() in (ChunkProgram.REFILL, ChunkProgram.REQUEST, ChunkProgram.ADOPT_REQUEST)
+
     def reads_inputs(self) -> bool:
-        return self.cadence.inputs_every_step or self.next_program() in (
-            ChunkProgram.REFILL, ChunkProgram.REQUEST, ChunkProgram.ADOPT_REQUEST)
+        return self.cadence.inputs_every_step or self.plans()
 
     def before_step(self) -> str:
         """Choose the program; for a takeover, note whether its refill is late and make

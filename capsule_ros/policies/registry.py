@@ -21,12 +21,15 @@ import importlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
 from capsule_ros.config import ConfigSection
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.arena import BufferSpec
 from capsule_ros.runtime.policy import StatefulPolicy
+
+if TYPE_CHECKING:
+    from capsule_ros.policies.vla.rtc import RTCSettings
 
 ENTRY_POINT_GROUP = "capsule_ros.policies"
 
@@ -41,6 +44,8 @@ class BuildContext:
     weights: Optional[Path]                # policy.weights resolved to a file (None: '', random init)
     seed: int                              # policy.init_seed: random initialisation, deterministic per device kind
     device: Any                            # torch.device the modules may be built on directly
+    task: str = ""                         # policy.task: a VLA's task instruction until a text port says another
+    rtc: Optional[RTCSettings] = None      # control.rtc and its settings (None: off)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,9 @@ BUILTIN = {
     "lerobot_act": "capsule_ros.policies.lerobot.kinds:ACT_KIND",
     "lerobot_diffusion": "capsule_ros.policies.lerobot.kinds:DIFFUSION_KIND",
     "onnx": "capsule_ros.policies.ort.kind:POLICY_KIND",
+    "lerobot_smolvla": "capsule_ros.policies.lerobot.smolvla_kind:SMOLVLA_KIND",
+    "lerobot_pi0": "capsule_ros.policies.lerobot.pi.kind:PI0_KIND",
+    "lerobot_pi05": "capsule_ros.policies.lerobot.pi.kind:PI05_KIND",
 }
 
 

@@ -104,8 +104,10 @@ class NodeRecording:
         self._last_inputs.clear()
 
     def _write_input(self, topic: str, msgtype: str, msg: Any) -> None:
-        """CDR serialisation is deterministic, so these are the bytes as received."""
-        self.recorder.write_raw(topic, msgtype, serialize_message(msg), self._log_time())
+        """CDR serialisation is deterministic, so these are the bytes as received (a raw
+        subscription's message is those bytes already)."""
+        raw = bytes(msg) if isinstance(msg, (bytes, bytearray, memoryview)) else serialize_message(msg)
+        self.recorder.write_raw(topic, msgtype, raw, self._log_time())
 
 
     def _log_time(self) -> int:

@@ -31,6 +31,7 @@ from capsule_ros.ros.status import DiagnosticsBuilder, runtime_status
 from capsule_ros.serving.config import ControlConfig, PortConfig, ServingConfig
 from capsule_ros.serving.loop import Fed
 from capsule_ros.serving.outputs import OutputAdapter
+from capsule_ros.serving.ports import TEXT_TYPE
 from capsule_ros.serving.records import ActionRecord, EventKind, EventRecord, clock_jump_delta
 
 OnPortMessage = Callable[[str, str, Any], None]       # (port, message type, message)
@@ -125,10 +126,12 @@ class RobotIO:
         self._port_subscriptions = {name: self._subscribe(name, port, on_message) for name, port in ordered}
 
     def _subscribe(self, name: str, port: PortConfig, on_message: OnPortMessage) -> Any:
+        """A text port subscribes raw: its adapter decodes the bytes itself (``serving/ports.py``)."""
         def callback(msg: Any) -> None:
             on_message(name, port.type, msg)
         return self.node.create_subscription(message_class(port.type), port.topic, callback,
-                                             qos_profile(port.qos, port.depth), callback_group=self._control_group)
+                                             qos_profile(port.qos, port.depth), callback_group=self._control_group,
+                                             raw=port.type == TEXT_TYPE)
 
     def unsubscribe_ports(self) -> None:
         for subscription in self._port_subscriptions.values():

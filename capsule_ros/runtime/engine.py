@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Dict, Mapping, MutableMapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -188,6 +188,10 @@ class PolicyRuntime:
         # a GPU step's programs copy their outputs to the host themselves (read_step_outputs)
         self._fold_outputs = fold_outputs
         self._outputs_in_host = False           # the last step's program copied its outputs to the host
+        self._text_inputs = dict(policy.text_inputs())
+        self._texts: Dict[str, str] = {}        # the text staged into each text input (stage_text)
+        for name, text_input in self._text_inputs.items():
+            self.stage_text(name, text_input.default)
 
     @property
     def fingerprint(self) -> str:
@@ -234,14 +238,36 @@ class PolicyRuntime:
         """The whole staging buffer (uint8: one step's inputs, as the input log keeps them)."""
         return self.transfer.input_staging
 
+    @property
+    def texts(self) -> MutableMapping[str, str]:
+        """name -> the text staged into each text input (``stage_text``; the serving layer's
+        text ports write it beside the encoding), which ``prepare_inputs`` reads."""
+        return self._texts
+
+    def stage_text(self, name: str, text: str) -> None:
+        """Stage the text input ``name`` (``StatefulPolicy.text_inputs``): its encoding into
+        the staging buffer, and the text itself, which the policy's ``prepare_inputs`` reads
+        on the host. Each text input starts with its default."""
+        text_input = self._text_inputs.get(name)
+        if text_input is None:
+            raise InvalidArgument(f"input {name!r} is not a text input of the policy (text inputs: "
+                                  f"{sorted(self._text_inputs)})")
+        self.transfer.staging[name][...] = text_input.encode(text)
+        self._texts[name] = text
+
     def load_inputs(self, row: Optional[torch.Tensor] = None) -> bool:
         """Copy the whole staging area (or ``row``, the same bytes from elsewhere, e.g. an
         input log already on the device) into the arena's input region: one copy, ordered
         on the runtime's stream. On CUDA the copy is asynchronous: the staging area must not
         change until the step's outputs are read (``PolicySession.tick`` ensures it). Returns
-        whether it copied: a step that reads no input (``reads_inputs``) uploads none."""
+        whether it copied: a step that reads no input (``reads_inputs``) uploads none. From
+        the staging area, a step whose network runs (``ExecutionMode.plans``) first lets the
+        policy prepare its inputs on the host (``StatefulPolicy.prepare_inputs``); a ``row``
+        already holds them."""
         if not self.mode.reads_inputs():
             return False
+        if row is None and self.mode.plans():
+            self.policy.prepare_inputs(self.transfer.staging, self._texts)
         self.transfer.upload(self.stream, row)
         return True
 

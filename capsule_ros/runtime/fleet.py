@@ -294,11 +294,15 @@ class SlotRuntime(PolicyRuntime):
 
     def load_inputs(self, row: Optional[torch.Tensor] = None) -> bool:
         """The slot's staging (or ``row``, the same bytes from elsewhere) goes into its inputs
-        with the next fleet step: False (nothing moves) when its next step reads none."""
+        with the next fleet step: False (nothing moves) when its next step reads none. As a
+        single runtime's, a step whose network runs first lets the policy prepare its inputs
+        on the host (``StatefulPolicy.prepare_inputs``); a ``row`` already holds them."""
         if not self.mode.reads_inputs():
             return False
         if row is not None:
             self.transfer.input_staging.copy_(row)
+        elif self.mode.plans():
+            self.policy.prepare_inputs(self.transfer.staging, self.texts)
         self.fleet.upload_next(self.slot)
         return True
 

@@ -102,6 +102,10 @@ class ExecutionMode:
     def reset(self) -> None:
         """A new episode: ``init_state`` has just run (on the runtime's stream)."""
 
+    def plans(self) -> bool:
+        """Whether the next step runs the policy's network (every step does in this mode)."""
+        return True
+
     def reads_inputs(self) -> bool:
         """Whether the next step reads the input buffers (else they need no upload)."""
         return True

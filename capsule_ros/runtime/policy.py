@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -85,6 +86,16 @@ class ChunkCadence:
             raise ValueError(f"chunk cadence: horizon {self.horizon} must be in [1, length = {self.length}]")
         if not self.reads:
             raise ValueError("chunk cadence: reads must name the buffers plan() reads")
+
+
+@dataclass(frozen=True)
+class TextInput:
+    """How a text input buffer is filled: ``encode`` turns a string into the buffer's values
+    on the host (e.g. a VLA's tokenizer: int64 [2, max_length]), ``default`` is the text the
+    buffer holds until a message arrives (``policy.task``). See ``StatefulPolicy.text_inputs``."""
+
+    encode: Callable[[str], np.ndarray]
+    default: str
 
 
 def chunk_specs(length: int, action_dim: int, reads: Sequence[BufferSpec]) -> List[BufferSpec]:
@@ -146,6 +157,26 @@ class StatefulPolicy(nn.Module, abc.ABC):
     def emit(self, state: State, action: torch.Tensor, upcoming: torch.Tensor) -> None:
         """Chunking: outputs and bookkeeping of one step from the selected rows (capturable)."""
         raise NotImplementedError(f"{type(self).__name__} declares no chunk cadence")
+
+    def bind_schedule(self, schedule: Any) -> None:
+        """Chunking: the schedule the chunking mode settled (``capsule_ros.chunking``'s
+        ``ChunkSchedule``: refill timing, delay, rows executed per chunk), before any program
+        is captured; a policy whose plan depends on it (RTC guidance weights the rows the
+        delay covers) keeps what it needs. Nothing by default."""
+
+    def text_inputs(self) -> Dict[str, TextInput]:
+        """Input buffers filled from text (a ``std_msgs/msg/String`` port), by buffer name;
+        none by default."""
+        return {}
+
+    def prepare_inputs(self, staging: Mapping[str, np.ndarray], texts: Mapping[str, str]) -> None:
+        """Host work on a step's staged inputs right before they go up, on the steps whose
+        network runs (a chunking policy's refill or request; every step of a policy without
+        a cadence): fill the input buffers that are a host function of other inputs (π0.5's
+        prompt: the staged state and task, tokenised). ``staging``: the host staging buffers
+        by name (write in place); ``texts``: the last text staged into each text input
+        (``PolicyRuntime.stage_text``). What it writes goes up, and into the input log, with
+        the other inputs. Nothing by default."""
 
     def prefill(self, state: State, tokens: torch.Tensor) -> None:
         """Consume a prefix of token ids (int64[P]) from the initial state."""

@@ -80,10 +80,11 @@ def _names(kind: str, names: Sequence[str]) -> str:
     return f"{len(names)} {kind} ({shown}{more})"
 
 
-def load_strict(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str) -> None:
+def load_strict(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: str, assign: bool = False) -> None:
     """Load ``tensors`` into ``module`` by name, all or nothing: ConfigError starting with
     ``what`` and naming the missing, unexpected and mismatched (shape or dtype) names, a
-    few of each with the counts, in one line."""
+    few of each with the counts, in one line. ``assign``: the tensors become the module's
+    parameters and buffers (``load_state_dict(assign=True)``: a module built on the meta device)."""
     expected = module.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -95,7 +96,7 @@ def load_strict(module: nn.Module, tensors: Mapping[str, torch.Tensor], what: st
         problems = [_names(kind, names) for kind, names in (("missing", missing), ("unexpected", unexpected),
                                                              ("mismatched", mismatched)) if names]
         raise ConfigError(f"{what}: {'; '.join(problems)}")
-    module.load_state_dict(dict(tensors), strict=True)
+    module.load_state_dict(dict(tensors), strict=True, assign=assign)
 
 
 def load_weights(module: nn.Module, path: Path) -> Dict[str, str]:

@@ -42,6 +42,7 @@ MESSAGE_TYPES = (
     "sensor_msgs/msg/JointState", "sensor_msgs/msg/Imu", "sensor_msgs/msg/Image",
     "geometry_msgs/msg/PoseStamped", "geometry_msgs/msg/PointStamped", "geometry_msgs/msg/Twist",
     "geometry_msgs/msg/TwistStamped", "std_msgs/msg/Float32MultiArray",
+    "std_msgs/msg/String",        # text: a VLA's task instruction, tokenised by the policy (int64 [2, max_length])
 )
 
 
@@ -130,10 +131,24 @@ class ControlConfig(ConfigSection):
     execution_horizon: int = setting(0, "chunking: actions executed from each chunk (0 = the policy's own, e.g. "
                                      "LeRobot's n_action_steps; async: at most the chunk's length less the delay)",
                                      low=0, high=100000, read_only=True)
+    rtc: str = setting("off", "real-time chunking (async chunking, a VLA policy): guided steers each new chunk towards "
+                       "the rows of the executing chunk still to come, as LeRobot's RTC does, with the fixed delay "
+                       "(docs/vla.md)", choices=("off", "guided"), read_only=True)
+    rtc_max_guidance_weight: float = setting(10.0, "RTC: LeRobot's max_guidance_weight", low=1e-6, high=1e6,
+                                             read_only=True)
+    rtc_prefix_attention_schedule: str = setting("LINEAR", "RTC: LeRobot's prefix_attention_schedule, how the "
+                                                 "guided rows are weighted", choices=("ZEROS", "ONES", "LINEAR", "EXP"),
+                                                 read_only=True)
+    rtc_execution_horizon: int = setting(0, "RTC: LeRobot's execution_horizon, leftover rows that guide the next "
+                                         "chunk (padded with zero rows or truncated as LeRobot does); 0 = the "
+                                         "leftover's own length", low=0, high=100000, read_only=True)
 
     def check(self) -> None:
         if self.mode == "trigger" and not self.trigger_port:
             raise ConfigError("control.trigger_port: must name a port when control.mode is 'trigger'")
+        if self.rtc == "guided" and self.chunking != "async":
+            raise ConfigError("control.rtc = 'guided' needs control.chunking 'async': it guides a chunk planned while "
+                              "the previous one executes (LeRobot's select_action refuses RTC too)")
 
     def effective_deadline_s(self) -> Optional[float]:
         if self.deadline_ms > 0:
@@ -162,6 +177,9 @@ class PolicyConfig(ConfigSection):
     prefix: Tuple[int, ...] = setting((), "token ids prefilled at every reset to the initial state (a policy with "
                                       "a prefix input: configure checks them against it)", low=0,
                                       applies=CONFIGURE)
+    task: str = setting("", "a vision-language-action policy's task instruction: what its task port holds until a "
+                        "message arrives, or the task for good without one (tokenised by the checkpoint's tokenizer; "
+                        "'' is LeRobot's empty task)", read_only=True)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from capsule_ros.chunking.mode import Chunking, mode_for
 from capsule_ros.chunking.schedule import RefillTiming, check_settings
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.registry import BuildContext, policy_kind
+from capsule_ros.policies.vla.rtc import RTCSettings
 from capsule_ros.runtime import numerics
 from capsule_ros.runtime.arena import ArenaLayout, BufferKind, BufferSpec, dtype_from_name
 from capsule_ros.runtime.builder import build_policy_runtime, place_policy, runtime_identity
@@ -33,6 +34,7 @@ from capsule_ros.runtime.streams import StreamKeeper
 from capsule_ros.serving.capsule_set import DirectoryWatch
 from capsule_ros.serving.config import ControlConfig, ServingConfig
 from capsule_ros.serving.options import SessionOptions
+from capsule_ros.serving.ports import TEXT_TYPE
 from capsule_ros.serving.recompute import check_log_size
 from capsule_ros.serving.session import PolicySession
 
@@ -68,8 +70,19 @@ def build_policy(config: ServingConfig, weights: Optional[str] = None,
     spec = config.policy.weights if weights is None else weights
     context = BuildContext(settings=config.policy_settings, inputs=tuple(input_specs(config)), ports=config.ports,
                            weights=resolve_weights(spec), seed=config.policy.init_seed,
-                           device=torch.device(device or "cpu"))
-    return policy_kind(config.policy.kind).build(context)
+                           device=torch.device(device or "cpu"), task=config.policy.task,
+                           rtc=rtc_settings(config.control))
+    policy = policy_kind(config.policy.kind).build(context)
+    if context.rtc is not None and context.rtc.guided and getattr(policy, "guidance", None) is None:
+        raise ConfigError(f"control.rtc = 'guided': policy kind {config.policy.kind!r} has no real-time chunking "
+                          "guidance (the VLA kinds have)")
+    return policy
+
+
+def rtc_settings(control: ControlConfig) -> RTCSettings:
+    """``control.rtc`` and its settings."""
+    return RTCSettings(control.rtc, control.rtc_max_guidance_weight, control.rtc_prefix_attention_schedule,
+                       control.rtc_execution_horizon)
 
 
 def build_runtime(config: ServingConfig, weights: Optional[str] = None, *, worker: str = "auto") -> PolicyRuntime:
@@ -108,6 +121,15 @@ def check_chunking(policy: StatefulPolicy, config: ServingConfig) -> None:
     cadence = policy.cadence()
     if cadence is not None:
         check_settings(cadence, config.control.chunking_settings())
+
+
+def check_text_ports(policy: StatefulPolicy, config: ServingConfig) -> None:
+    """Every text port (``std_msgs/msg/String``) is one the policy encodes text into."""
+    text = policy.text_inputs()
+    for name, port in config.ports.items():
+        if port.type == TEXT_TYPE and name not in text:
+            raise ConfigError(f"port {name!r} ({TEXT_TYPE}): policy kind {config.policy.kind!r} reads no text from it "
+                              "(a vision-language-action policy maps its task port as 'task:<port>')")
 
 
 def port_bindings(config: ServingConfig) -> Dict[str, dict]:
@@ -151,6 +173,7 @@ def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, nod
     ``capsule_ros.updates.watch``.)"""
     policy = build_policy(config, weights)
     check_chunking(policy, config)
+    check_text_ports(policy, config)
     policy.check_prefix(config.policy.prefix)
     in_start, in_end = ArenaLayout(policy.state_spec()).byte_range(BufferKind.INPUT)   # one step's inputs
     check_log_size(config.control.input_log_steps, in_end - in_start, config.control.input_log_max_mb)

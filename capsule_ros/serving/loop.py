@@ -120,7 +120,7 @@ class ControlLoop:
         self._clock_seen_ns: Optional[int] = None       # the clock when the loop last read it
         self.counters = SessionCounters()
         self.notices = Notices(LOG, muted=not options.warnings)
-        self.inputs = SensorInputs(runtime.staging, dict(ports))
+        self.inputs = SensorInputs(runtime.staging, dict(ports), runtime.policy.text_inputs(), runtime.texts)
         self.stepper = GuardedStep(runtime, self.inputs, self.counters, log_step)
         if options.on_safe_action is not None:
             self.stepper.start_watchdog(self._on_overrun)

@@ -13,6 +13,13 @@ clock must not move the ordering point, or every correctly stamped message after
 would be dropped as out of order). A message that cannot be read at all counts as
 ``type``. Dropping never touches the buffer.
 
+Text ports (``std_msgs/msg/String``: a VLA's task instruction) are filled by the policy's
+own encoder (``StatefulPolicy.text_inputs``: its tokenizer), given to ``SensorInputs``; until
+a message arrives the buffer holds the encoder's default text. They are read from the
+message's serialized bytes (``takes_raw``: the node subscribes raw, a replay feeds the
+recorded bytes), decoded as UTF-8 strictly: bytes that are not UTF-8 are dropped as
+``type``, where rclpy would have replaced them and the policy would have seen other text.
+
 Ages and staleness are judged on the receiver's clock, the one ``accept`` is given (the
 node's ROS clock; a replay's log time), so an in-process replay counts stale steps
 where the node counted them. When that clock jumps (``clock_jumped``: a simulated clock
@@ -27,7 +34,7 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, MutableMapping, Optional
 
 import numpy as np
 
@@ -99,6 +106,25 @@ def stamp_ns(msg: Any) -> Optional[int]:
     return int(stamp.sec) * 1_000_000_000 + int(getattr(stamp, "nanosec", 0))
 
 
+TEXT_TYPE = "std_msgs/msg/String"
+TextEncoder = Callable[[str], np.ndarray]
+
+
+def cdr_string(raw: bytes) -> str:
+    """The ``data`` of a serialized ``std_msgs/msg/String`` (CDR: a 4-byte encapsulation
+    header, a uint32 length counting the terminating NUL, the bytes), decoded as UTF-8;
+    PortDrop ``type`` when it is not one or not UTF-8."""
+    if len(raw) < 8 or raw[0] != 0 or raw[1] not in (0, 1):
+        raise PortDrop("type", f"not a serialized std_msgs/msg/String ({len(raw)} bytes)")
+    length = int.from_bytes(raw[4:8], "little" if raw[1] == 1 else "big")
+    if length < 1 or 8 + length > len(raw) or raw[8 + length - 1] != 0:
+        raise PortDrop("type", f"a std_msgs/msg/String of {len(raw)} bytes with a bad length {length}")
+    try:
+        return raw[8:8 + length - 1].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PortDrop("type", f"the text is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
 def _dtype_limits(dtype: np.dtype) -> Optional[tuple]:
     """(low, high) a float64 value must lie within to be held by ``dtype``; None for floats
     (their limit shows as inf after the cast)."""
@@ -119,6 +145,14 @@ class PortAdapter:
         self._limits = _dtype_limits(self.dtype)
         self._last_stamp: Optional[int] = None
         self._short_type = config.type.rsplit("/", 1)[-1]
+        self.text: Optional[TextEncoder] = None        # a text port's encoder (SensorInputs sets it)
+        self.last_text: Optional[str] = None           # a text port: the text of the last accepted message
+        self._decoded: Optional[str] = None
+
+    @property
+    def takes_raw(self) -> bool:
+        """Whether messages come as their serialized bytes (a text port: see the module docstring)."""
+        return self.config.type == TEXT_TYPE
 
     def reset_ordering(self) -> None:
         """Forget the last accepted stamp (a new episode: a sensor clock may have restarted)."""
@@ -144,7 +178,9 @@ class PortAdapter:
                            f"(tolerance {future_tolerance_ns / 1e9:.3f} s)")
         if stamp is not None and self._last_stamp is not None and stamp < self._last_stamp:
             raise PortDrop("out_of_order", f"stamp {stamp} ns is older than the last accepted {self._last_stamp} ns")
-        if self._short_type == "Image":
+        if self.config.type == TEXT_TYPE:
+            values = self._text(msg)
+        elif self._short_type == "Image":
             values = self._image(msg)
         elif self._short_type == "JointState" and self.config.names:
             values = self._named_joints(msg)
@@ -191,6 +227,8 @@ class PortAdapter:
         stamp = stamp_ns(msg)
         if stamp is not None:
             self._last_stamp = stamp
+        if self.config.type == TEXT_TYPE:
+            self.last_text = self._decoded
         self.counters.received += 1
         self.counters.last_accept_ns = time.monotonic_ns() if now_ns is None else now_ns
         return values
@@ -222,6 +260,19 @@ class PortAdapter:
                 raise PortDrop("shape", f"{path} has {len(series)} values for {len(names)} joints")
             out.append(series[index])
         return np.concatenate(out)
+
+    def _text(self, msg: Any) -> np.ndarray:
+        """A String message (its serialized bytes, or a message with a ``data`` str) through the encoder."""
+        if self.text is None:
+            raise PortDrop("type", "the policy reads no text from this port")
+        if isinstance(msg, (bytes, bytearray, memoryview)):
+            text = cdr_string(bytes(msg))
+        elif isinstance(getattr(msg, "data", None), str):
+            text = msg.data
+        else:
+            raise PortDrop("type", f"expected a std_msgs/msg/String, got {type(msg).__name__}")
+        self._decoded = text
+        return np.asarray(self.text(text))
 
     def _image(self, msg: Any) -> np.ndarray:
         shape = self.config.shape
@@ -260,38 +311,53 @@ class SensorInputs:
     configured port, the runtime's staging buffers, and which inputs have a value yet.
 
     ``lock`` guards the staging buffers: writers hold it for one copy, a step holds it from
-    loading the inputs until its outputs are read (on CUDA the load is asynchronous)."""
+    loading the inputs until its outputs are read (on CUDA the load is asynchronous).
+    ``text``: the policy's text inputs (``StatefulPolicy.text_inputs``), by port: each text
+    port gets its encoder and starts with its default text (so it counts as received).
+    ``texts``: where the staged text of each text port is kept beside its encoding (the
+    runtime's ``texts``, which a policy's ``prepare_inputs`` reads on the host)."""
 
-    def __init__(self, staging: Mapping[str, np.ndarray], ports: Mapping[str, PortConfig]):
+    def __init__(self, staging: Mapping[str, np.ndarray], ports: Mapping[str, PortConfig],
+                 text: Optional[Mapping[str, Any]] = None, texts: Optional[MutableMapping[str, str]] = None):
         self.staging = staging
         self.ports: Dict[str, PortAdapter] = port_adapters(ports)
         self.lock = threading.Lock()
+        self.texts: MutableMapping[str, str] = {} if texts is None else texts
         self._seen: set = set()
+        for name, text_input in dict(text or {}).items():
+            if name in self.ports:
+                self.ports[name].text = text_input.encode
+                self.write(name, np.asarray(text_input.encode(text_input.default)), text_input.default)
 
     def receive(self, port: str, msg: Any, now_ns: Optional[int], future_tolerance_ns: Optional[int]) -> np.ndarray:
         """A message for ``port``: checked, converted and staged; raises PortDrop (counted)."""
-        values = self.ports[port].accept(msg, now_ns, future_tolerance_ns)
-        self.write(port, values)
+        adapter = self.ports[port]
+        values = adapter.accept(msg, now_ns, future_tolerance_ns)
+        self.write(port, values, adapter.last_text if adapter.config.type == TEXT_TYPE else None)
         return values
 
-    def write(self, name: str, values: np.ndarray) -> None:
-        """Copy values into an input's staging buffer (their size already checked)."""
+    def write(self, name: str, values: np.ndarray, text: Optional[str] = None) -> None:
+        """Copy values into an input's staging buffer (their size already checked); a text
+        input's ``text`` is kept with them."""
         staging = self.staging[name]
         with self.lock:
             np.copyto(staging, values.reshape(staging.shape), casting="unsafe")
+            if text is not None:
+                self.texts[name] = text
             self._seen.add(name)
 
     @property
     def ready(self) -> bool:
-        """Every input has received a value (a step needs them all)."""
-        return len(self._seen) == len(self.staging)
+        """Every port has received a value (a step needs them all; an input no port feeds is
+        the policy's own, filled on the host by ``StatefulPolicy.prepare_inputs``)."""
+        return not self.missing()
 
     @property
     def seen(self) -> FrozenSet[str]:
         return frozenset(self._seen)
 
     def missing(self) -> List[str]:
-        return [name for name in self.staging if name not in self._seen]
+        return [name for name in self.staging if name in self.ports and name not in self._seen]
 
     def reset_ordering(self) -> None:
         """A new episode: a sensor's clock may have restarted."""

@@ -7,8 +7,10 @@
 For every step: ``predict_action`` (LeRobot's observation conversion, preprocessor,
 ``select_action``, postprocessor), as its record and eval loops call it, with the wall time
 of that call (an input array shorter than the others, the camera frames, cycles).
-Diffusion's noise comes from capsule_ros's counter-based RNG at each step
-(``tools/lerobot_fixtures/make_fixtures.CounterNoise``), so both sides sample alike and
+Diffusion's, SmolVLA's and π0's noise comes from capsule_ros's counter-based RNG at each step
+(``tools/lerobot_fixtures/make_fixtures.CounterNoise``, ``make_vla_fixtures.CounterFlowNoise``;
+a SmolVLA checkpoint's VLM files or a π0 checkpoint's tokenizer from ``--vlm``, the task from
+``--task``; a scaled-down π0 loads through ``pi_scaled.load_pi``), so both sides sample alike and
 their actions can be compared bit for bit, at the CPU numerics level ``CAPSULE_ROS_NUMERICS``
 (pinned before torch runs; the benchmark passes its own). ``IN.npz``: one array per input feature
 [steps, ...] and ``seed``; ``OUT.npz``: ``seconds`` [steps] and ``action`` [steps, A].
@@ -20,6 +22,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from capsule_ros.runtime import numerics
 
@@ -42,15 +45,29 @@ def main() -> None:
     parser.add_argument("--observations", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--vlm", help="a VLA's hub files: SmolVLA's VLM (config, tokenizer, processor), π0's "
+                                      "tokenizer")
+    parser.add_argument("--task", default="", help="a VLA: the task instruction of every step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with np.load(args.observations, allow_pickle=False) as data:
         inputs = {k: data[k] for k in data.files}
     seed = int(inputs.pop("seed"))
     kind = json.loads((Path(args.checkpoint) / "config.json").read_text())["type"]
-    policy = (ACTPolicy if kind == "act" else DiffusionPolicy).from_pretrained(args.checkpoint)
-    pre, post = make_pre_post_processors(policy.config, pretrained_path=args.checkpoint)
-    noise = CounterNoise(policy) if isinstance(policy, DiffusionPolicy) else None
+    noise: Any = None
+    if kind == "smolvla":
+        from tools.lerobot_fixtures.make_vla_fixtures import CounterFlowNoise, load_policy
+        policy, pre, post = load_policy(Path(args.checkpoint), Path(args.vlm))
+        noise = CounterFlowNoise(policy)
+    elif kind in ("pi0", "pi05"):
+        from tools.lerobot_fixtures.make_vla_fixtures import CounterFlowNoise
+        from tools.lerobot_fixtures.pi_scaled import load_pi
+        policy, pre, post = load_pi(Path(args.checkpoint), Path(args.vlm))
+        noise = CounterFlowNoise(policy)
+    else:
+        policy = (ACTPolicy if kind == "act" else DiffusionPolicy).from_pretrained(args.checkpoint)
+        pre, post = make_pre_post_processors(policy.config, pretrained_path=args.checkpoint)
+        noise = CounterNoise(policy) if isinstance(policy, DiffusionPolicy) else None
     steps = max(value.shape[0] for value in inputs.values())    # shorter arrays (camera frames) cycle
     seconds, actions = np.zeros(steps), []
     device = torch.device("cpu")
@@ -62,7 +79,7 @@ def main() -> None:
             noise.at(0, seed, t)
         observation = {key: value[t % len(value)] for key, value in inputs.items()}
         start = time.perf_counter()
-        action = predict_action(observation, policy, device, pre, post, use_amp=False)
+        action = predict_action(observation, policy, device, pre, post, use_amp=False, task=args.task or None)
         seconds[t] = time.perf_counter() - start
         actions.append(action.reshape(-1).numpy().copy())
     np.savez(args.out, seconds=seconds, action=np.stack(actions).astype(np.float32),

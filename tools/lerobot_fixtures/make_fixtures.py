@@ -335,10 +335,20 @@ def rollout(fx: Fixture, directory: Path, inputs: Dict[str, np.ndarray], seeds: 
 
 def tar_xz(directory: Path, target: Path) -> None:
     """A reproducible tar.xz of ``directory`` as ``pretrained_model/`` (sorted, no owners or times)."""
+    tar_xz_files([(f"pretrained_model/{path.name}", path) for path in sorted(directory.iterdir())], target)
+
+
+def tar_xz_tree(root: Path, folders: Tuple[str, ...], target: Path) -> None:
+    """A reproducible tar.xz of the files directly in ``root/<folder>`` for each folder, as ``<folder>/<file>``."""
+    tar_xz_files([(f"{folder}/{path.name}", path) for folder in folders
+                  for path in sorted((root / folder).iterdir())], target)
+
+
+def tar_xz_files(members: List[Tuple[str, Path]], target: Path) -> None:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(directory.iterdir()):
-            info = tarfile.TarInfo(f"pretrained_model/{path.name}")
+        for name, path in members:
+            info = tarfile.TarInfo(name)
             data = path.read_bytes()
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             tar.addfile(info, io.BytesIO(data))

@@ -20,7 +20,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Mapping, Optional, Tuple
+from typing import Collection, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -122,16 +122,27 @@ def read_checkpoint(directory) -> Checkpoint:
 
 # --- processors ------------------------------------------------------------------------------
 
-def _normalizer_step(checkpoint: Checkpoint, filename: str, registry_name: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+def processor_steps(checkpoint: Checkpoint, filename: str) -> List[dict]:
+    """The steps of a processor pipeline file, as saved (``registry_name``, ``config``, ...)."""
+    path = checkpoint.directory / filename
+    steps = _read_json(path).get("steps", [])
+    if not isinstance(steps, list) or not all(isinstance(step, dict) for step in steps):
+        raise ConfigError(f"{path}: 'steps' must be a list of objects")
+    return steps
+
+
+def _normalizer_step(checkpoint: Checkpoint, filename: str, registry_name: str,
+                     handled: Collection[str] = ()) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """The single (un)normaliser step of a pipeline: its config and its statistics.
 
     Steps that do not change values (rename, batch, device without a dtype cast) are
-    accepted; any other step would change what the policy sees, so it is refused by name.
+    accepted, and so are the ``handled`` ones (which the policy reproduces itself, e.g. a
+    VLA's task tokenizer); any other step would change what the policy sees, so it is
+    refused by name.
     """
     path = checkpoint.directory / filename
-    pipeline = _read_json(path)
     found: Optional[Tuple[dict, Dict[str, torch.Tensor]]] = None
-    for step in pipeline.get("steps", []):
+    for step in processor_steps(checkpoint, filename):
         name = step.get("registry_name")
         config = step.get("config") or {}
         if name == registry_name:
@@ -143,9 +154,9 @@ def _normalizer_step(checkpoint: Checkpoint, filename: str, registry_name: str) 
         elif name == "device_processor" and config.get("float_dtype") not in (None, "float32"):
             raise ConfigError(f"{path}: device_processor casts to {config.get('float_dtype')!r}; "
                               "only float32 is supported")
-        elif name not in _PASSIVE_STEPS:
+        elif name not in _PASSIVE_STEPS and name not in handled:
             raise ConfigError(f"{path}: processor step {name!r} is not supported "
-                              f"(supported: {sorted(_PASSIVE_STEPS | {registry_name})})")
+                              f"(supported: {sorted(_PASSIVE_STEPS | {registry_name} | set(handled))})")
     if found is None:
         raise ConfigError(f"{path}: no {registry_name!r} step")
     return found
@@ -175,10 +186,12 @@ def _normalization(path_hint: str, config: dict, stats: Dict[str, torch.Tensor],
     return Normalization(feature.key, mode, {s: own[s] for s in needed}, eps)
 
 
-def read_normalization(checkpoint: Checkpoint) -> Tuple[Dict[str, Normalization], Normalization]:
-    """(input key -> Normalization, the action's unnormalisation) from the processor files."""
-    pre_config, pre_stats = _normalizer_step(checkpoint, PREPROCESSOR_FILE, "normalizer_processor")
-    post_config, post_stats = _normalizer_step(checkpoint, POSTPROCESSOR_FILE, "unnormalizer_processor")
+def read_normalization(checkpoint: Checkpoint,
+                       handled: Collection[str] = ()) -> Tuple[Dict[str, Normalization], Normalization]:
+    """(input key -> Normalization, the action's unnormalisation) from the processor files;
+    ``handled``: pre- or postprocessor steps the policy reproduces itself (see ``_normalizer_step``)."""
+    pre_config, pre_stats = _normalizer_step(checkpoint, PREPROCESSOR_FILE, "normalizer_processor", handled)
+    post_config, post_stats = _normalizer_step(checkpoint, POSTPROCESSOR_FILE, "unnormalizer_processor", handled)
     inputs = {key: _normalization(PREPROCESSOR_FILE, pre_config, pre_stats, feature)
               for key, feature in checkpoint.inputs.items()}
     action = _normalization(POSTPROCESSOR_FILE, post_config, post_stats, checkpoint.action)
@@ -187,18 +200,21 @@ def read_normalization(checkpoint: Checkpoint) -> Tuple[Dict[str, Normalization]
 
 # --- weights ---------------------------------------------------------------------------------
 
-def load_model_weights(checkpoint: Checkpoint, module: nn.Module, *, training_only: Iterable[str] = ()) -> None:
+def load_model_weights(checkpoint: Checkpoint, module: nn.Module, *, training_only: Iterable[str] = (),
+                       assign: bool = False) -> None:
     """Load ``model.safetensors`` into ``module`` by LeRobot's parameter names, strictly.
 
     ``training_only``: name prefixes the file holds but inference never reads (ACT's VAE
     encoder); they are skipped. Any other missing, unexpected or mis-shaped name is listed
-    in the error.
+    in the error. ``assign``: the file's tensors become the parameters (a module built on
+    the meta device, with no memory of its own yet).
     """
     path = checkpoint.directory / MODEL_FILE
     tensors = unwrap_compiled(read_weights(path)[0], path)
     skip = tuple(training_only)
     tensors = {k: v for k, v in tensors.items() if not k.startswith(skip)} if skip else tensors
-    load_strict(module, tensors, f"{path} does not fit the {checkpoint.policy_type} policy its config.json describes")
+    load_strict(module, tensors, f"{path} does not fit the {checkpoint.policy_type} policy its config.json describes",
+                assign=assign)
 
 
 COMPILED = "._orig_mod."     # what torch.compile's wrapper puts in the names of the module it wraps
