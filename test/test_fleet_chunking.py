@@ -115,7 +115,8 @@ def test_a_robots_chunk_is_its_batch_1_refill_whichever_slots_plan_alongside_it(
     robot's is, then fed other inputs), the rest step on their own schedules or idle, and
     the robot sits in a random slot."""
     cfg = config(act, chunking, delay, device)
-    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, compile="off"))   # the fleet's kernels
+    # the fleet's kernels (no torch.compile); the debug checks: every buffer the programs touch is owned
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, compile="off", debug_checks=True))
     single = build_session(cfg)
     rng = np.random.default_rng(7)
     me = int(rng.integers(0, 4))

@@ -329,9 +329,11 @@ class FleetRefill:
     def prepare(self) -> None:
         """Warm the copy and a slot's plan up and, on a GPU, capture them (the plan once: it
         serves every slot)."""
-        saved = self.live_fresh.clone()
-        try:
-            with on_stream(self.stream), torch.inference_mode():
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.live_fresh.device))
+        with on_stream(self.stream), torch.inference_mode():
+            saved = self.live_fresh.clone()             # the warm-up plans write a slot's chunk.fresh
+            try:
                 for _ in range(2):
                     self._copy()
                     self._begin()
@@ -345,10 +347,10 @@ class FleetRefill:
                     with torch.cuda.graph(plan, pool=pool, stream=self.stream):
                         self.planner.run()
                     self._graphs = (copy, plan)
-        finally:
-            self.live_fresh.copy_(saved)
-            if self.stream is not None:
-                self.stream.synchronize()
+            finally:
+                self.live_fresh.copy_(saved)
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def collect(self) -> None:
         """A fleet step begins: its slots' requests form one submission (``launch``)."""
