@@ -367,7 +367,7 @@ class ClockedBagPlayer:
         from rosbags.rosbag2 import Reader
         from rosgraph_msgs.msg import Clock
 
-        from capsule_ros.ros.node import message_class
+        from capsule_ros.ros.robot_io import message_class
         self.client, self.Clock = client, Clock
         with Reader(bag) as reader:
             self.entries = [(conn.topic, time, bytes(data)) for conn, time, data in reader.messages()]

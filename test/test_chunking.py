@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from lerobot_fixtures import FIXTURES, PORTS, Fixture, load_npz
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.chunking.mark import ChunkingMark
@@ -165,6 +166,60 @@ def test_async_runs_every_program_and_plans_off_the_calling_thread(fixtures):
     assert seen[9:14] == [ChunkProgram.CONSUME, ChunkProgram.REQUEST, ChunkProgram.CONSUME, ChunkProgram.CONSUME,
                           ChunkProgram.ADOPT]
     assert threads and all(name.startswith("capsule-refill") for name in threads)
+
+
+class _Operations(TorchDispatchMode):
+    """The names of the torch operations run under it, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: List[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _record_calls(obj, method: str, calls: List[str]) -> None:
+    original = getattr(obj, method)
+
+    def recorded(*args, **kwargs):
+        calls.append(method)
+        return original(*args, **kwargs)
+    setattr(obj, method, recorded)
+
+
+@pytest.mark.parametrize("name", ("act_queue", "diffusion"))
+def test_an_async_consume_step_is_the_sync_consume_step_and_leaves_the_worker_alone(name, fixtures):
+    """A step between an async takeover and the next request runs the very operations of a
+    sync consume step (on a GPU: the same captured program), and calls nothing of the
+    refill worker: no submission, no poll, no wait. Only request and takeover steps do."""
+    fixture = fixtures[name]
+    consume_ops: Dict[str, set] = {}
+    for chunking, delay in (("sync", 0), ("async", 2)):
+        runtime = runtime_for(fixture, chunking, delay)
+        worker_calls: List[str] = []
+        if runtime.mode.worker is not None:
+            for method in ("submit", "ready", "before_adopt"):
+                _record_calls(runtime.mode.worker, method, worker_calls)
+        runtime.reset(episode=0, seed=fixture.seed(0))
+        seen = set()
+        for t in range(2 * runtime.mode.schedule.end + 2):
+            stage(runtime, fixture, 0, t)
+            program = runtime.mode.next_program()
+            runtime.load_inputs()
+            before = len(worker_calls)
+            with _Operations() as ops:
+                runtime.step()
+            runtime.read_outputs()
+            seen.add(program)
+            if program == ChunkProgram.CONSUME:
+                consume_ops.setdefault(chunking, set()).add(tuple(ops.names))
+                assert len(worker_calls) == before, (chunking, t, worker_calls[before:])
+        if chunking == "async":
+            assert {ChunkProgram.REQUEST, ChunkProgram.ADOPT} <= seen and worker_calls, seen
+        runtime.close()
+    assert len(consume_ops["sync"]) == 1 and consume_ops["async"] == consume_ops["sync"], consume_ops
 
 
 def test_inline_and_thread_workers_give_the_same_bits(fixtures):
@@ -387,6 +442,17 @@ def test_cuda_graph_programs_equal_their_eager_plan_and_stay_close_to_lerobot(na
     reference = fixture.outputs["action"] if chunking == "sync" else references.get(f"action_d{delay}")
     if reference is not None:                              # LeRobot's own loop, on the CPU
         assert float(np.abs(got["graph"] - reference[0, :40]).max()) < 1e-2
+
+
+@pytest.mark.cuda
+def test_cuda_refill_stream_runs_below_the_step_streams_priority(fixtures):
+    """A plan in flight (its stream) yields the GPU's free SMs to the consume steps that run
+    meanwhile (the step's stream): CUDA's lower number is the higher priority."""
+    runtime = cuda_runtime(fixtures["diffusion"], "async", 3, graphs=True)
+    worker = runtime.mode.worker
+    assert runtime.stream is not None and worker is not None and worker.stream is not None
+    assert worker.stream.priority > runtime.stream.priority, (worker.stream.priority, runtime.stream.priority)
+    runtime.close()
 
 
 def _stepped(runtime: PolicyRuntime, fixture: Fixture, episode: int, steps: int):

@@ -83,8 +83,11 @@ def test_bench_chunking_reports_every_side_and_says_why_one_did_not_run(tmp_path
     (case,) = json.loads(result.stdout)["cases"]
     assert case["lerobot"] == {"ran": False, "reason": case["lerobot"]["reason"]}
     assert "no LeRobot environment" in case["lerobot"]["reason"]
-    for side in ("sync", "async"):
+    for side in ("sync", "sync_paced", "async"):
         assert case[side]["mean_ms"] > 0 and case[side]["p50_ms"] <= case[side]["p99_ms"] <= case[side]["max_ms"]
+    # async's consume steps against sync's paced the same way (and against the back-to-back side)
+    assert case["consume_ratio"] == case["async"]["consume_p50_ms"] / case["sync_paced"]["consume_p50_ms"]
+    assert case["consume_ratio_back_to_back"] == case["async"]["consume_p50_ms"] / case["sync"]["consume_p50_ms"]
     assert case["sync"]["refills"] == 4                     # 40 steps, 10 rows per chunk: the network 4 times
     assert case["async"]["delay"] >= 1 and "async, inference delay" in case["async"]["schedule"]
     assert "bench chunking: case act10 done:" in result.stderr

@@ -22,9 +22,17 @@ Sides, each over ``--steps`` steps (default 3000) of one episode:
 - ``sync``: ``control.chunking: sync`` through a ``PolicySession`` (what the node runs per
   control period: stage the inputs, tick = inputs in, step, outputs out and checked),
   back to back as LeRobot's loop runs;
+- ``sync_paced``: ``sync`` again, paced as ``async`` is: the baseline of the consume
+  ratio. A paced step starts after the machine sat idle for most of a period, and that
+  costs by itself (a GPU's clocks and the host's caches are cold: ``gpu_wake_floor``), so
+  only a paced sync step is a like-for-like baseline for a paced async one;
 - ``async``: ``control.chunking: async`` with ``inference_delay_steps: auto`` (fixed at
   start from the refill's p99), paced at the case's rate with a deadline of one period,
   the refill worker on its own thread (CPU) or stream (GPU).
+
+Pacing (``Pacer``): each step starts at the next period boundary not yet passed, as a
+ROS timer fires; a step that overruns skips the boundaries it missed instead of letting
+the next steps run back to back.
 
 Figures per side: mean / p50 / p99 / max step (ms), deadline misses per 1000 steps
 (a step longer than the period; async: the session's own count, and its late refills),
@@ -33,7 +41,10 @@ new chunk and the step before, against the largest within a chunk. The episode's
 step plans the first chunk synchronously in every mode (nothing to overlap with): it is
 counted in the figures and also reported alone (``first_step_ms``); ``misses_steady``
 counts the misses after it. Ratios: sync mean and p99 over LeRobot's, async p99 over
-LeRobot's. ``actions_equal_lerobot``: sync's actions against LeRobot's, bit for bit.
+LeRobot's; ``consume_ratio`` / ``consume_p99_ratio``: async's consume steps (p50 / p99)
+over ``sync_paced``'s, the same programs under the same pacing (``consume_ratio_back_to_back``:
+over the back-to-back ``sync`` side's, which no paced step can reach).
+``actions_equal_lerobot``: sync's actions against LeRobot's, bit for bit.
 """
 from __future__ import annotations
 
@@ -46,7 +57,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -87,6 +98,7 @@ CASES = {c.name: c for c in (Case("act100", "act", 30.0, 100, 100), Case("act10"
                              Case("diffusion-small", "diffusion", 10.0, n_action_steps=8, down_dims=(128, 256, 512)))}
 
 
+SIDES = ("lerobot", "sync", "sync_paced", "async")
 FRAMES = 64    # distinct camera frames, cycled (3000 frames of 480 x 640 would take 2.7 GB)
 
 
@@ -147,31 +159,57 @@ def _lerobot_refills(checkpoint: Path, steps: int) -> List[int]:
     return list(range(0, steps, n))
 
 
-def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.device, chunking: str, rate: float,
-                 paced: bool) -> Dict[str, Any]:
-    """The steps through a session (see the module docstring)."""
+class Pacer:
+    """Control periods of ``period`` seconds: ``wait`` sleeps until the next period boundary
+    not yet passed (a step that overran skips the boundaries it missed, as a ROS timer
+    does, so no step runs back to back after it); with ``paced`` False it never sleeps."""
+
+    def __init__(self, period: float, paced: bool = True):
+        self.period, self.paced = period, paced
+        self.next_at = time.perf_counter()
+
+    def wait(self) -> None:
+        if not self.paced:
+            return
+        now = time.perf_counter()
+        self.next_at += self.period
+        if self.next_at <= now:
+            self.next_at += (int((now - self.next_at) / self.period) + 1) * self.period
+        time.sleep(max(0.0, self.next_at - time.perf_counter()))
+
+
+def side_session(checkpoint: Path, device: torch.device, chunking: str, rate: float, paced: bool, steps: int):
+    """A ``PolicySession`` of the checkpoint as a side runs it: a timer at ``rate``, the
+    episode's inputs logged as a node logs them, one CPU thread, seed 0, deadlines
+    enforced when ``paced``."""
     from capsule_ros.serving.factory import build_session
     from capsule_ros.serving.options import SessionOptions
     base = serving_config(checkpoint)
     control = dataclasses.replace(base.control, mode="timer", rate_hz=rate, deadline_ms=0.0, chunking=chunking,
                                   inference_delay_steps="auto", autostart=True,
-                                  input_log_steps=len(obs[STATE]),       # the episode's inputs, as a node logs them
+                                  input_log_steps=steps,                 # the episode's inputs, as a node logs them
                                   input_log_max_mb=1e7)                  # (rows are touched only when logged)
     runtime = dataclasses.replace(base.runtime, device=str(device), cpu_threads=1, seed=0)
     session = build_session(dataclasses.replace(base, control=control, runtime=runtime),
                             options=SessionOptions(enforce_deadline=paced))
+    assert isinstance(session.parts.runtime.mode, ChunkingMode), "a chunking policy"
+    return session
+
+
+def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.device, chunking: str, rate: float,
+                 paced: bool, wake_floor: bool = False) -> Dict[str, Any]:
+    """The steps through a session (see the module docstring); ``wake_floor``: measure
+    ``gpu_wake_floor`` after them (a paced side on a GPU)."""
+    steps = len(obs[STATE])
+    session = side_session(checkpoint, device, chunking, rate, paced, steps)
     mode = session.parts.runtime.mode
-    assert isinstance(mode, ChunkingMode), "a chunking policy"
     schedule = mode.schedule
     start_refills = mode.counters.refills           # start-up (checks, rehearsal) planned some already
     period = 1.0 / rate
-    steps = len(obs[STATE])
     seconds, actions, seams = np.zeros(steps), [], []
     ports = {PORTS[key]: value for key, value in obs.items()}
-    next_at = time.perf_counter()
+    pacer = Pacer(period, paced)
     for t in range(steps):
-        if paced:
-            next_at += period
         for port, value in ports.items():
             session.loop.write_input(port, at(value, t))
         start = time.perf_counter()
@@ -181,12 +219,11 @@ def session_side(checkpoint: Path, obs: Dict[str, np.ndarray], device: torch.dev
         actions.append(record.values)
         if mode.last.program in TAKEOVERS:
             seams.append(t)
-        if paced:
-            time.sleep(max(0.0, next_at - time.perf_counter()))
+        pacer.wait()
     counters, chunk = session.parts.loop.counters, mode.counters
     out = summary(seconds, period, np.stack(actions), seams)
     consume = np.asarray([s for t, s in enumerate(seconds) if t not in set(seams)]) * 1e3
-    if paced and device.type == "cuda":
+    if wake_floor and paced and device.type == "cuda":
         out["gpu_wake_floor"] = gpu_wake_floor(session.parts.runtime, period)
     out.update(consume_mean_ms=float(consume.mean()) if len(consume) else None,
                consume_p50_ms=float(np.percentile(consume, 50)) if len(consume) else None,
@@ -235,11 +272,14 @@ def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_
         lerobot = lerobot_side(lerobot_python, checkpoint, obs, period, tmp, level) if device.type == "cpu" else \
             {"ran": False, "reason": "LeRobot's loop is measured on the CPU only (no LeRobot on the GPU machine)"}
         sync = _refused_or(lambda: session_side(checkpoint, obs, device, "sync", 1.0 / period, paced=False))
-        asynchronous = _refused_or(lambda: session_side(checkpoint, obs, device, "async", 1.0 / period, paced=True))
-    sides: Dict[str, Dict[str, Any]] = {"lerobot": lerobot, "sync": sync, "async": asynchronous}
+        sync_paced = _refused_or(lambda: session_side(checkpoint, obs, device, "sync", 1.0 / period, paced=True))
+        asynchronous = _refused_or(lambda: session_side(checkpoint, obs, device, "async", 1.0 / period, paced=True,
+                                                        wake_floor=True))
+    sides: Dict[str, Dict[str, Any]] = {"lerobot": lerobot, "sync": sync, "sync_paced": sync_paced,
+                                        "async": asynchronous}
     actions = {side: values.pop("_actions", None) for side, values in sides.items()}
     result: Dict[str, Any] = {"case": case.name, "camera": list(camera), "rate_hz": 1.0 / period, "steps": steps,
-                              **sides}
+                              **sides, **consume_ratios(sides)}
     if lerobot.get("ran"):
         for side, figure in (("sync", "mean_ms"), ("sync", "p99_ms"), ("async", "p99_ms")):
             if sides[side].get("ran", True):
@@ -251,6 +291,19 @@ def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_
             result["actions_max_abs_diff"] = float(diff.max())
     print(f"bench chunking: case {case.name} done: " + json.dumps(_headline(result)), file=sys.stderr, flush=True)
     return result
+
+
+def consume_ratios(sides: Mapping[str, Mapping[str, Any]]) -> Dict[str, float]:
+    """Async's consume steps over sync's (see the module docstring), where both sides ran."""
+    out: Dict[str, float] = {}
+    asynchronous = sides["async"]
+    for name, baseline, figure in (("consume_ratio", "sync_paced", "consume_p50_ms"),
+                                   ("consume_p99_ratio", "sync_paced", "consume_p99_ms"),
+                                   ("consume_ratio_back_to_back", "sync", "consume_p50_ms")):
+        mine, theirs = asynchronous.get(figure), sides[baseline].get(figure)
+        if mine is not None and theirs:
+            out[name] = mine / theirs
+    return out
 
 
 def _refused_or(side: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
@@ -265,10 +318,10 @@ def _refused_or(side: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
 def _headline(result: Dict[str, Any]) -> Dict[str, Any]:
     """A case's main figures (progress on stderr: a long run's finished cases are not lost)."""
     out: Dict[str, Any] = {k: v for k, v in result.items()
-                           if k.endswith("_over_lerobot") or k == "actions_equal_lerobot"}
-    for side in ("lerobot", "sync", "async"):
+                           if k.endswith("_over_lerobot") or k == "actions_equal_lerobot" or k.startswith("consume_")}
+    for side in SIDES:
         r = result[side]
-        out[side] = ({k: r[k] for k in ("mean_ms", "p99_ms", "misses_per_1000", "delay") if k in r}
+        out[side] = ({k: r[k] for k in ("mean_ms", "p99_ms", "consume_p50_ms", "misses_per_1000", "delay") if k in r}
                      if r.get("ran", True) else r["reason"][:300])
     return out
 
@@ -288,17 +341,19 @@ def run(device_name: str = "auto", quick: bool = False, steps: Optional[int] = N
 def table(result: dict) -> None:
     rows = []
     for case in result["cases"]:
-        for side in ("lerobot", "sync", "async"):
+        for side in SIDES:
             r = case[side]
             if not r.get("ran", True):
-                rows.append([case["case"], side, r["reason"][:60], "", "", "", "", "", ""])
+                rows.append([case["case"], side, r["reason"][:60], "", "", "", "", "", "", ""])
                 continue
             rows.append([case["case"], side, r["mean_ms"], r["p50_ms"], r["p99_ms"], r["max_ms"],
-                         r["misses_per_1000"], r["seam_jump"], r["within_chunk_jump"]])
+                         r.get("consume_p50_ms", ""), r["misses_per_1000"], r["seam_jump"], r["within_chunk_jump"]])
     print_table(f"bench chunking ({result['device']})", ["case", "side", "mean ms", "p50 ms", "p99 ms", "max ms",
-                                                         "misses/1000", "seam |Δa|", "within |Δa|"], rows)
+                                                         "consume p50 ms", "misses/1000", "seam |Δa|", "within |Δa|"],
+                rows)
     for case in result["cases"]:
-        ratios = {k: case[k] for k in ("sync_mean_over_lerobot", "sync_p99_over_lerobot", "async_p99_over_lerobot",
+        ratios = {k: case[k] for k in ("consume_ratio", "consume_p99_ratio", "consume_ratio_back_to_back",
+                                       "sync_mean_over_lerobot", "sync_p99_over_lerobot", "async_p99_over_lerobot",
                                        "actions_equal_lerobot") if k in case}
         print(case["case"], case["async"].get("schedule", case["async"].get("reason")), ratios)
 

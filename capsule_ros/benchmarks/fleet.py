@@ -12,8 +12,9 @@ Cases (``--cases``, default all three):
   written in torch (``RecurrentActor``): ONNX Runtime's LSTM cannot be batched by vmap (a
   policy.kind onnx fleet runs the loop batching, which is what ``loop`` measures).
 
-Sides, each at the session level (what a node pays per control period: every robot's
-inputs staged, the step, the outputs read and checked, the accounting):
+Sides (``--sides``, default all five). In process, each at the session level (what a
+node pays per control period: every robot's inputs staged, the step, the outputs read and
+checked, the accounting):
 
 - ``fleet``: one ``FleetSession`` of S slots (``fleet.batching: vmap``), N of its robots
   stepping in each fleet step (the other slots idle);
@@ -22,13 +23,29 @@ inputs staged, the step, the outputs read and checked, the accounting):
 - ``separate``: N ``PolicySession`` s, each with its own runtime and copy of the weights,
   ticked one after the other per control period.
 
-(N ``policy_node`` processes are a side the node layer adds: ``SIDES``.)
+Processes, driven over real topics in trigger mode from one driver process (its own rclpy
+node and executor): for each robot-step its inputs are published and its action message
+awaited, the round trip timed (``capsule_ros/benchmarks/fleet_nodes.py``):
+
+- ``nodes``: N ``policy_node`` processes, one per robot (max N started once, the first N
+  driven);
+- ``fleet_node``: one ``fleet_node`` process serving N robots from S slots (started once
+  per N: a robot that never asks would hold every gathered step for ``fleet.gather_ms``).
+
+This module imports and runs without ROS: the sides are passed in (``run(sides=...)``);
+the command line (``capsule_ros.cli.main``) adds the process sides where rclpy imports and
+otherwise records them as skipped with the reason (the GPU machine has no ROS). A case a
+node cannot serve is skipped for those sides with its reason: ACT's camera frames are not
+driven over topics yet. The recurrent case's nodes serve the same actor (same weights) as a
+``torch.export`` program (``policy.kind: exported``, ``capsule-ros export``'s format),
+which vmap cannot batch: its ``fleet_node`` runs ``fleet.batching: loop``.
 
 ``--steps``: control periods per side and N (default 200; ``--quick``: 50, and S = 4).
 
 Figures per side and N: robot-steps/s (N x ticks / wall time), the time of a control
-period for all N robots (p50 / p99 ms) and, for ``separate``, one robot's step. Ratios:
-fleet and loop aggregate robot-steps/s over separate's. For the fleet at N = S: a robot's
+period for all N robots (p50 / p99 ms) and, for ``separate``, one robot's step; for the
+process sides, also each robot-step's round trip (``roundtrip_ms``: its inputs published to
+its action received). Ratios: every side's aggregate robot-steps/s over separate's. For the fleet at N = S: a robot's
 commit (its snapshot at the boundary) and the other robots' next fleet step against their
 steps without it (``snapshot_stall_ms``); and whether a robot's actions in the fleet equal
 its actions in a single runtime bit for bit (``identical_to_single``: the batch size S
@@ -40,7 +57,7 @@ import dataclasses
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -109,6 +126,32 @@ class RecurrentActor(StatefulPolicy):
         return {"policy": "bench recurrent actor", "hidden": self.hidden, "mlp": list(self.mlp_widths)}
 
 
+class RecurrentProgram(nn.Module):
+    """``actor``'s step in the export interface (``capsule_ros.policies.export``): batch
+    first, pure, ``forward(obs, h, c) -> (action, chunk, h, c)``; what a node serves."""
+
+    def __init__(self, actor: RecurrentActor):
+        super().__init__()
+        self.actor = actor
+        self.inputs = [BufferSpec("obs", (OBS,), torch.float32, BufferKind.INPUT)]
+        self.state = [BufferSpec(name, (actor.hidden,), torch.float32, BufferKind.RECURRENT) for name in ("h", "c")]
+        self.action_dim, self.chunk_horizon = ACTIONS, 1
+
+    def initial_state(self) -> Dict[str, torch.Tensor]:
+        return {"h": torch.zeros(self.actor.hidden), "c": torch.zeros(self.actor.hidden)}
+
+    def forward(self, obs: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        actor = self.actor
+        i, o, f, g = actor.gates(torch.cat([(obs - actor.mean) / actor.std, h], -1)).chunk(4, -1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        x = h
+        for layer in actor.mlp:
+            x = nn.functional.elu(layer(x))
+        action = actor.head(x)
+        return action, action[:, None], h, c
+
+
 @dataclasses.dataclass
 class Case:
     """What a case serves: its config, the policy (None: ``policy.kind``'s), its inputs."""
@@ -118,6 +161,9 @@ class Case:
     make_policy: Optional[Callable[[], StatefulPolicy]]
     stagger: int                      # steps between the robots' chunk phases (0: no chunking)
     frames: Dict[str, Any]            # port -> a few input rows to cycle through (numpy)
+    node_params: Optional[Callable[[], Dict[str, Any]]] = None   # the ROS parameters a node serves it with
+    node_batching: str = "vmap"       # fleet_node's fleet.batching for it
+    no_nodes: str = ""                # why the process sides cannot serve it (node_params None)
 
 
 def _params(name: str, device: torch.device) -> Dict[str, Any]:
@@ -140,7 +186,8 @@ def make_case(name: str, device: torch.device, quick: bool, workdir: Path, rng: 
         config = ServingConfig.from_params(_params("policy.yaml", device))
         frames = {"joints": rng.normal(size=(8, 4)).astype(np.float32),
                   "goal": rng.normal(size=(8, 2)).astype(np.float32)}
-        return Case(name, config, None, 0, frames)
+        params = _params("policy.yaml", device)
+        return Case(name, config, None, 0, frames, node_params=lambda: params)
     if name == "act":
         from capsule_ros.benchmarks.lerobot_act import serving_config, write_act_checkpoint
         config = serving_config(write_act_checkpoint(workdir / "act", quick=quick))
@@ -155,14 +202,24 @@ def make_case(name: str, device: torch.device, quick: bool, workdir: Path, rng: 
         frames = {"joints": rng.normal(size=(8, config.ports["joints"].shape[0])).astype(np.float32),
                   "top_camera": rng.integers(0, 256, size=(4, *shape), dtype=np.uint8)}
         horizon = 100                 # the checkpoint's n_action_steps: a chunk lasts 100 steps
-        return Case(name, config, None, max(1, horizon // slots), frames)
+        return Case(name, config, None, max(1, horizon // slots), frames,
+                    no_nodes="ACT's camera frames (480 x 640 per robot-step) are not driven over topics yet")
     hidden, mlp = (64, (64, 64)) if quick else (256, (512, 256, 128))
     params = _params("policy.yaml", device)
     params["ports"] = {"names": ["obs"], "obs": {"topic": "observation", "type": "std_msgs/msg/Float32MultiArray",
                                                   "fields": ["data"], "shape": [OBS], "dtype": "float32"}}
     params["control"]["trigger_port"] = "obs"
+
+    def exported_params() -> Dict[str, Any]:
+        program = workdir / f"recurrent-{hidden}.pt2"
+        if not program.exists():
+            from capsule_ros.policies.export import export_module
+            export_module(RecurrentProgram(RecurrentActor(hidden, mlp)), program)
+        return {**params, "policy": {**params["policy"], "kind": "exported", "weights": "",
+                                     "exported": {"program": str(program)}}}
     return Case(name, ServingConfig.from_params(params), lambda: RecurrentActor(hidden, mlp), 0,
-                {"obs": rng.normal(size=(8, OBS)).astype(np.float32)})
+                {"obs": rng.normal(size=(8, OBS)).astype(np.float32)}, node_params=exported_params,
+                node_batching="loop")
 
 
 def _stage(loop: Any, case: Case, t: int) -> None:
@@ -228,8 +285,29 @@ def separate_side(case: Case, ns: Sequence[int], ticks: int) -> Dict[str, Any]:
     return out
 
 
-# Sides by name: the node layer adds ``nodes`` (N policy_node processes) here.
-SIDES: Dict[str, Callable[..., Dict[str, Any]]] = {}
+Measure = Callable[[Case, int, Sequence[int], int], Dict[str, Any]]   # (case, slots, ns, ticks) -> figures
+
+
+@dataclasses.dataclass(frozen=True)
+class Side:
+    """One side of the comparison: its name and how it measures a case, or (``measure``
+    None) why it cannot run here. A measure may return ``{"skipped": reason}`` for a case."""
+
+    name: str
+    measure: Optional[Measure]
+    skipped: str = ""
+
+
+IN_PROCESS = ("fleet", "loop", "separate")
+PROCESSES = ("nodes", "fleet_node")          # capsule_ros/benchmarks/fleet_nodes.py (ROS)
+SIDE_NAMES = IN_PROCESS + PROCESSES
+
+
+def in_process_sides() -> Tuple[Side, ...]:
+    """fleet, loop and separate: the sides that need no ROS."""
+    return (Side("fleet", lambda case, slots, ns, ticks: fleet_side(case, slots, ns, ticks, "vmap")),
+            Side("loop", lambda case, slots, ns, ticks: fleet_side(case, slots, ns, ticks, "loop")),
+            Side("separate", lambda case, slots, ns, ticks: separate_side(case, ns, ticks)))
 
 
 def _stagger(case: Case, loops: Sequence[Any]) -> None:
@@ -280,63 +358,92 @@ def _first_robot_actions(fleet: Any, case: Case, name: str, session: Any = None,
     return actions
 
 
-def run_case(case: Case, slots: int, ns: Sequence[int], ticks: int) -> Dict[str, Any]:
-    sides = {"fleet": fleet_side(case, slots, ns, ticks, "vmap"), "loop": fleet_side(case, slots, ns, ticks, "loop"),
-             "separate": separate_side(case, ns, ticks)}
-    for extra, measure in SIDES.items():
-        sides[extra] = measure(case, ns, ticks)
-    single = np.asarray(sides["separate"].pop("first_robot"), dtype=np.float32)
-    out: Dict[str, Any] = {"sides": sides, "ratios": {}, "identical_to_single": {}, "max_abs_diff_to_single": {}}
+def run_case(case: Case, slots: int, ns: Sequence[int], ticks: int, sides: Sequence[Side]) -> Dict[str, Any]:
+    """Every side on ``case``; ratios of each side's robot-steps/s over separate's, and the
+    bits of fleet and loop against a single runtime (when separate ran)."""
+    figures: Dict[str, Dict[str, Any]] = {
+        side.name: (side.measure(case, slots, ns, ticks) if side.measure is not None else {"skipped": side.skipped})
+        for side in sides}
+    measured = [name for name, side in figures.items() if "skipped" not in side]
+    out: Dict[str, Any] = {"sides": figures, "ratios": {}, "identical_to_single": {}, "max_abs_diff_to_single": {}}
+    if "separate" not in measured:
+        return out
+    single = np.asarray(figures["separate"].pop("first_robot"), dtype=np.float32)
     for name in ("fleet", "loop"):
-        mine = np.asarray(sides[name].pop("first_robot"), dtype=np.float32)
-        out["identical_to_single"][name] = bool(mine.tobytes() == single.tobytes())
-        out["max_abs_diff_to_single"][name] = float(np.abs(mine - single).max())
+        if name in measured:
+            mine = np.asarray(figures[name].pop("first_robot"), dtype=np.float32)
+            out["identical_to_single"][name] = bool(mine.tobytes() == single.tobytes())
+            out["max_abs_diff_to_single"][name] = float(np.abs(mine - single).max())
     for n in ns:
-        base = sides["separate"]["by_n"][n]["robot_steps_per_s"]
-        out["ratios"][n] = {name: sides[name]["by_n"][n]["robot_steps_per_s"] / base for name in ("fleet", "loop")}
+        base = figures["separate"]["by_n"][n]["robot_steps_per_s"]
+        out["ratios"][n] = {name: figures[name]["by_n"][n]["robot_steps_per_s"] / base
+                            for name in measured if name != "separate"}
     return out
 
 
-def run(device: torch.device, quick: bool, cases: Sequence[str], ticks: Optional[int] = None) -> Dict[str, Any]:
+def run(device: torch.device, quick: bool, cases: Sequence[str], ticks: Optional[int] = None,
+        sides: Optional[Sequence[Side]] = None) -> Dict[str, Any]:
+    """``sides``: default the in-process ones (the command line adds the process sides)."""
+    sides = tuple(sides) if sides is not None else in_process_sides()
     slots = 4 if quick else 16
     ns = [n for n in (1, 2, 4, 8, 16) if n <= slots]
     ticks = ticks or (50 if quick else 200)
     rng = np.random.default_rng(0)
     result: Dict[str, Any] = {"environment": environment(device), "slots": slots, "ns": ns, "ticks": ticks,
-                              "cases": {}}
+                              "sides": [side.name for side in sides], "cases": {}}
     with tempfile.TemporaryDirectory(prefix="capsule_bench_fleet_") as workdir:
         for name in cases:
             case = make_case(name, device, quick, Path(workdir), rng, slots)
-            result["cases"][name] = run_case(case, slots, ns, ticks)
+            result["cases"][name] = run_case(case, slots, ns, ticks, sides)
     return result
 
 
 def table(result: Dict[str, Any]) -> None:
     for name, case in result["cases"].items():
+        ran = [side for side, figures in case["sides"].items() if "skipped" not in figures]
+        ratios = [side for side in ran if side != "separate" and "separate" in ran]
+        header: List[str] = ["N"]
+        for side in ran:
+            header += [f"{side}/s", "p50", "p99"]
         rows = []
         for n in result["ns"]:
             row: List[object] = [n]
-            for side in ("fleet", "loop", "separate"):
+            for side in ran:
                 figures = case["sides"][side]["by_n"][n]
                 row += [figures["robot_steps_per_s"], figures["period_ms"]["p50"], figures["period_ms"]["p99"]]
-            row += [case["ratios"][n]["fleet"], case["ratios"][n]["loop"]]
-            rows.append(row)
+            rows.append(row + [case["ratios"][n][side] for side in ratios])
         print_table(f"bench fleet, {name} (S = {result['slots']}): robot-steps/s and control period p50 / p99 (ms)",
-                    ["N", "fleet/s", "p50", "p99", "loop/s", "p50", "p99", "separate/s", "p50", "p99",
-                     "fleet x", "loop x"], rows)
-        stall = case["sides"]["fleet"].get("snapshot_stall_ms", {})
-        print(f"  commit p50 {stall.get('commit_ms', {}).get('p50', 0):.3f} ms, others' next step +"
-              f"{stall.get('stall_p50_ms', 0):.3f} ms; identical to a single runtime: {case['identical_to_single']}")
+                    header + [f"{side} x" for side in ratios], rows)
+        stall = case["sides"].get("fleet", {}).get("snapshot_stall_ms")
+        if stall:
+            print(f"  commit p50 {stall.get('commit_ms', {}).get('p50', 0):.3f} ms, others' next step +"
+                  f"{stall.get('stall_p50_ms', 0):.3f} ms; identical to a single runtime: "
+                  f"{case['identical_to_single']}")
+        for side, figures in case["sides"].items():
+            if "skipped" in figures:
+                print(f"  {side}: skipped ({figures['skipped']})")
 
 
-def main(args) -> int:
-    device = resolve_device(args.device)
-    cases = [c.strip() for c in (args.cases or ",".join(CASES)).split(",") if c.strip()]
-    unknown = sorted(set(cases) - set(CASES))
+def chosen(option: Optional[str], names: Sequence[str], what: str) -> List[str]:
+    """A comma-separated option's names (default all), each one of ``names``."""
+    picked = [c.strip() for c in (option or ",".join(names)).split(",") if c.strip()]
+    unknown = sorted(set(picked) - set(names))
     if unknown:
-        raise SystemExit(f"capsule-ros bench fleet: --cases {unknown}: cases are {', '.join(CASES)}")
-    emit(run(device, args.quick, cases, args.steps), args.json, table)
+        raise SystemExit(f"capsule-ros bench fleet: --{what} {unknown}: {what} are {', '.join(names)}")
+    return picked
+
+
+def main(args, sides: Optional[Sequence[Side]] = None) -> int:
+    """``sides``: what the command line assembled (default the in-process ones), of which
+    ``--sides`` picks."""
+    device = resolve_device(args.device)
+    cases = chosen(args.cases, CASES, "cases")
+    available = {side.name: side for side in (sides if sides is not None else in_process_sides())}
+    picked = chosen(getattr(args, "sides", None), SIDE_NAMES, "sides")
+    picked_sides = [available.get(name, Side(name, None, "not offered by this caller")) for name in picked]
+    emit(run(device, args.quick, cases, args.steps, picked_sides), args.json, table)
     return 0
 
 
-__all__ = ["RecurrentActor", "SIDES", "main"]
+__all__ = ["IN_PROCESS", "PROCESSES", "SIDE_NAMES", "Case", "RecurrentActor", "RecurrentProgram", "Side",
+           "in_process_sides", "main"]

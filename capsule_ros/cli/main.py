@@ -39,8 +39,25 @@ def _bench(args) -> int:
         raise InvalidArgument(f"bench {args.which}: several --numerics levels side by side is bench step only")
     if len(args.numerics) == 1:   # before the benchmark runs torch: the level is fixed at its first operation
         numerics.pin(args.numerics[0])
+    if args.sides is not None and args.which != "fleet":
+        raise InvalidArgument(f"bench {args.which}: --sides is an option of bench fleet only")
     module = __import__(f"capsule_ros.benchmarks.{args.which}", fromlist=["main"])
+    if args.which == "fleet":
+        return module.main(args, sides=_fleet_sides())
     return module.main(args)
+
+
+def _fleet_sides() -> list:
+    """bench fleet's sides: the in-process ones, and the process sides (policy_node and
+    fleet_node processes) where ROS imports; where it does not (the GPU machine), those
+    sides are recorded as skipped with the reason."""
+    from capsule_ros.benchmarks import fleet
+    try:
+        from capsule_ros.benchmarks.fleet_nodes import PROCESS_SIDES
+    except ImportError as exc:
+        return [*fleet.in_process_sides(),
+                *(fleet.Side(name, None, f"ROS 2 is not importable here ({exc})") for name in fleet.PROCESSES)]
+    return [*fleet.in_process_sides(), *PROCESS_SIDES]
 
 
 DELEGATED = {"demo": "capsule_ros.cli.demo", "replay": "capsule_ros.cli.replay_cmd",
@@ -73,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "diffusion,diffusion-small; fleet default: default,act,recurrent)")
     bench.add_argument("--steps", type=int, help="chunking: steps per side (default 3000; --quick 200); fleet: "
                                                  "control periods per side and N (default 200; --quick 50)")
+    bench.add_argument("--sides", help="fleet: comma-separated sides (default fleet,loop,separate,nodes,fleet_node; "
+                                       "nodes and fleet_node are processes, skipped where ROS 2 is missing)")
     bench.add_argument("--lerobot-python", help="chunking: the Python of LeRobot's environment for its baseline "
                                                 "loop (default tools/lerobot_bench/.venv/bin/python)")
     bench.add_argument("--numerics", default="portable", metavar="LEVEL[,LEVEL...]",

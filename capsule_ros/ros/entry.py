@@ -69,7 +69,8 @@ def start_up_error(program: str, exc: BaseException) -> str:
 
 def run_node(make_node: Callable[[], Node], program: str, argv: Optional[List[str]] = None, *,
              settle: bool = True) -> int:
-    """Spin the node ``make_node()`` builds until SIGINT or SIGTERM; 0 on a clean exit,
+    """Spin the node ``make_node()`` builds (and its ``companion_nodes``, if it has any)
+    until SIGINT or SIGTERM; 0 on a clean exit,
     2 when it cannot start (a bad parameter, key file or weights file...): one line on
     stderr, never a traceback. ``settle``: freeze start-up's objects for the garbage
     collector once the node is built (a lifecycle node does it itself when it activates)."""
@@ -88,6 +89,8 @@ def run_node(make_node: Callable[[], Node], program: str, argv: Optional[List[st
         settle_after_start()                   # no multi-ms garbage collections during the loop
     executor = SingleThreadedExecutor()
     executor.add_node(node)
+    for companion in getattr(node, "companion_nodes", ()):     # fleet_node's robots: the same executor
+        executor.add_node(companion)
     try:
         while not stop.is_set() and rclpy.ok():
             executor.spin_once(timeout_sec=POLL_S)

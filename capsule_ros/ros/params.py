@@ -15,7 +15,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import typing
-from typing import Any, Dict, Mapping, Optional, Tuple, Type
+from typing import AbstractSet, Any, Dict, Mapping, Optional, Tuple, Type
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy.node import Node
@@ -141,13 +141,22 @@ def declare_parameters(node: Node) -> Dict[str, str]:
     return applies
 
 
-def parameter_values(node: Node, changes: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
-    """The node's current parameters, with ``changes`` (name -> value) over them, as the
-    nested mapping ServingConfig.from_params takes (unset ones left out: their defaults
-    apply)."""
+def declare_fleet_parameters(node: Node) -> Dict[str, str]:
+    """``fleet_node``'s own group, ``fleet.*`` (``capsule_ros.fleet.config.FleetConfig``);
+    when each takes effect, by name."""
+    from capsule_ros.fleet.config import FleetConfig
+    _declare_section(node, FleetConfig.SECTION, FleetConfig)
+    return _applies(FleetConfig.SECTION, FleetConfig)
+
+
+def parameter_values(node: Node, changes: Optional[Mapping[str, Any]] = None,
+                     groups: AbstractSet[str] = GROUPS) -> Dict[str, Any]:
+    """The node's current parameters of ``groups`` (default: those ServingConfig.from_params
+    takes), with ``changes`` (name -> value) over them, as a nested mapping (unset ones left
+    out: their defaults apply)."""
     flat = {name: plain(param.value) for name, param in node.get_parameters_by_prefix("").items()
-            if name.split(".", 1)[0] in GROUPS and "." in name}
-    flat.update({name: plain(value) for name, value in (changes or {}).items()})
+            if name.split(".", 1)[0] in groups and "." in name}
+    flat.update({name: plain(value) for name, value in (changes or {}).items() if name.split(".", 1)[0] in groups})
     return unflatten({name: value for name, value in flat.items() if value is not None})
 
 

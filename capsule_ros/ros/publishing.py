@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from rclpy.clock import Clock
 from rclpy.node import Node
 from rclpy.serialization import serialize_message
 
@@ -33,12 +34,17 @@ class NodeRecording:
     Log times are the node's clock, plus the jumps it made since the recording began
     (``clock_jumped``): a simulated clock that loops back 10 s would otherwise squeeze the
     next 10 s of messages into nanoseconds (log times must increase). A replay takes the
-    jumps back out where the bag's CLOCK_JUMP events say, and sees the node's clock."""
+    jumps back out where the bag's CLOCK_JUMP events say, and sees the node's clock.
 
-    def __init__(self, node: Node, action_topic: str, event_topic: str):
-        self._clock = node.get_clock()
+    A fleet robot's recording (``fleet``: ``capsule_ros.fleet.replay.fleet_record``) carries
+    the robot's place in its fleet in the bag's metadata, and a new bag goes under
+    ``<record.directory>/<robot>``: the robots of a fleet start theirs at once."""
+
+    def __init__(self, node: Node, action_topic: str, event_topic: str, clock: Optional[Clock] = None):
+        self._clock = clock or node.get_clock()
         self._logger = node.get_logger()
         self.action_topic, self.event_topic = action_topic, event_topic
+        self.fleet: Dict[str, Any] = {}                               # a fleet robot's place (set by fleet_node)
         self.recorder: Any = None                                     # a NodeRecorder while recording
         self._last_inputs: Dict[str, Tuple[str, str, Any]] = {}       # port -> (topic, type, message)
         self._jumped_ns = 0                                           # minus the clock's jumps while recording
@@ -54,9 +60,13 @@ class NodeRecording:
         if self.recorder is not None:
             self.stop()
         self._jumped_ns = 0
-        self.recorder = NodeRecorder.start(path, config.record.directory, storage or config.record.storage, config,
+        directory = config.record.directory
+        if self.fleet:
+            directory = str(Path(directory).expanduser() / str(self.fleet["robot"]))
+        self.recorder = NodeRecorder.start(path, directory, storage or config.record.storage, config,
                                            self.action_topic, self.event_topic, fingerprint=fingerprint,
-                                           initial_inputs=len(self._last_inputs), serialize=serialize_message)
+                                           initial_inputs=len(self._last_inputs), serialize=serialize_message,
+                                           fleet=self.fleet or None)
         for topic, msgtype, msg in self._last_inputs.values():
             self._write_input(topic, msgtype, msg)
         self._logger.info(f"recording to {self.recorder.path}")
@@ -107,8 +117,9 @@ class ActionOutput:
     the recording; from any thread (one lock orders them). It counts what it published
     (``~/status`` actions_published) and keeps the last message (RunPolicy feedback)."""
 
-    def __init__(self, node: Node):
+    def __init__(self, node: Node, clock: Optional[Clock] = None):
         self._node = node
+        self._clock = clock or node.get_clock()
         self.recording: Optional[NodeRecording] = None      # set by the node
         self.publisher = node.create_publisher(Action, "~/action", 10)
         self.outputs: List[OutputPublisher] = []
@@ -142,7 +153,7 @@ class ActionOutput:
             self.published += 1
             self.last = msg
             if self.outputs:
-                now_ns = self._node.get_clock().now().nanoseconds
+                now_ns = self._clock.now().nanoseconds
                 for output in self.outputs:
                     output.publish(record, now_ns)
         if self.recording is not None:

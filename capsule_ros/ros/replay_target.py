@@ -24,8 +24,8 @@ from capsule_ros.capsules.directory import CapsuleDirectory
 from capsule_ros.errors import CapsuleRosError, NotFound
 from capsule_ros.msg import Action, RuntimeStatus
 from capsule_ros.ros.client import CapsuleClient, ServiceError
-from capsule_ros.ros.node import message_class
 from capsule_ros.ros.processes import start_executable
+from capsule_ros.ros.robot_io import message_class
 from capsule_ros.ros.spinning import SpunNode, drain
 from capsule_ros.serving.config import ServingConfig
 from capsule_ros.serving.records import HoldMode

@@ -6,7 +6,7 @@ the two calls underneath (``_cuda_getCurrentStream`` / ``_cuda_setStream``), and
 to ``torch.cuda.stream`` where they are missing. A None stream (a CPU runtime) is a no-op.
 
 ``StreamKeeper`` hands out the streams runtimes run on, one per device and role, for as
-long as their owner lives.
+long as their owner lives, each at its role's priority (``role_priority``).
 """
 from __future__ import annotations
 
@@ -44,6 +44,21 @@ def on_stream(stream: Optional[torch.cuda.Stream]) -> ContextManager[None]:
     return _Scope(stream) if _FAST else torch.cuda.stream(stream)
 
 
+BACKGROUND_ROLES = ("refill",)   # work that fills the gaps of the control step's: a chunk refill's plan
+STEP_PRIORITY = -1               # every other role: the control step's own kernels go first
+BACKGROUND_PRIORITY = 0          # CUDA's lowest (and torch's default): a lower number is a higher priority
+
+
+def role_priority(role: str) -> int:
+    """The CUDA stream priority of ``role``'s stream. A refill's plan (tens of ms of large
+    kernels for a VLA or a Diffusion U-Net) runs on its stream while consume steps run on
+    the step's; at equal priority the GPU hands free SMs to whichever kernel was queued
+    first, so a consume step's small kernels would wait for the plan's blocks ahead of
+    them. At a higher priority they take the next free SMs. Priorities order no work:
+    events do, so the bits are the same either way."""
+    return BACKGROUND_PRIORITY if role in BACKGROUND_ROLES else STEP_PRIORITY
+
+
 class StreamKeeper:
     """The CUDA streams of runtimes that come and go (the node's lifecycle, a benchmark's
     cycles): one per device and role, reused by every runtime made with this keeper.
@@ -60,10 +75,10 @@ class StreamKeeper:
         self._streams: Dict[Tuple[torch.device, str], torch.cuda.Stream] = {}
 
     def get(self, device: torch.device, role: str = "step") -> Optional[torch.cuda.Stream]:
-        """The stream for ``role`` on ``device`` (None on a CPU)."""
+        """The stream for ``role`` on ``device``, at ``role_priority(role)`` (None on a CPU)."""
         if device.type != "cuda":
             return None
         key = (device, role)
         if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device)
+            self._streams[key] = torch.cuda.Stream(device, priority=role_priority(role))
         return self._streams[key]

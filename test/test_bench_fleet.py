@@ -1,0 +1,69 @@
+"""``capsule-ros bench fleet --quick``: every side measures, the process sides included (N
+``policy_node`` processes and a ``fleet_node`` serving N robots, driven over real topics),
+and the processes leave cleanly. Figures are the benchmark's business (docs/benchmarks.md),
+never asserted here: this checks that each side produced them, for every N."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from harness import REPO
+
+pytestmark = pytest.mark.ros
+CLI = [sys.executable, "-m", "capsule_ros.cli.main", "bench", "fleet"]
+
+
+def _figures_are_numbers(by_n: dict, ns: list, roundtrip: bool) -> None:
+    assert sorted(int(n) for n in by_n) == ns
+    for figures in by_n.values():
+        assert figures["robot_steps_per_s"] > 0
+        assert 0 < figures["period_ms"]["p50"] <= figures["period_ms"]["p99"]
+        if roundtrip:
+            assert 0 < figures["roundtrip_ms"]["p50"] <= figures["roundtrip_ms"]["p99"]
+
+
+def test_quick_run_measures_every_side_the_processes_included():
+    done = subprocess.run([*CLI, "--quick", "--device", "cpu", "--json", "--cases", "default,recurrent",
+                           "--steps", "20"], capture_output=True, text=True, timeout=1500, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["sides"] == ["fleet", "loop", "separate", "nodes", "fleet_node"] and result["ns"] == [1, 2, 4]
+    for name, case in result["cases"].items():
+        sides = case["sides"]
+        for side in ("fleet", "loop", "separate"):
+            _figures_are_numbers(sides[side]["by_n"], result["ns"], roundtrip=False)
+        for side in ("nodes", "fleet_node"):
+            assert "skipped" not in sides[side], (name, side, sides[side])
+            _figures_are_numbers(sides[side]["by_n"], result["ns"], roundtrip=True)
+            assert sides[side]["exit_codes"] and set(sides[side]["exit_codes"]) == {0}, (name, side)
+        assert sides["nodes"]["processes"] == 4 and len(sides["fleet_node"]["exit_codes"]) == 3
+        assert sides["fleet_node"]["batching"] == ("loop" if name == "recurrent" else "vmap")
+        for n in result["ns"]:
+            assert set(case["ratios"][str(n)]) == {"fleet", "loop", "nodes", "fleet_node"}
+
+
+def test_without_ros_the_process_sides_are_skipped_with_the_reason():
+    """As on the GPU machine: rclpy unimportable, the in-process sides still run."""
+    env = {**os.environ, "CAPSULE_ROS_WITHOUT_ROS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "test"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", "import conftest, sys; from capsule_ros.cli.main import main; "
+                           "sys.exit(main(sys.argv[1:]))", "bench", "fleet", "--quick", "--device", "cpu", "--json",
+                           "--cases", "default", "--steps", "5", "--sides", "separate,nodes,fleet_node"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    sides = json.loads(done.stdout)["cases"]["default"]["sides"]
+    _figures_are_numbers(sides["separate"]["by_n"], [1, 2, 4], roundtrip=False)
+    for side in ("nodes", "fleet_node"):
+        assert "ROS 2 is not importable here" in sides[side]["skipped"], sides[side]
+
+
+def test_sides_is_an_option_of_bench_fleet_only_and_names_known_sides():
+    done = subprocess.run([*CLI[:-1], "step", "--sides", "nodes"], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert done.returncode != 0 and "--sides is an option of bench fleet only" in done.stderr
+    done = subprocess.run([*CLI, "--quick", "--sides", "nodes,robots"], capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
+    assert done.returncode != 0 and "--sides ['robots']" in done.stderr
