@@ -8,6 +8,7 @@ which goes on bit-identically.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List
 
 import numpy as np
@@ -15,10 +16,13 @@ import pytest
 import torch
 from lerobot_fixtures import PORTS, Fixture
 
+from capsule_ros.chunking.mode import ChunkProgram
 from capsule_ros.fleet import FleetConfig, FleetRobot, build_fleet
 from capsule_ros.fleet.session import FleetSession
 from capsule_ros.polling import wait_until
+from capsule_ros.runtime.policy import CHUNK_ACTIONS
 from capsule_ros.serving.config import ServingConfig
+from capsule_ros.serving.factory import build_session
 
 torch.set_num_threads(1)
 MODES = [("sync", "auto"), ("async", "2")]
@@ -92,6 +96,58 @@ def test_a_mid_chunk_capsule_moves_to_another_robot_and_goes_on_bit_identically(
     mode = fleet.runtime.fleet_mode.slot_modes[fleet.robot("b").slot]
     assert mode.counters.refills >= 2, "the robot planned its own chunks"
     fleet.release()
+
+
+def chunk_of(runtime) -> bytes:
+    """The bytes of a runtime's chunk being executed (``chunk.actions``), its step done."""
+    if runtime.device.type == "cuda":
+        torch.cuda.synchronize()
+    return runtime.arena[CHUNK_ACTIONS].cpu().numpy().tobytes()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("chunking, delay", MODES)
+def test_a_robots_chunk_is_its_batch_1_refill_whichever_slots_plan_alongside_it(act, chunking, delay, device):
+    """Each refill plans one robot's chunk at batch 1 (``SlotPlan``): after every step, the
+    robot's chunk is bit for bit the chunk of a single runtime fed the same inputs, while a
+    random set of the other slots (none, some or all) plans on the same step as it (each
+    having re-entered the robot's capsule of the step before, so its chunk is due when the
+    robot's is, then fed other inputs), the rest step on their own schedules or idle, and
+    the robot sits in a random slot."""
+    cfg = config(act, chunking, delay, device)
+    # the fleet's kernels (no torch.compile); the debug checks: every buffer the programs touch is owned
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, compile="off", debug_checks=True))
+    single = build_session(cfg)
+    rng = np.random.default_rng(7)
+    me = int(rng.integers(0, 4))
+    others = [slot for slot in range(4) if slot != me]
+    neighbours = ("n1", "n2", "n3")
+    placed = [FleetRobot("me", slot=me), *(FleetRobot(n, slot=s) for n, s in zip(neighbours, others, strict=True))]
+    fleet = build_fleet(cfg, FleetConfig(robots=("me", *neighbours), slots=4, batching="vmap"), robots=placed)
+    mode = fleet.runtime.fleet_mode.slot_modes[me]
+    planned_with: List[int] = []              # how many other slots planned alongside each of the robot's plans
+    for t in range(4 * mode.schedule.execution_horizon + 2):
+        capsule = fleet.robot("me").verbs.commit(f"before step {t}")
+        if mode.next_program() in (ChunkProgram.REFILL, ChunkProgram.REQUEST):
+            joining = list(rng.permutation(neighbours)[:(3, 0, 1, 2)[len(planned_with) % 4]])
+            planned_with.append(len(joining))
+        else:
+            joining = [n for n in neighbours if rng.random() < 0.3]
+        for name in joining:
+            fleet.robot(name).verbs.reenter(capsule.id)
+        feeds = {"me": (0, t), **{n: (int(rng.integers(1, 3)), int(rng.integers(0, 50))) for n in neighbours
+                                  if n in joining or rng.random() < 0.5}}
+        step(fleet, act, feeds)
+        fleet.robot("me").verbs.drop(capsule.id)
+        for key, value in act.features.items():
+            single.loop.write_input(PORTS[key], value[0, t])
+        single.loop.tick()
+        if single.parts.runtime.mode.worker is not None:            # the single runtime's takeover, later, waits for it
+            wait_until(single.parts.runtime.mode.worker.ready, 30.0, "the single runtime's refill", interval=0.001)
+        assert chunk_of(fleet.runtime.runtime(me)) == chunk_of(single.parts.runtime), f"step {t}"
+    assert set(planned_with) == {0, 1, 2, 3}, "the robot planned alone and with 1, 2 and 3 others planning with it"
+    fleet.release()
+    single.release()
 
 
 def test_async_auto_delay_is_refused_for_a_batched_fleet(act):

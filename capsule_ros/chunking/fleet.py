@@ -1,30 +1,46 @@
 """The chunking mode over a batched fleet: each robot's chunk schedule is its own, its
-refills fall on its own steps, and every program still runs over all S slots.
+refills fall on its own steps, and each refill computes one robot's chunk at batch 1.
 
 Each slot keeps the single robot's ``ChunkingMode`` (``capsule_ros.chunking.mode``) over its
 slot: its cursor mirror, its marks, what it admits, its resets and undos. What runs is the
-fleet's: two programs over every slot, built from the same phases as the single robot's
-(``observe``, ``plan``, ``emit``; the request's copy; the takeover's adoption), each one
-batched with ``torch.func.vmap``, the per-slot choice made by masks:
+fleet's: the phases of the single robot's programs (``observe``, ``plan``, ``emit``; the
+request's copy; the takeover's adoption), the per-slot choice made by masks. Every phase
+but the plan runs over all S slots at once (``torch.func.vmap``); the plan runs at batch 1
+for one planning slot (``SlotPlan``: that slot's rows gathered into a one-robot staging
+arena by a device index, the policy's own unbatched ``plan`` on it, the chunk scattered
+back; one captured graph whichever the slot). A fleet step is one of:
 
-========== ============================================================================
-program    phases, in order (each phase of a slot applies only where its mask is on)
-========== ============================================================================
-refill     adopt [adopt], observe, plan [plan], request [request], act
-consume    adopt [adopt], observe, request [request], act
-========== ============================================================================
+=============== ========================================================================
+fleet programs  phases, in order (each phase of a slot applies only where its mask is on)
+=============== ========================================================================
+consume         adopt [adopt], observe, request [request], act
+refill.observe  adopt [adopt], observe                                    (opens the step)
+refill.plan     plan at batch 1 of the next slot in [plan]      (once per planning slot)
+refill.act      request [request], act                                   (closes the step)
+=============== ========================================================================
 
-``refill`` runs when any stepping slot's own mode chose its refill program: the network
-runs over all S slots (a fixed shape: never a sub-batch of those that plan, whose size
-would change the bits), and only the ``plan`` slots take its chunk. Otherwise ``consume``:
-no network. A slot's choices are its own mode's (refill, consume, request, adopt,
-adopt+request), so its cursor, the rows it executes and its takeovers are a single robot's.
+A step in which any stepping slot's own mode chose its refill runs the ``refill.*``
+sequence, with ``refill.plan`` once for each such slot; otherwise ``consume``: no network.
+A slot's choices are its own mode's (refill, consume, request, adopt, adopt+request), so
+its cursor, the rows it executes and its takeovers are a single robot's.
 
-Asynchronous refills: the requests of one fleet step go to the fleet's refill worker as
-one batched plan over all S slots (``FleetRefill``: a thread on a CPU, a stream with its
-captured graph on a GPU), whose chunk lands in the scratch ``chunk.fresh`` of the slots
-that asked only; a slot's takeover waits for the plan that holds its request. A request
-made outside a fleet step (a restore re-issuing a pending one) is planned at once.
+Why batch 1 for every plan, never one batched plan when several slots plan on one step: a
+robot's chunk must not depend on which other robots plan with it. A batched plan at a fixed
+shape S keeps each row independent of the other rows' values, but its bits are those of
+batch S, not of batch 1 (the batch size is part of what computes them), so switching
+between the two by how many slots plan would make a robot's bits depend on its neighbours'
+schedules; and a batched plan over all S slots whenever any one of them refills (the
+fleet's former design) computes S chunks to keep one. One batch-1 plan per planning slot
+costs a single runtime's refill per refill, and its chunk is bit for bit the chunk a single
+runtime of the same policy plans from the same observed buffers (docs/fleet.md says what
+that leaves to S).
+
+Asynchronous refills: the requests of one fleet step go to the fleet's refill worker
+(``FleetRefill``: a thread on a CPU, a stream with its captured graphs on a GPU), which
+copies them and plans each asking slot at batch 1 in turn (its own ``SlotPlan``), landing
+each chunk in that slot's scratch ``chunk.fresh``; a slot's takeover waits for the plan
+that holds its request. A request made outside a fleet step (a restore re-issuing a
+pending one) is planned at once.
 """
 from __future__ import annotations
 
@@ -38,10 +54,10 @@ from capsule_ros.chunking.mode import Chunking, ChunkingMode, ChunkProgram
 from capsule_ros.chunking.schedule import RefillTiming
 from capsule_ros.chunking.workers import FRESH, RefillWorker
 from capsule_ros.errors import ConfigError
-from capsule_ros.runtime.arena import ArenaLayout, BufferSpec
-from capsule_ros.runtime.batching import no_fallback, refuse_unbatchable, vmapped
-from capsule_ros.runtime.fleetmode import FleetContext, FleetMode
-from capsule_ros.runtime.mode import ExecutionMode, ModeContext, ModeSetup, Program
+from capsule_ros.runtime.arena import ArenaLayout, BufferKind, BufferSpec, StateArena
+from capsule_ros.runtime.batching import vmapped
+from capsule_ros.runtime.fleetmode import FleetContext, FleetMode, FleetProgram
+from capsule_ros.runtime.mode import ExecutionMode, ModeContext, ModeSetup
 from capsule_ros.runtime.policy import (
     CHUNK_ACTIONS,
     CHUNK_CURSOR,
@@ -56,7 +72,60 @@ from capsule_ros.runtime.streams import on_stream
 
 ROWS = "chunk.rows"
 PLAN, ADOPT, REQUEST = "plan", "adopt", "request"
-REFILL_PROGRAM, CONSUME_PROGRAM = ChunkProgram.REFILL.value, ChunkProgram.CONSUME.value
+CONSUME_PROGRAM = ChunkProgram.CONSUME.value
+REFILL_OBSERVE, REFILL_PLAN, REFILL_ACT = "refill.observe", "refill.plan", "refill.act"
+
+
+class SlotPlan:
+    """One robot's ``plan`` at batch 1 inside a fleet program, for a slot named by a device
+    index, so that one captured graph serves every slot. ``begin`` takes the slots that plan
+    (a device mask); each ``run`` plans the lowest of them not planned yet: it gathers that
+    slot's rows of the buffers ``plan`` reads, and of the chunk it replaces, into a one-robot
+    staging arena, runs the policy's own (unbatched) ``plan`` there, and scatters the chunk
+    back into the slot's row. The host runs it once per slot of the mask. The staging lays
+    its buffers out as a single runtime's arena does (aligned, contiguous), so the chunk is
+    the one a single runtime plans from the same buffers, bit for bit.
+
+    ``sources``: name -> ``[S, *shape]`` view of each buffer ``plan`` reads (``specs`` has
+    their specs); ``chunk``: ``[S, length, A]``, where each slot's chunk is read from and
+    written to; ``chunk_read_as``: the name under which ``plan`` also reads that chunk (a
+    single runtime's synchronous refill passes ``chunk.actions`` as both), if it does."""
+
+    def __init__(self, policy: StatefulPolicy, specs: Mapping[str, BufferSpec], sources: Mapping[str, torch.Tensor],
+                 chunk: torch.Tensor, chunk_read_as: Optional[str] = None):
+        self.policy = policy
+        self.slots = int(chunk.shape[0])
+        chunk_name = chunk_read_as or "chunk.planned"
+        layout = ArenaLayout([*(specs[name] for name in sources),
+                              BufferSpec(chunk_name, tuple(chunk.shape[1:]), chunk.dtype, BufferKind.CHUNK)])
+        self.staging = StateArena(layout, chunk.device)
+        self.chunk = chunk
+        self.staged_chunk = self.staging[chunk_name]
+        self.pairs = [(source, self.staging[name]) for name, source in sources.items()]
+        self.state = {name: self.staging[name] for name in (*sources, *([chunk_read_as] if chunk_read_as else ()))}
+        self.todo = torch.zeros(self.slots, dtype=torch.bool, device=chunk.device)
+        self.slot_ids = torch.arange(self.slots, dtype=torch.int64, device=chunk.device)
+
+    def begin(self, mask: torch.Tensor) -> None:
+        """Capturable: the slots to plan (bool ``[S]`` on the device)."""
+        self.todo.copy_(mask)
+
+    def run(self) -> torch.Tensor:
+        """Capturable: plan the lowest slot still to plan (the last slot when none is left:
+        the host never asks for that); its index, ``[1]`` on the device."""
+        slot = torch.where(self.todo, self.slot_ids, self.slots).amin().clamp(max=self.slots - 1).view(1)
+        for source, staged in self.pairs:
+            staged.copy_(source.index_select(0, slot)[0])
+        self.staged_chunk.copy_(self.chunk.index_select(0, slot)[0])
+        self.policy.plan(self.state, self.staged_chunk)
+        self.chunk.index_copy_(0, slot, self.staged_chunk.unsqueeze(0))
+        self.todo.index_fill_(0, slot, False)
+        return slot
+
+    def owned(self, prefix: str) -> Dict[str, torch.Tensor]:
+        """Its device buffers, named (the graphs' address check)."""
+        return {f"{prefix} staging": self.staging.storage, f"{prefix} slots to plan": self.todo,
+                f"{prefix} slot ids": self.slot_ids}
 
 
 @dataclass(frozen=True)
@@ -111,29 +180,49 @@ class ChunkingFleet(FleetMode):
         self.schedule = setup.chunking.schedule
         self.cadence = cadence
         self.worker = worker
+        views = context.arena.views
+        reads = [name for name in cadence.reads if name != CHUNK_ACTIONS]
+        self.planner = SlotPlan(context.policy, {slot.spec.name: slot.spec for slot in context.arena.layout},
+                                {name: views[name] for name in reads}, views[CHUNK_ACTIONS],
+                                CHUNK_ACTIONS if CHUNK_ACTIONS in cadence.reads else None)
 
-    def programs(self) -> Dict[str, Program]:
-        return {REFILL_PROGRAM: self._program(plans=True), CONSUME_PROGRAM: self._program(plans=False)}
+    def programs(self) -> Dict[str, FleetProgram]:
+        before, after = self._phases()
+        planner, masks, cursor = self.planner, self.context.masks, self.context.arena.views[CHUNK_CURSOR]
 
-    def _program(self, plans: bool) -> Program:
-        """The fleet program with (``plans``) or without the network (see the module docstring)."""
+        def consume() -> None:
+            before()
+            after()
+
+        def observe() -> None:
+            before()
+            planner.begin(masks.row(PLAN))
+
+        def plan() -> None:
+            cursor.index_fill_(0, planner.run(), 0)
+
+        return {CONSUME_PROGRAM: FleetProgram(consume),
+                REFILL_OBSERVE: FleetProgram(observe, closes=False),
+                REFILL_PLAN: FleetProgram(plan, opens=False, closes=False),
+                REFILL_ACT: FleetProgram(after, opens=False)}
+
+    def _phases(self):
+        """The batched phases before the plan (adopt, observe) and after it (request, act),
+        each over every slot."""
         policy, schedule, reads = self.context.policy, self.schedule, self.cadence.reads
         asynchronous, last_row = schedule.timing == RefillTiming.ASYNC, schedule.end - 1
-        masks = self.context.masks
+        masks, arena = self.context.masks, self.context.arena
 
-        def slot_step(state: State, scratch: State, plan: torch.Tensor, adopt: torch.Tensor,
-                      request: torch.Tensor) -> None:
-            chunk, cursor, pending = state[CHUNK_ACTIONS], state[CHUNK_CURSOR], state[CHUNK_PENDING]
+        def slot_before(state: State, scratch: State, adopt: torch.Tensor) -> None:
             if asynchronous:
+                chunk, cursor, pending = state[CHUNK_ACTIONS], state[CHUNK_CURSOR], state[CHUNK_PENDING]
                 chunk.copy_(torch.where(adopt, scratch[FRESH], chunk))
                 cursor.copy_(torch.where(adopt, torch.full_like(cursor, schedule.delay), cursor))
                 pending.copy_(torch.where(adopt, torch.zeros_like(pending), pending))
             policy.observe(state)
-            if plans:
-                fresh = chunk.clone()                      # a plan may read the chunk it replaces
-                policy.plan(state, fresh)
-                chunk.copy_(torch.where(plan, fresh, chunk))
-                cursor.copy_(torch.where(plan, torch.zeros_like(cursor), cursor))
+
+        def slot_after(state: State, scratch: State, request: torch.Tensor) -> None:
+            chunk, cursor, pending = state[CHUNK_ACTIONS], state[CHUNK_CURSOR], state[CHUNK_PENDING]
             if asynchronous:
                 for name in reads:
                     copy = state[REQUEST_PREFIX + name]
@@ -144,21 +233,27 @@ class ChunkingFleet(FleetMode):
             cursor.add_(1)
 
         off = torch.zeros_like(masks.row(PLAN))
-        row = masks.row
-        return vmapped(slot_step, self.context.arena.views, self.context.arena.scratch_views, row(PLAN),
-                       row(ADOPT) if asynchronous else off, row(REQUEST) if asynchronous else off)
+        adopt, request = (masks.row(ADOPT), masks.row(REQUEST)) if asynchronous else (off, off)
+        return (vmapped(slot_before, arena.views, arena.scratch_views, adopt),
+                vmapped(slot_after, arena.views, arena.scratch_views, request))
 
-    def program_for(self, chosen: Mapping[int, str]) -> str:
+    def program_for(self, chosen: Mapping[int, str]) -> Tuple[str, ...]:
         programs = {slot: ChunkProgram(program) for slot, program in chosen.items()}
         masks = self.context.masks
-        masks.set(PLAN, [slot for slot, p in programs.items() if p == ChunkProgram.REFILL])
+        planning = [slot for slot, p in programs.items() if p == ChunkProgram.REFILL]
+        masks.set(PLAN, planning)
         if self.worker is not None:
             adopting = (ChunkProgram.ADOPT, ChunkProgram.ADOPT_REQUEST)
             masks.set(ADOPT, [slot for slot, p in programs.items() if p in adopting])
             masks.set(REQUEST, [slot for slot, p in programs.items()
                                 if p in (ChunkProgram.REQUEST, ChunkProgram.ADOPT_REQUEST)])
             self.worker.collect()
-        return REFILL_PROGRAM if ChunkProgram.REFILL in programs.values() else CONSUME_PROGRAM
+        if not planning:
+            return (CONSUME_PROGRAM,)
+        return (REFILL_OBSERVE, *(REFILL_PLAN,) * len(planning), REFILL_ACT)
+
+    def owned(self) -> Dict[str, torch.Tensor]:
+        return self.planner.owned("refill")
 
     def after_fleet_step(self, chosen: Mapping[int, str], eager: bool = False) -> None:
         if self.worker is not None:
@@ -174,21 +269,23 @@ class ChunkingFleet(FleetMode):
 
 
 class FleetRefill:
-    """The refill worker of a batched fleet: each submission plans ALL S slots' request
-    copies in one batched plan (a fixed shape) and lands the chunk of the slots that asked
-    in their ``chunk.fresh``. Submissions run in order: a thread on a CPU; on a GPU a
-    stream of its own, the request copy and the plan each captured as a CUDA graph (the
-    landing mask is a pinned host buffer the copy graph reads). ``inline``: at submission,
-    on the caller's thread (a replica's). Its slots see it through ``SlotRefill``."""
+    """The refill worker of a batched fleet: a submission (the requests of one fleet step)
+    copies the asking slots' request copies into the worker's arena of S slots and plans
+    each asking slot at batch 1 in turn (``SlotPlan``), landing its chunk in that slot's
+    ``chunk.fresh`` only. Submissions run in order: a thread on a CPU; on a GPU a stream of
+    its own, with the copy (every slot's request, the asking mask) and one slot's plan each
+    captured as a CUDA graph, the plan replayed once per asking slot (the mask is a pinned
+    host buffer the copy graph reads). ``inline``: at submission, on the caller's thread (a
+    replica's). Its slots see it through ``SlotRefill``."""
 
     def __init__(self, policy: StatefulPolicy, live: FleetArena, cadence: ChunkCadence,
                  live_stream: Optional[torch.cuda.Stream], stream: Optional[torch.cuda.Stream], *,
                  inline: bool = False, use_graphs: bool = True):
-        reads = [live.layout[name].spec for name in cadence.reads]
-        self.arena = FleetArena(ArenaLayout(reads), live.slots, live.device)
+        reads = {name: live.layout[name].spec for name in cadence.reads}
+        self.arena = FleetArena(ArenaLayout(reads.values()), live.slots, live.device)
         self.live_fresh = live.scratch_views[FRESH]
-        self.fresh = torch.zeros_like(self.live_fresh)
-        self.pairs = [(live.views[REQUEST_PREFIX + spec.name], self.arena.views[spec.name]) for spec in reads]
+        self.pairs = [(live.views[REQUEST_PREFIX + name], self.arena.views[name]) for name in reads]
+        self.planner = SlotPlan(policy, reads, self.arena.views, self.live_fresh)
         cuda = live.device.type == "cuda"
         self.inline = inline
         self.live_stream = live_stream
@@ -196,7 +293,6 @@ class FleetRefill:
         self.use_graphs = use_graphs and cuda and not inline
         self.mask_host = torch.zeros(live.slots, dtype=torch.bool, pin_memory=cuda)
         self.mask = torch.zeros(live.slots, dtype=torch.bool, device=live.device) if cuda else self.mask_host
-        self._plan = vmapped(lambda state, chunk: policy.plan(state, chunk), self.arena.views, self.fresh)
         self._collecting = False
         self._batch: Set[int] = set()
         self._done: Dict[int, object] = {}          # slot -> the Future (CPU) or Event (GPU) of its last plan
@@ -206,44 +302,56 @@ class FleetRefill:
             max_workers=1, thread_name_prefix="capsule-fleet-refill")
 
     # -- phases -------------------------------------------------------------------------------
-    def _copy(self) -> None:
-        """Every slot's request copy into the worker's arena, and the landing mask in."""
+    def _copy(self, slots: Optional[Sequence[int]] = None) -> None:
+        """The request copies of ``slots`` (every slot: a fixed shape to capture) into the
+        worker's arena."""
         for source, target in self.pairs:
-            target.copy_(source)
+            if slots is None:
+                target.copy_(source)
+            else:
+                for slot in slots:
+                    target[slot].copy_(source[slot])
+
+    def _begin(self) -> None:
+        """The asking mask onto the device (captured with the copy on a GPU), as the plans' to-do."""
         if self.mask is not self.mask_host:
             self.mask.copy_(self.mask_host, non_blocking=True)
+        self.planner.begin(self.mask)
 
-    def _plan_and_land(self, mask: torch.Tensor) -> None:
+    def _plan_slots(self, count: int, mask: Optional[torch.Tensor] = None) -> None:
+        """``count`` batch-1 plans, the asking slots in turn (``mask``: their mask, on a CPU thread)."""
         with torch.inference_mode():
-            self.fresh.copy_(self.live_fresh)
-            self._plan()
-            self.live_fresh.copy_(torch.where(mask.view(-1, 1, 1), self.fresh, self.live_fresh))
+            if mask is not None:
+                self.planner.begin(mask)
+            for _ in range(count):
+                self.planner.run()
 
     # -- the fleet mode's side ----------------------------------------------------------------
     def prepare(self) -> None:
-        """Warm the batched plan up (vmap's fallback off: refused naming an unbatchable
-        operation) and, on a GPU, capture the copy and the plan."""
-        saved = self.live_fresh.clone()
-        try:
-            with no_fallback(), on_stream(self.stream), torch.inference_mode():
+        """Warm the copy and a slot's plan up and, on a GPU, capture them (the plan once: it
+        serves every slot)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.live_fresh.device))
+        with on_stream(self.stream), torch.inference_mode():
+            saved = self.live_fresh.clone()             # the warm-up plans write a slot's chunk.fresh
+            try:
                 for _ in range(2):
                     self._copy()
-                    self._plan_and_land(torch.zeros_like(self.mask))
+                    self._begin()
+                    self._plan_slots(1)
                 if self.use_graphs and self.stream is not None:
                     copy, plan = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                     pool = torch.cuda.graph_pool_handle()
                     with torch.cuda.graph(copy, pool=pool, stream=self.stream):
                         self._copy()
+                        self._begin()
                     with torch.cuda.graph(plan, pool=pool, stream=self.stream):
-                        self._plan_and_land(self.mask)
+                        self.planner.run()
                     self._graphs = (copy, plan)
-        except Exception as exc:
-            refuse_unbatchable(exc, "the policy's plan")
-            raise
-        finally:
-            self.live_fresh.copy_(saved)
-            if self.stream is not None:
-                self.stream.synchronize()
+            finally:
+                self.live_fresh.copy_(saved)
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def collect(self) -> None:
         """A fleet step begins: its slots' requests form one submission (``launch``)."""
@@ -257,7 +365,8 @@ class FleetRefill:
             self.launch(eager)
 
     def launch(self, eager: bool = False) -> None:
-        """Submit the collected requests as one batched plan (nothing when there are none)."""
+        """Submit the collected requests: one batch-1 plan per asking slot, in slot order
+        (nothing when there are none)."""
         self._collecting = False
         slots, self._batch = sorted(self._batch), set()
         if not slots:
@@ -266,14 +375,15 @@ class FleetRefill:
             self._copied.synchronize()            # the previous copy read the host mask: done with it
         self.mask_host.zero_()
         self.mask_host[slots] = True
-        if self._pool is not None:                 # a CPU thread: the request copied here, planned there
-            self._copy()
-            future = self._pool.submit(self._plan_and_land, self.mask_host.clone())
+        if self._pool is not None:                 # a CPU thread: the requests copied here, planned there
+            self._copy(slots)
+            future = self._pool.submit(self._plan_slots, len(slots), self.mask_host.clone())
             self._done.update((slot, future) for slot in slots)
             return
         if self.stream is None:                    # inline on a CPU
-            self._copy()
-            self._plan_and_land(self.mask)
+            self._copy(slots)
+            self._begin()
+            self._plan_slots(len(slots))
             return
         assert self.live_stream is not None
         self.stream.wait_stream(self.live_stream)
@@ -282,11 +392,13 @@ class FleetRefill:
             if self._graphs and not eager:
                 self._graphs[0].replay()
                 copied.record(self.stream)
-                self._graphs[1].replay()
+                for _ in slots:
+                    self._graphs[1].replay()
             else:
                 self._copy()
+                self._begin()
                 copied.record(self.stream)
-                self._plan_and_land(self.mask)
+                self._plan_slots(len(slots))
             done.record(self.stream)
         self.live_stream.wait_event(copied)
         self._copied = copied
@@ -330,4 +442,4 @@ class SlotRefill(RefillWorker):
         self._fleet.before_adopt(self._slot, live_stream)
 
 
-__all__ = ["ChunkingFleet", "FleetChunking", "FleetRefill", "SlotRefill", "fleet_form"]
+__all__ = ["ChunkingFleet", "FleetChunking", "FleetRefill", "SlotPlan", "SlotRefill", "fleet_form"]

@@ -71,8 +71,8 @@ def prepare_fleet(config: ServingConfig, fleet: FleetConfig, *, robots: Sequence
     if batching == "vmap" and serving.policy.cadence() is not None and control.chunking == "async" \
             and control.inference_delay_steps == "auto":
         raise ConfigError("control.inference_delay_steps = auto with fleet.batching vmap: auto measures one robot's "
-                          "refill, a batched fleet plans all its slots at once; set the delay in steps "
-                          "(capsule-ros bench fleet measures the batched refill)")
+                          "refill, and in a fleet the robots that ask on one step are planned one after the other; "
+                          "set the delay in steps, for the most robots that may ask together")
     identity = fleet_identity(serving.policy, config.runtime, port_bindings(config), fleet.slot_count, batching)
     return PreparedFleet(dataclasses.replace(serving, identity=identity), fleet, settled)
 

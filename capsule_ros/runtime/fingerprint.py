@@ -40,10 +40,11 @@ FINGERPRINT_VERSION = 2
 # Keys of a policy's architecture that name the kernels that run it rather than the model
 # (an ONNX policy's runtime version and execution provider; the versions of the libraries
 # whose modules and tokenizers a VLA runs): they count as "kernel".
-# A fleet's batch shape counts as kernel too: the slot count S and the batching change the
-# bits a batched step computes (``capsule_ros.runtime.fleet``).
+# A fleet's batch shape counts as kernel too: the slot count S, the batching and the batch
+# a chunking fleet's plans run at change the bits a batched step computes
+# (``capsule_ros.runtime.fleet``, ``capsule_ros.chunking.fleet``).
 KERNEL_KEYS = ("onnxruntime", "execution_provider", "optimization", "intra_op_threads", "cuda_graph", "transformers",
-               "tokenizers", "fleet_slots", "fleet_batching")
+               "tokenizers", "fleet_slots", "fleet_batching", "fleet_plan_batch")
 # Why a capsule is invalid, by component (``FingerprintParts.causes``), in report order.
 CAUSES = {"weights": "weights", "architecture": "architecture", "layout": "state layout",
           "ports": "port mapping", "kernel": "kernel", "build": "build"}

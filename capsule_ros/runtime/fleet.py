@@ -13,7 +13,9 @@ the measured cost of each):
   each; eager on a CPU). A per-slot READY mask, which the host writes with the inputs,
   decides which rows advance: the program keeps a copy of every slot's state (the step
   guard's copy), runs the batched step over every slot, then merges byte for byte, so a
-  slot that is not ready gets its state back exactly. A slot's bits never depend on the
+  slot that is not ready gets its state back exactly. (A mode may run a step as several
+  programs in a row, ``capsule_ros.runtime.fleetmode``: a chunking fleet plans each
+  refilling robot's chunk at batch 1 between its batched phases.) A slot's bits never depend on the
   other slots' values, but the batch size S is part of what computes them, so the
   fingerprint includes S (and the batching): a capsule or bag made under another S is
   refused with the reason.
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -38,7 +40,7 @@ from capsule_ros.errors import InvalidArgument
 from capsule_ros.runtime.batching import READY, UPLOAD, SlotMasks, keep_where
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.runtime.fingerprint import RuntimeIdentity
-from capsule_ros.runtime.fleetmode import FleetMode
+from capsule_ros.runtime.fleetmode import FleetMode, FleetProgram
 from capsule_ros.runtime.graphs import ProgramGraphs
 from capsule_ros.runtime.mode import STEP_PROGRAM, ModeSetup, Program, StepReport
 from capsule_ros.runtime.schema import ALIGNMENT, STATE_KINDS, BufferKind
@@ -128,10 +130,13 @@ class FleetHost:
     on the host (pinned on CUDA), each slot's row starting at a multiple of ``ALIGNMENT``
     (its buffers of every dtype are viewed in place; a slot's runtime gets its row), and
     their device twins (the host buffers themselves on a CPU): host and device buffers are
-    whole contiguous allocations, so that the program moves them with one memory copy each,
-    which a CUDA graph captures (a copy between a strided host view and the device would go
-    through a temporary host buffer that a graph cannot keep). ``keep``: the copy of every
-    slot's state the programs take first (the merge's source, each slot's guard copy)."""
+    whole contiguous allocations, so that the outputs go out with one memory copy, which a
+    CUDA graph captures (a copy between a strided host view and the device would go through
+    a temporary host buffer that a graph cannot keep), and the staged inputs of consecutive
+    slots go up with one copy (``upload``, before the step's programs: only the rows of the
+    slots whose step reads them, so a step that reads no inputs, a chunking fleet's
+    consume, moves no camera frame). ``keep``: the copy of every slot's state the programs
+    take first (the merge's source, each slot's guard copy)."""
 
     staging: torch.Tensor          # [S, input row] host (whole)
     staging_device: torch.Tensor   # [S, input row] device
@@ -150,6 +155,15 @@ class FleetHost:
         return cls(staging, _rows(inputs, arena.device, False) if cuda else staging,
                    outputs_host, _rows(outputs, arena.device, False) if cuda else outputs_host,
                    inputs.shape[1], outputs.shape[1], torch.zeros_like(arena.rows_of(*STATE_KINDS, BufferKind.OUTPUT)))
+
+    def upload(self, slots: Iterable[int], stream: Optional[torch.cuda.Stream]) -> None:
+        """The staged rows of ``slots`` onto the device, on ``stream`` (non-blocking; one
+        copy per run of consecutive slots; nothing on a CPU, where they are one buffer)."""
+        if self.staging_device is self.staging:
+            return
+        with on_stream(stream):
+            for start, end in _runs(sorted(slots)):
+                self.staging_device[start:end].copy_(self.staging[start:end], non_blocking=True)
 
     def staging_row(self, slot: int) -> torch.Tensor:
         """Slot ``slot``'s input staging (host), without the padding."""
@@ -173,31 +187,32 @@ def _rows(like: torch.Tensor, device: torch.device, pinned: bool) -> torch.Tenso
     return torch.zeros(slots, row, dtype=torch.uint8, device=device, pin_memory=pinned)
 
 
-def compose_fleet_programs(programs: Mapping[str, Program], arena: FleetArena, host: FleetHost,
+def compose_fleet_programs(programs: Mapping[str, FleetProgram], arena: FleetArena, host: FleetHost,
                            masks: SlotMasks) -> Dict[str, Program]:
-    """Each fleet program inside one graph: keep every slot's state, bring the masks and
-    the staged inputs in (only the ``upload`` slots' inputs change), run the batched
-    program over every slot, merge back the state of every slot that is not ``ready``
-    (byte for byte, from the copy), and copy every slot's meta + outputs to the host."""
+    """Each fleet program as one graph. One that opens a step first keeps every slot's
+    state and brings the masks and the uploaded inputs in (only the ``upload`` slots'
+    inputs change); one that closes it then merges back the state of every slot that is
+    not ``ready`` (byte for byte, from the copy) and copies every slot's meta + outputs to
+    the host. A program that does neither runs as it is, between two that do."""
     state, inputs = arena.rows_of(*STATE_KINDS, BufferKind.OUTPUT), arena.rows_of(BufferKind.INPUT)
     outputs = arena.rows_of(BufferKind.META, BufferKind.OUTPUT)
     ready, upload = masks.column(READY), masks.column(UPLOAD)
     staged = host.staging_device[:, :host.input_bytes]
     outputs_out = host.outputs_device[:, :host.output_bytes]
 
-    def wrapped(program: Program) -> Program:
+    def wrapped(program: FleetProgram) -> Program:
         def run() -> None:
-            host.keep.copy_(state)
-            host.kept += 1                 # Python: counts eager runs only (a graph replay runs none of it)
-            masks.upload()
-            if host.staging_device is not host.staging:
-                host.staging_device.copy_(host.staging, non_blocking=True)
-            inputs.copy_(torch.where(upload, staged, inputs))
-            program()
-            keep_where(ready, state, host.keep)
-            outputs_out.copy_(outputs)
-            if host.outputs is not host.outputs_device:
-                host.outputs.copy_(host.outputs_device, non_blocking=True)
+            if program.opens:
+                host.keep.copy_(state)
+                host.kept += 1             # Python: counts eager runs only (a graph replay runs none of it)
+                masks.upload()
+                inputs.copy_(torch.where(upload, staged, inputs))
+            program.run()
+            if program.closes:
+                keep_where(ready, state, host.keep)
+                outputs_out.copy_(outputs)
+                if host.outputs is not host.outputs_device:
+                    host.outputs.copy_(host.outputs_device, non_blocking=True)
         return run
     return {name: wrapped(program) for name, program in programs.items()}
 
@@ -250,19 +265,24 @@ class BatchedFleet(FleetRuntime):
         return outcomes
 
     def launch(self, chosen: Mapping[int, str], eager: bool = False) -> None:
-        """Run the fleet program for the slots in ``chosen`` (slot -> its mode's program):
-        the masks written on the host once the previous step no longer reads them. When the
-        program raises after its copy of the state (eagerly run Python), every slot gets its
-        state back from that copy before the error goes on: a slot that did not step keeps
-        its bytes even then."""
+        """Run the fleet programs for the slots in ``chosen`` (slot -> its mode's program),
+        in the order the fleet mode gives: the masks written on the host once the previous
+        step no longer reads them, the uploading slots' staged rows sent up first. When a
+        program raises after the step's copy of the state (eagerly run Python), every slot
+        gets its state back from that copy before the error goes on: a slot that did not
+        step keeps its bytes even then."""
         if self._launched is not None:
             self._launched.synchronize()
         self.masks.set(READY, chosen)
-        self.masks.set(UPLOAD, self._uploads & set(chosen))
+        uploads = self._uploads & set(chosen)
+        self.masks.set(UPLOAD, uploads)
         self._uploads.clear()
         kept = self.host.kept
         try:
-            self.graphs.step(self.fleet_mode.program_for(chosen), eager=eager)
+            sequence = self.fleet_mode.program_for(chosen)
+            self.host.upload(uploads, self.stream)
+            for program in sequence:
+                self.graphs.step(program, eager=eager)
         except BaseException:
             if self.host.kept != kept:
                 with on_stream(self.stream):
@@ -354,6 +374,17 @@ class SlotGraphs:
 def _slot(runtime: PolicyRuntime) -> SlotRuntime:
     assert isinstance(runtime, SlotRuntime)
     return runtime
+
+
+def _runs(slots: Sequence[int]) -> List[Tuple[int, int]]:
+    """Sorted ``slots`` as ``[start, end)`` runs of consecutive slots."""
+    runs: List[Tuple[int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], slot + 1)
+        else:
+            runs.append((slot, slot + 1))
+    return runs
 
 
 def _distinct(slots: Sequence[int]) -> Tuple[int, ...]:

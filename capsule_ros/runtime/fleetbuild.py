@@ -14,7 +14,9 @@
   mode's own preparation, and the state check through slot 0.
 
 The identity (``fleet_identity``) of a batched fleet adds S and the batching to the
-policy's architecture (as kernel keys: ``capsule-ros check`` names them "kernel").
+policy's architecture, and for a chunking policy the batch its plans run at (1: each
+refilling robot's chunk alone, ``capsule_ros.chunking.fleet``), as kernel keys
+(``capsule-ros check`` names them "kernel").
 """
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ def fleet_identity(policy: StatefulPolicy, config: RuntimeConfig, inputs: Option
     if batching == "loop":
         return runtime_identity(policy, config, inputs)
     architecture = {**policy.architecture(), "fleet_slots": slots, "fleet_batching": batching}
+    if policy.cadence() is not None:          # a chunking fleet plans each robot's chunk at batch 1
+        architecture["fleet_plan_batch"] = 1
     return RuntimeIdentity.of(architecture, ArenaLayout(policy.state_spec()), weights_digest(policy),
                               device_kind(config.resolve_device()), dict(inputs or {}))
 
@@ -129,7 +133,7 @@ def _batched_fleet(policy: StatefulPolicy, config: RuntimeConfig, slots: int, mo
     masks = SlotMasks(CORE_MASKS + setup.fleet_masks(), slots, placed.device)
     fleet_mode = setup.bind_fleet(FleetContext(placed.policy, arena, masks, stream, streams, config.cuda_graphs))
     host = FleetHost.of(arena)
-    owned: Dict[str, torch.Tensor] = {**host.owned(), **masks.owned()}
+    owned: Dict[str, torch.Tensor] = {**host.owned(), **masks.owned(), **fleet_mode.owned()}
     graphs = ProgramGraphs(placed.policy, arena, compose_fleet_programs(fleet_mode.programs(), arena, host, masks),
                            use_graphs=config.cuda_graphs, stream=stream, debug_checks=config.debug_checks,
                            eager_fallback=config.graph_fallback == "eager", owned=owned)

@@ -10,6 +10,13 @@ on a GPU), chosen for the slots that step together from the programs their modes
 not the fleet program's main work (a chunking slot that consumes while another refills)
 is kept from it by those masks, never by running a sub-batch: the batch shape is always S.
 
+A fleet step may run several programs in a row (``FleetProgram``): the first one
+``opens`` the step (the step guard's copy of every slot, the masks and staged inputs in),
+the last one ``closes`` it (the merge of the slots that did not step, the outputs out),
+and any in between do neither. The chunking mode runs its per-slot refill that way: one
+robot's plan at batch 1, once per slot that plans, between the batched phases before and
+after it.
+
 The every-step fleet mode is ``FleetMode`` itself: every slot runs the policy's ``step``.
 A mode above the core gives a fleet form by implementing ``FleetModeSetup``
 (``capsule_ros.chunking.fleet`` for chunking policies); ``fleet_setup`` finds it (a mode
@@ -29,6 +36,16 @@ from capsule_ros.runtime.mode import STEP_PROGRAM, EveryStep, ExecutionMode, Mod
 from capsule_ros.runtime.policy import StatefulPolicy
 from capsule_ros.runtime.slots import FleetArena
 from capsule_ros.runtime.streams import StreamKeeper
+
+
+@dataclass(frozen=True)
+class FleetProgram:
+    """A capturable call of a fleet mode and its place in a fleet step (see the module
+    docstring): ``opens`` the step, ``closes`` it, or (neither) runs between two others."""
+
+    run: Program
+    opens: bool = True
+    closes: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,14 +75,20 @@ class FleetMode:
         self.context = context
         self.slot_modes: Tuple[ExecutionMode, ...] = tuple(slot_modes)
 
-    def programs(self) -> Dict[str, Program]:
-        """name -> a capturable call over every slot."""
-        return {STEP_PROGRAM: vmapped(self.context.policy.step, self.context.arena.views)}
+    def programs(self) -> Dict[str, FleetProgram]:
+        """name -> a capturable call over the fleet (a batched one runs over every slot)."""
+        return {STEP_PROGRAM: FleetProgram(vmapped(self.context.policy.step, self.context.arena.views))}
 
-    def program_for(self, chosen: Mapping[int, str]) -> str:
-        """The fleet program for a step of the slots in ``chosen`` (slot -> the program its
-        own mode chose), with the mode's masks written for it."""
-        return STEP_PROGRAM
+    def program_for(self, chosen: Mapping[int, str]) -> Tuple[str, ...]:
+        """The fleet programs a step of the slots in ``chosen`` (slot -> the program its own
+        mode chose) runs, in order (the first opens the step, the last closes it), with the
+        mode's masks written for them."""
+        return (STEP_PROGRAM,)
+
+    def owned(self) -> Dict[str, torch.Tensor]:
+        """The mode's own device buffers its programs touch besides the arena (the graphs'
+        address check): none here."""
+        return {}
 
     def after_fleet_step(self, chosen: Mapping[int, str], eager: bool = False) -> None:
         """After the fleet program ran and every stepped slot's mode took its step: work
