@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import rclpy
 from rclpy.exceptions import NameValidationException, ParameterException
@@ -65,6 +65,18 @@ def start_up_error(program: str, exc: BaseException) -> str:
     if isinstance(exc, CapsuleRosError):
         return f"{program}: {ErrorCode(exc.code).name}: {text}"
     return f"{program}: cannot start ({type(exc).__name__}): {text}"
+
+
+def started(node: Any) -> Any:
+    """``node`` after its lifecycle autostart (``lifecycle.autostart``: configure + activate);
+    a node that fails to start is closed and destroyed before the error goes on."""
+    try:
+        node.start()
+    except BaseException:
+        node.close()
+        node.destroy_node()
+        raise
+    return node
 
 
 def run_node(make_node: Callable[[], Node], program: str, argv: Optional[List[str]] = None, *,

@@ -4,20 +4,13 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from capsule_ros.ros.entry import run_node
+from capsule_ros.ros.entry import run_node, started
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     def make():
         from capsule_ros.ros.node import PolicyNode  # after rclpy.init: torch's import is slow
-        node = PolicyNode()
-        try:
-            node.start()                               # lifecycle.autostart: configure + activate
-        except BaseException:
-            node.close()
-            node.destroy_node()
-            raise
-        return node
+        return started(PolicyNode())
     return run_node(make, "policy_node", argv, settle=False)
 
 
