@@ -59,6 +59,8 @@ CHUNK_ACTIONS = "chunk.actions"     # float32[length, action_dim]: the chunk bei
 CHUNK_CURSOR = "chunk.cursor"       # int64[1]: index of the next row of chunk.actions to execute
 CHUNK_PENDING = "chunk.pending"     # int64[1]: 1 while an asynchronous refill request is outstanding
 REQUEST_PREFIX = "chunk.request."   # chunk.request.<name>: the request's copy of each buffer plan() reads
+# The standard names above: a policy kind that binds a checkpoint's features to buffers keeps them for these.
+STANDARD_NAMES = (STEP, POSITION, EPISODE, RNG, ACTION, CHUNK, CHUNK_ACTIONS, CHUNK_CURSOR, CHUNK_PENDING)
 
 State = Mapping[str, torch.Tensor]
 

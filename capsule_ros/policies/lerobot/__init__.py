@@ -28,19 +28,7 @@ from capsule_ros.policies.lerobot.checkpoint import Checkpoint, load_model_weigh
 from capsule_ros.policies.lerobot.features import bind_ports, feature_rules
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.runtime.arena import BufferSpec
-from capsule_ros.runtime.policy import (
-    ACTION,
-    CHUNK,
-    CHUNK_ACTIONS,
-    CHUNK_CURSOR,
-    CHUNK_PENDING,
-    EPISODE,
-    POSITION,
-    RNG,
-    STEP,
-)
-
-STANDARD_NAMES = (STEP, POSITION, EPISODE, RNG, ACTION, CHUNK, CHUNK_ACTIONS, CHUNK_CURSOR, CHUNK_PENDING)
+from capsule_ros.runtime.policy import STANDARD_NAMES
 
 
 class _Kind:

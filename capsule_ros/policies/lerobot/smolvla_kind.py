@@ -52,20 +52,10 @@ from capsule_ros.policies.vla.tokens import (
     load_tokenizer,
     tokenizer_options,
 )
-from capsule_ros.runtime.policy import (
-    ACTION,
-    CHUNK,
-    CHUNK_ACTIONS,
-    CHUNK_CURSOR,
-    CHUNK_PENDING,
-    EPISODE,
-    POSITION,
-    RNG,
-    STEP,
-)
+from capsule_ros.runtime.policy import STANDARD_NAMES
 
 LOG = logging.getLogger(__name__)
-RESERVED = (STEP, POSITION, EPISODE, RNG, ACTION, CHUNK, CHUNK_ACTIONS, CHUNK_CURSOR, CHUNK_PENDING, TASK_BUFFER)
+RESERVED = (*STANDARD_NAMES, TASK_BUFFER)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "added_tokens.json", "vocab.json", "merges.txt")
 

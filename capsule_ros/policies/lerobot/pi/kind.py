@@ -51,20 +51,9 @@ from capsule_ros.policies.vla.kind import VLASettings, bind_inputs, files_digest
 from capsule_ros.policies.vla.policy import TASK_BUFFER
 from capsule_ros.policies.vla.rtc import RTCSettings
 from capsule_ros.policies.vla.tokens import TOKENIZER_STEP, TaskTokenizer, load_tokenizer, tokenizer_options
-from capsule_ros.runtime.policy import (
-    ACTION,
-    CHUNK,
-    CHUNK_ACTIONS,
-    CHUNK_CURSOR,
-    CHUNK_PENDING,
-    EPISODE,
-    POSITION,
-    RNG,
-    STEP,
-)
+from capsule_ros.runtime.policy import STANDARD_NAMES
 
-RESERVED = (STEP, POSITION, EPISODE, RNG, ACTION, CHUNK, CHUNK_ACTIONS, CHUNK_CURSOR, CHUNK_PENDING, TASK_BUFFER,
-            *pi_policy.BUFFER_NAMES)
+RESERVED = (*STANDARD_NAMES, TASK_BUFFER, *pi_policy.BUFFER_NAMES)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "added_tokens.json")
 OBS_STATE = "observation.state"
