@@ -9,6 +9,7 @@ Every helper a test module needs is here or in a fixture module (``lerobot_fixtu
 from another (``test_layers.py`` checks it)."""
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
+import pytest
 from lerobot_fixtures import PORTS, Fixture
 
 from capsule_ros.polling import wait_until
@@ -43,6 +45,22 @@ def start_policy_node(tmp_path: Path, params: Optional[Dict[str, Any]] = None, *
     """policy_node with config/policy.yaml plus overrides; capsules in a directory of the test."""
     overrides = deep_merge({"capsules": {"directory": str(tmp_path / f"{tag}-capsules")}}, params or {})
     return processes.start_policy_node(tmp_path, overrides, namespace=namespace, params_file=params_file, tag=tag)
+
+
+LAUNCH_TOOLING_HINT = ("the ROS 2 launch and command-line tools are not installed: run ./setup.sh (or make test) "
+                       "with CAPSULE_ROS_LAUNCH_WHEELS=<directory of the launch wheels>, e.g. "
+                       "shared/ros-launch/wheels (see requirements/launch.txt; CI's .ci/run sets it)")
+
+
+def require_launch_tooling(*modules: str) -> None:
+    """The ROS 2 launch / CLI modules a test drives (``ros2launch``, ...): where
+    CAPSULE_ROS_LAUNCH_WHEELS asks for them a missing one is an error, elsewhere the test
+    skips with how to install them."""
+    for module in modules:
+        if os.environ.get("CAPSULE_ROS_LAUNCH_WHEELS"):
+            importlib.import_module(module)
+        else:
+            pytest.importorskip(module, reason=LAUNCH_TOOLING_HINT)
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):

@@ -25,7 +25,7 @@ from typing import Dict, List
 
 import pytest
 import yaml
-from harness import REPO, ClientNode, ManagedProcess, start_executable, unique_ns, wait_for
+from harness import REPO, ClientNode, ManagedProcess, require_launch_tooling, start_executable, unique_ns, wait_for
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 pytestmark = pytest.mark.ros
@@ -97,20 +97,29 @@ def test_each_robot_has_policy_nodes_interface_under_its_namespace(fleet):
     node = fleet.client.node
     expected = {("capsule_policy", f"{fleet.ns}/{name}") for name in ROBOTS}
     wait_for(lambda: expected <= set(node.get_node_names_and_namespaces()), timeout=30, what="every robot's node")
-    services = dict(node.get_service_names_and_types())
-    topics = dict(node.get_topic_names_and_types())
+    want_services = {f"{fleet.ns}/{name}/capsule_policy/{service}": [f"capsule_ros/srv/{kind}"]
+                     for name in ROBOTS
+                     for service, kind in (("commit", "Commit"), ("reset", "Reset"), ("interrupt", "Interrupt"),
+                                           ("reenter", "Reenter"), ("fork", "Fork"),
+                                           ("save_capsule", "SaveCapsule"), ("load_capsule", "LoadCapsule"),
+                                           ("list_capsules", "ListCapsules"), ("drop_capsule", "DropCapsule"),
+                                           ("record", "Record"))}
+    want_topics = {}
     for name in ROBOTS:
         path = f"{fleet.ns}/{name}/capsule_policy"
-        for service, kind in (("commit", "Commit"), ("reset", "Reset"), ("interrupt", "Interrupt"),
-                              ("reenter", "Reenter"), ("fork", "Fork"), ("save_capsule", "SaveCapsule"),
-                              ("load_capsule", "LoadCapsule"), ("list_capsules", "ListCapsules"),
-                              ("drop_capsule", "DropCapsule"), ("record", "Record")):
-            assert services.get(f"{path}/{service}") == [f"capsule_ros/srv/{kind}"], (path, service)
-        assert topics[f"{path}/action"] == ["capsule_ros/msg/Action"]
-        assert topics[f"{path}/status"] == ["capsule_ros/msg/RuntimeStatus"]
-        assert topics[f"{path}/capsule_events"] == ["capsule_ros/msg/CapsuleEvent"]
-        assert f"{path}/run_policy/_action/status" in topics
-        assert f"{fleet.ns}/{name}/arm/joint_states" in topics
+        want_topics.update({f"{path}/action": ["capsule_ros/msg/Action"],
+                            f"{path}/status": ["capsule_ros/msg/RuntimeStatus"],
+                            f"{path}/capsule_events": ["capsule_ros/msg/CapsuleEvent"],
+                            f"{path}/run_policy/_action/status": ["action_msgs/msg/GoalStatusArray"],
+                            f"{fleet.ns}/{name}/arm/joint_states": ["sensor_msgs/msg/JointState"]})
+    # discovery brings names one by one: wait until all are known, then compare their types
+    wait_for(lambda: set(want_services) <= set(dict(node.get_service_names_and_types()))
+             and set(want_topics) <= set(dict(node.get_topic_names_and_types())),
+             timeout=60, what="every robot's services and topics")
+    services = dict(node.get_service_names_and_types())
+    topics = dict(node.get_topic_names_and_types())
+    assert {name: services[name] for name in want_services} == want_services
+    assert {name: topics[name] for name in want_topics} == want_topics
     status: queue.Queue = queue.Queue()
     node.create_subscription(RuntimeStatus, f"{fleet.ns}/arm3/capsule_policy/status", status.put, 10)
     picture = status.get(timeout=30)
@@ -180,6 +189,7 @@ def test_ctrl_c_stops_ros2_launch_the_fleet_and_every_simulated_arm_cleanly(tmp_
     """`ros2 launch capsule_ros fleet.launch.py use_sim:=true` in its own process group
     (fleet_node and four sim_node processes), SIGINT to the group while every robot's
     actions stream: each process gets SIGINT twice (terminal and launch) and exits 0."""
+    require_launch_tooling("ros2launch")
     psutil = pytest.importorskip("psutil", reason="the process tree of ros2 launch is read with psutil")
     env = dict(os.environ, HOME=str(tmp_path))
     log_path = tmp_path / "ros2-launch.log"
