@@ -106,7 +106,9 @@ class ClientNode:
         self.node = rclpy_module.create_node(name)
         self.node_path = node_path
         self._spin = SpinThread(self.node)
-        self.capsules = CapsuleClient(self.node, node_path, server_wait_s=30.0, call_timeout_s=5.0)
+        # a call's answer may wait on a node still starting (torch's import, the first bag's
+        # writer) on a busy 2-core CI machine: no test measures a call's latency with it
+        self.capsules = CapsuleClient(self.node, node_path, server_wait_s=30.0, call_timeout_s=30.0)
         self._queues: Dict[str, queue.Queue] = {}
 
     def subscribe(self, msg_type, topic: str, qos=10) -> queue.Queue:
