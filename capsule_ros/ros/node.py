@@ -135,7 +135,6 @@ class PolicyNode(ServingNode):
                 self._watch.start(config)     # capsules.regenerate_stale: in the background
             served = session.status()
             self._device = served.device
-            self._settle_and_warm_up(session)          # before the verbs are served: a call waits on none of it
             self.io.serve(session, config, served.action_dim)
             self.session, self._prepared = session, None
             self._start_status_timer(config.control.status_rate_hz)
@@ -144,8 +143,11 @@ class PolicyNode(ServingNode):
                 self.recording.start(config, served.fingerprint)
         else:                   # after a deactivate: its interrupted episode resumes, the verbs are served
             self.session.resume(TRANSITION_BOUNDARY_S)
-            self._settle_and_warm_up(self.session)
+        if not self._settled:
+            settle_after_start()                       # no multi-ms garbage collections during the loop
+            self._settled = True
         session = self.session
+        session.warm_up()                              # the first active step is not a cold one
         self.io.subscribe_ports(config, self._on_port_message)
         self._configure_loop(config.control)
         self.facade.active, self.facade.lifecycle_state = True, "active"
@@ -153,14 +155,6 @@ class PolicyNode(ServingNode):
         self.get_logger().info(
             f"serving on {served.device} ({'CUDA graph' if served.graph_captured else 'eager'}),"
             f" {config.control.mode} mode, episode {episode.episode_id} {episode.state.name}")
-
-    def _settle_and_warm_up(self, session: PolicySession) -> None:
-        """Freeze start-up's objects for the garbage collector once (no multi-ms collections
-        during the loop), then warm the session so the first active step is not a cold one."""
-        if not self._settled:
-            settle_after_start()
-            self._settled = True
-        session.warm_up()
 
     def _deactivate(self) -> None:
         """The verbs are refused at the session's boundary first (also those on their way
