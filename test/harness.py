@@ -149,13 +149,13 @@ def set_params(client: ClientNode, node_path: Optional[str] = None, **values: An
             return ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
         return ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=str(value))
 
+    from capsule_ros.ros.client import QUERY_RESEND_S, call_service
     service = client.node.create_client(SetParameters, f"{node_path or client.node_path}/set_parameters")
     try:
-        assert service.wait_for_service(timeout_sec=30)
         params = [Parameter(name=name.replace("__", "."), value=value_of(v)) for name, v in values.items()]
-        future = service.call_async(SetParameters.Request(parameters=params))
-        wait_for(future.done, timeout=30, what="set_parameters")
-        return list(future.result().results)
+        # a new client the server may not know yet: setting the same values twice is harmless
+        return list(call_service(service, SetParameters.Request(parameters=params), 30.0, 30.0,
+                                 resend_s=QUERY_RESEND_S).results)
     finally:
         client.node.destroy_client(service)
 
