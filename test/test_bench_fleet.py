@@ -45,6 +45,20 @@ def test_quick_run_measures_every_side_the_processes_included():
             assert set(case["ratios"][str(n)]) == {"fleet", "loop", "nodes", "fleet_node"}
 
 
+def test_act_process_sides_drive_camera_frames_over_topics():
+    """ACT's robots send a camera image (sensor_msgs/Image) and joint states each step to
+    policy_node processes and to a fleet_node; every robot-step gets its action back."""
+    done = subprocess.run([*CLI, "--quick", "--device", "cpu", "--json", "--cases", "act", "--steps", "5",
+                           "--sides", "nodes,fleet_node"], capture_output=True, text=True, timeout=1500, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    sides = result["cases"]["act"]["sides"]
+    for side in ("nodes", "fleet_node"):
+        assert "skipped" not in sides[side], sides[side]
+        _figures_are_numbers(sides[side]["by_n"], result["ns"], roundtrip=True)
+        assert sides[side]["exit_codes"] and set(sides[side]["exit_codes"]) == {0}, (side, sides[side])
+
+
 def test_without_ros_the_process_sides_are_skipped_with_the_reason():
     """As on the GPU machine: rclpy unimportable, the in-process sides still run."""
     env = {**os.environ, "CAPSULE_ROS_WITHOUT_ROS": "1",

@@ -13,6 +13,7 @@ LeRobot.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -25,7 +26,7 @@ import pytest
 import torch
 from pi_fixtures import NAMES, TASK_PORT, PiFixture, port_of
 from safetensors.torch import load_file, save_file
-from vla_fixtures import chunked_runtime
+from vla_fixtures import assert_same_actions, bits, chunked_runtime
 
 from capsule_ros.benchmarks.lerobot_pi import (
     PALIGEMMA_3B,
@@ -55,17 +56,6 @@ torch.set_num_threads(1)
 def fixtures(tmp_path_factory) -> Dict[str, PiFixture]:
     root = tmp_path_factory.mktemp("pi")
     return {name: PiFixture.load(name, root) for name in NAMES}
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-
-
-def assert_same_actions(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    if not np.array_equal(bits(got), bits(want)):
-        bad = np.argwhere(bits(got) != bits(want))[0]
-        raise AssertionError(f"{what}: first differing action at episode {bad[0]} step {bad[1]}, max abs diff "
-                             f"{float(np.abs(got - want).max()):.3g}")
 
 
 # --- LeRobot's actions, bit for bit -----------------------------------------------------------------
@@ -269,7 +259,7 @@ def copy_fixture(fx: PiFixture, tmp_path: Path) -> PiFixture:
     shutil.copytree(fx.checkpoint, checkpoint)
     tokenizer = tmp_path / "tokenizer"
     shutil.copytree(fx.tokenizer, tokenizer)
-    return PiFixture(fx.name, checkpoint, tokenizer, fx.inputs, fx.outputs, fx.references, fx.meta)
+    return dataclasses.replace(fx, checkpoint_dir=checkpoint, tokenizer=tokenizer)
 
 
 def rewrite_weights(fx: PiFixture, change) -> None:

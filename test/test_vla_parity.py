@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from vla_fixtures import NAMES, VLAFixture, chunked_runtime, port_of
+from vla_fixtures import NAMES, VLAFixture, assert_same_actions, bits, chunked_runtime, port_of
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.smolvla_kind import build
@@ -39,17 +39,6 @@ from capsule_ros.runtime.rng import counter_normal
 def fixtures(tmp_path_factory):
     root = tmp_path_factory.mktemp("vla")
     return {name: VLAFixture.load(name, root) for name in NAMES}
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-
-
-def assert_same_actions(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    if not np.array_equal(bits(got), bits(want)):
-        bad = np.argwhere(bits(got) != bits(want))[0]
-        raise AssertionError(f"{what}: first differing action at episode {bad[0]} step {bad[1]}, max abs diff "
-                             f"{float(np.abs(got - want).max()):.3g}")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -157,7 +146,7 @@ def test_policy_task_default_without_a_task_port(fixtures):
 def copy_fixture(fx: VLAFixture, tmp_path: Path) -> VLAFixture:
     root = tmp_path / fx.name
     shutil.copytree(fx.root, root)
-    return VLAFixture(fx.name, root, fx.inputs, fx.outputs, fx.references, fx.meta)
+    return dataclasses.replace(fx, root=root)
 
 
 def rewrite_weights(fx: VLAFixture, change) -> None:

@@ -1,8 +1,9 @@
-"""The VLA fixtures (test/fixtures/lerobot/smolvla_*, made by tools/lerobot_fixtures/make_vla_fixtures.py
-with LeRobot 0.6.1) as the tests use them: the unpacked checkpoint and its staged VLM files,
-the recorded inputs (camera frames, joint states, the task of every step) and LeRobot's
-actions, a policy built through the kind's own ``build``, and a runtime driven as the node
-drives it."""
+"""The VLA fixtures as the tests use them: ``RecordedVLA``, what every VLA kind's fixture
+shares (the recorded inputs and LeRobot's actions, the kind's policy built through its
+own ``build``, a runtime driven as the node drives it, the node's parameters), and
+``VLAFixture``, SmolVLA's (test/fixtures/lerobot/smolvla_*, made by
+tools/lerobot_fixtures/make_vla_fixtures.py with LeRobot 0.6.1: the unpacked checkpoint
+and its staged VLM files). π0 / π0.5's are in pi_fixtures.py."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -18,8 +19,7 @@ from lerobot_fixtures import FIXTURES, REPO, joint_names, load_npz
 
 from capsule_ros.chunking.mode import mode_for
 from capsule_ros.chunking.schedule import ChunkingSettings
-from capsule_ros.policies.lerobot.smolvla_kind import SmolVLASettings, build
-from capsule_ros.policies.registry import BuildContext
+from capsule_ros.policies.registry import BuildContext, policy_kind
 from capsule_ros.policies.vla.rtc import RTCSettings
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
 from capsule_ros.runtime.builder import build_policy_runtime, place_policy
@@ -57,6 +57,19 @@ def chunked_runtime(policy, mode: str = "sync", delay: int = 0, worker: str = "a
     return build_policy_runtime(placed.policy, runtime_config, mode=setup)
 
 
+def bits(a: np.ndarray) -> np.ndarray:
+    """float32 values as their bit patterns (what "bit for bit" compares)."""
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def assert_same_actions(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """``got`` and ``want`` ([episodes, steps, action]) equal bit for bit; else where they first differ."""
+    if not np.array_equal(bits(got), bits(want)):
+        bad = np.argwhere(bits(got) != bits(want))[0]
+        raise AssertionError(f"{what}: first differing action at episode {bad[0]} step {bad[1]}, max abs diff "
+                             f"{float(np.abs(got - want).max()):.3g}")
+
+
 def port_of(key: str) -> str:
     """observation.images.front -> front, observation.state -> joints."""
     return "joints" if key == "observation.state" else key.rsplit(".", 1)[-1]
@@ -81,40 +94,48 @@ def text_and_sensor_ports(features: Dict[str, np.ndarray], token_length: int) ->
 
 
 @dataclass
-class VLAFixture:
+class RecordedVLA:
+    """A VLA fixture as the tests drive it, whatever its kind: the recorded inputs (camera
+    frames, joint states, the task of every step) and LeRobot's actions, a policy built
+    through the kind's own ``build`` (``policy_kind(kind)``), a runtime driven as the node
+    drives it, and the node's parameters. A kind's fixture says where its files are and
+    how it names its tasks (``VLAFixture`` here, ``pi_fixtures.PiFixture``)."""
+
     name: str
-    root: Path                        # holds pretrained_model/ and vlm/
     inputs: Dict[str, np.ndarray]
     outputs: Dict[str, np.ndarray]
     references: Dict[str, np.ndarray]  # async.npz
     meta: Dict[str, Any]
 
-    @classmethod
-    def load(cls, name: str, root: Path) -> VLAFixture:
-        target = extract(FIXTURES / name / "pretrained_model.tar.xz", root / name)
-        return cls(name, target, load_npz(FIXTURES / name / "inputs.npz"), load_npz(FIXTURES / name / "outputs.npz"),
-                   load_npz(FIXTURES / name / "async.npz"), json.loads((FIXTURES / name / "meta.json").read_text()))
+    kind: ClassVar[str]
+    node_deadline_ms: ClassVar[float] = 0.0        # control.deadline_ms of ``serving_params``
 
-    # -- the checkpoint ---------------------------------------------------------------------------
+    @staticmethod
+    def recorded(name: str) -> Tuple[Dict[str, np.ndarray], ...]:
+        """inputs, outputs and async references of the fixture ``name``."""
+        return tuple(load_npz(FIXTURES / name / f"{part}.npz") for part in ("inputs", "outputs", "async"))
+
+    # -- what a kind's fixture says ----------------------------------------------------------------
     @property
     def checkpoint(self) -> Path:
-        return self.root / "pretrained_model"
+        raise NotImplementedError
 
     @property
-    def vlm(self) -> Path:
-        return self.root / "vlm"
-
-    @property
-    def features(self) -> Dict[str, np.ndarray]:
-        return {k: v for k, v in self.inputs.items() if k not in NOT_FEATURES}
-
-    @property
-    def tasks(self) -> List[str]:
-        return [str(t) for t in self.inputs["tasks"]]
+    def vlm_files(self) -> Path:
+        """``policy.<kind>.vlm_files``: the staged VLM (SmolVLA) or tokenizer (π) files."""
+        raise NotImplementedError
 
     @property
     def token_length(self) -> int:
-        return int(self.meta["options"]["tokenizer_max_length"])
+        raise NotImplementedError
+
+    def task(self, episode: int, step: int) -> str:
+        raise NotImplementedError
+
+    # -- the recording -----------------------------------------------------------------------------
+    @property
+    def features(self) -> Dict[str, np.ndarray]:
+        return {k: v for k, v in self.inputs.items() if k not in NOT_FEATURES}
 
     @property
     def episodes(self) -> int:
@@ -127,9 +148,6 @@ class VLAFixture:
     def seed(self, episode: int) -> int:
         return int(self.inputs["seeds"][episode])
 
-    def task(self, episode: int, step: int) -> str:
-        return self.tasks[int(self.inputs["task"][episode, step])]
-
     # -- building --------------------------------------------------------------------------------
     def port_specs(self, task_port: bool = True) -> List[BufferSpec]:
         specs = [BufferSpec(port_of(k), v.shape[2:], torch.uint8 if v.dtype == np.uint8 else torch.float32,
@@ -141,14 +159,15 @@ class VLAFixture:
     def feature_entries(self, task_port: bool = True) -> List[str]:
         return [f"{k}:{port_of(k)}" for k in self.features] + ([f"task:{TASK_PORT}"] if task_port else [])
 
-    def settings(self, **overrides: Any) -> SmolVLASettings:
-        values: Dict[str, Any] = dict(pretrained_model=str(self.checkpoint), vlm_files=str(self.vlm),
+    def settings(self, **overrides: Any) -> Any:
+        """The kind's settings (``policy.<kind>``) for this fixture, with ``overrides``."""
+        values: Dict[str, Any] = dict(pretrained_model=str(self.checkpoint), vlm_files=str(self.vlm_files),
                                       features=tuple(self.feature_entries()))
         values.update(overrides)
-        return SmolVLASettings(**values)
+        return policy_kind(self.kind).settings(**values)
 
-    def context(self, settings: Optional[SmolVLASettings] = None, *, rtc: Optional[RTCSettings] = None,
-                task: str = "", task_port: bool = True) -> BuildContext:
+    def context(self, settings: Any = None, *, rtc: Optional[RTCSettings] = None, task: str = "",
+                task_port: bool = True) -> BuildContext:
         types = {spec.name: SimpleNamespace(type=IMAGE if spec.dtype == torch.uint8 else JOINTS)
                  for spec in self.port_specs(task_port)}
         if task_port:
@@ -159,7 +178,7 @@ class VLAFixture:
                             seed=0, device=torch.device("cpu"), task=task, rtc=rtc)
 
     def policy(self, rtc: Optional[RTCSettings] = None, **kw: Any):
-        return build(self.context(rtc=rtc, **kw))
+        return policy_kind(self.kind).build(self.context(rtc=rtc, **kw))
 
     def runtime(self, mode: str = "sync", delay: int = 0, rtc: Optional[RTCSettings] = None, worker: str = "auto",
                 **kw: Any) -> PolicyRuntime:
@@ -167,11 +186,10 @@ class VLAFixture:
 
     # -- driving ---------------------------------------------------------------------------------
     def stage(self, runtime: PolicyRuntime, episode: int, step: int) -> None:
-        """Stage one step's inputs as the node would (the task tokenised by the policy)."""
+        """Stage one step's inputs as the node does (the task as text)."""
         for key, value in self.features.items():
             runtime.staging[port_of(key)][...] = value[episode, step]
-        encode = runtime.policy.text_inputs()[TASK_PORT].encode
-        runtime.staging[TASK_PORT][...] = encode(self.task(episode, step))
+        runtime.stage_text(TASK_PORT, self.task(episode, step))
 
     def act(self, runtime: PolicyRuntime, episode: int, step: int) -> np.ndarray:
         self.stage(runtime, episode, step)
@@ -189,6 +207,66 @@ class VLAFixture:
                 actions[e, t] = self.act(runtime, e, t)
         return actions
 
+    # -- the node --------------------------------------------------------------------------------
+    def port_params(self) -> Dict[str, Any]:
+        return text_and_sensor_ports(self.features, self.token_length)
+
+    def serving_params(self, episode: int = 0, **control: Any) -> Dict[str, Any]:
+        """The full parameter mapping (config/policy.yaml with this fixture's ports, the task
+        through a String port, and its policy; trigger mode on the joint port; seeded like
+        ``episode``'s recording, ``policy.task`` its first step's) that
+        ServingConfig.from_params takes."""
+        from capsule_ros.config import load_params_file
+        params = load_params_file(REPO / "config" / "policy.yaml")
+        params["ports"] = self.port_params()
+        params["policy"] = {"kind": self.kind, "weights": "", "task": self.task(episode, 0),
+                            self.kind: {"pretrained_model": str(self.checkpoint), "vlm_files": str(self.vlm_files),
+                                        "features": self.feature_entries()}}
+        params["control"].update({"mode": "trigger", "trigger_port": "joints", "deadline_ms": self.node_deadline_ms,
+                                  "status_rate_hz": 50.0, **control})
+        params["runtime"].update(device="cpu", seed=self.seed(episode))
+        params["capsules"]["directory"] = ""
+        return params
+
+
+@dataclass
+class VLAFixture(RecordedVLA):
+    """A SmolVLA fixture: its checkpoint and staged VLM files unpacked under ``root``; the
+    tasks are indices into the recording's ``tasks``."""
+
+    root: Path = Path()                # holds pretrained_model/ and vlm/
+
+    kind: ClassVar[str] = "lerobot_smolvla"
+    node_deadline_ms: ClassVar[float] = 10000.0
+
+    @classmethod
+    def load(cls, name: str, root: Path) -> VLAFixture:
+        return cls(name, *cls.recorded(name), json.loads((FIXTURES / name / "meta.json").read_text()),
+                   root=extract(FIXTURES / name / "pretrained_model.tar.xz", root / name))
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.root / "pretrained_model"
+
+    @property
+    def vlm(self) -> Path:
+        return self.root / "vlm"
+
+    @property
+    def vlm_files(self) -> Path:
+        return self.vlm
+
+    @property
+    def tasks(self) -> List[str]:
+        return [str(t) for t in self.inputs["tasks"]]
+
+    @property
+    def token_length(self) -> int:
+        return int(self.meta["options"]["tokenizer_max_length"])
+
+    def task(self, episode: int, step: int) -> str:
+        return self.tasks[int(self.inputs["task"][episode, step])]
+
     def async_cases(self) -> List[tuple]:
         """(reference key, delay, RTCSettings) of every async reference."""
         cases = []
@@ -200,22 +278,3 @@ class VLAFixture:
                                   RTCSettings("guided", r["max_guidance_weight"], r["prefix_attention_schedule"],
                                               r["execution_horizon"])))
         return cases
-
-    # -- the node --------------------------------------------------------------------------------
-    def port_params(self) -> Dict[str, Any]:
-        return text_and_sensor_ports(self.features, self.token_length)
-
-    def serving_params(self, **control: Any) -> Dict[str, Any]:
-        """The full parameter mapping (config/policy.yaml with this fixture's ports and policy,
-        trigger mode on the joint port) that ServingConfig.from_params takes."""
-        from capsule_ros.config import load_params_file
-        params = load_params_file(REPO / "config" / "policy.yaml")
-        params["ports"] = self.port_params()
-        params["policy"] = {"kind": "lerobot_smolvla", "weights": "", "task": self.tasks[0],
-                            "lerobot_smolvla": {"pretrained_model": str(self.checkpoint), "vlm_files": str(self.vlm),
-                                                "features": self.feature_entries()}}
-        params["control"].update({"mode": "trigger", "trigger_port": "joints", "deadline_ms": 10000.0,
-                                  "status_rate_hz": 50.0, **control})
-        params["runtime"].update(device="cpu", seed=self.seed(0))
-        params["capsules"]["directory"] = ""
-        return params

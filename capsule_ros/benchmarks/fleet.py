@@ -34,11 +34,12 @@ awaited, the round trip timed (``capsule_ros/benchmarks/fleet_nodes.py``):
 
 This module imports and runs without ROS: the sides are passed in (``run(sides=...)``);
 the command line (``capsule_ros.cli.main``) adds the process sides where rclpy imports and
-otherwise records them as skipped with the reason (the GPU machine has no ROS). A case a
-node cannot serve is skipped for those sides with its reason: ACT's camera frames are not
-driven over topics yet. The recurrent case's nodes serve the same actor (same weights) as a
-``torch.export`` program (``policy.kind: exported``, ``capsule-ros export``'s format),
-which vmap cannot batch: its ``fleet_node`` runs ``fleet.batching: loop``.
+otherwise records them as skipped with the reason (the GPU machine has no ROS). The nodes
+serve each case with the parameters the in-process sides use (ACT's camera frames go over
+``sensor_msgs/Image``, 480 x 640 rgb8 per robot-step). The recurrent case's nodes serve
+the same actor (same weights) as a ``torch.export`` program (``policy.kind: exported``,
+``capsule-ros export``'s format), which vmap cannot batch: its ``fleet_node`` runs
+``fleet.batching: loop``.
 
 ``--steps``: control periods per side and N (default 200; ``--quick``: 50, and S = 4).
 
@@ -161,19 +162,19 @@ class Case:
     make_policy: Optional[Callable[[], StatefulPolicy]]
     stagger: int                      # steps between the robots' chunk phases (0: no chunking)
     frames: Dict[str, Any]            # port -> a few input rows to cycle through (numpy)
-    node_params: Optional[Callable[[], Dict[str, Any]]] = None   # the ROS parameters a node serves it with
+    node_params: Callable[[], Dict[str, Any]]   # the ROS parameters a node serves it with
     node_batching: str = "vmap"       # fleet_node's fleet.batching for it
-    no_nodes: str = ""                # why the process sides cannot serve it (node_params None)
 
 
-def _params(name: str, device: torch.device) -> Dict[str, Any]:
-    """A config file's parameters on ``device``, without a capsule directory, deadlines or
-    port staleness (the benchmark stages inputs directly, as no message arrives), and small
-    capsule pools (a commit at a time; the pools are allocated up front, per session)."""
-    params = load_params_file(config_path(name))
+def _params(params: Dict[str, Any], device: torch.device, *, pools_mb: float = 8.0,
+            input_log_steps: int = 64) -> Dict[str, Any]:
+    """``params`` (a node's parameters) on ``device``, without a capsule directory, deadlines
+    or port staleness (the in-process sides stage inputs directly, as no message arrives),
+    and small capsule pools (a commit at a time; the pools are allocated up front, per
+    session); the process sides' nodes serve the same parameters."""
     params["runtime"]["device"] = str(device)
-    params["capsules"].update(directory="", device_budget_mb=8.0, host_budget_mb=8.0)
-    params["control"].update(deadline_ms=0.0, input_log_steps=64)
+    params["capsules"].update(directory="", device_budget_mb=pools_mb, host_budget_mb=pools_mb)
+    params["control"].update(deadline_ms=0.0, input_log_steps=input_log_steps)
     for port in params["ports"]["names"]:
         params["ports"][port]["staleness_ms"] = 0.0
     return params
@@ -183,29 +184,22 @@ def make_case(name: str, device: torch.device, quick: bool, workdir: Path, rng: 
               slots: int) -> Case:
     frames: Dict[str, Any]
     if name == "default":
-        config = ServingConfig.from_params(_params("policy.yaml", device))
+        params = _params(load_params_file(config_path("policy.yaml")), device)
         frames = {"joints": rng.normal(size=(8, 4)).astype(np.float32),
                   "goal": rng.normal(size=(8, 2)).astype(np.float32)}
-        params = _params("policy.yaml", device)
-        return Case(name, config, None, 0, frames, node_params=lambda: params)
+        return Case(name, ServingConfig.from_params(params), None, 0, frames, node_params=lambda: params)
     if name == "act":
-        from capsule_ros.benchmarks.lerobot_act import serving_config, write_act_checkpoint
-        config = serving_config(write_act_checkpoint(workdir / "act", quick=quick))
-        config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device=str(device)),
-                                     capsules=dataclasses.replace(config.capsules, device_budget_mb=16.0,
-                                                                  host_budget_mb=16.0),
-                                     control=dataclasses.replace(config.control, deadline_ms=0.0,
-                                                                 input_log_steps=8),
-                                     ports={port_name: dataclasses.replace(port, staleness_ms=0.0)
-                                            for port_name, port in config.ports.items()})
+        from capsule_ros.benchmarks.lerobot_act import serving_params, write_act_checkpoint
+        act = _params(serving_params(write_act_checkpoint(workdir / "act", quick=quick)), device, pools_mb=16.0,
+                      input_log_steps=8)
+        config = ServingConfig.from_params(act)
         shape = config.ports["top_camera"].shape
         frames = {"joints": rng.normal(size=(8, config.ports["joints"].shape[0])).astype(np.float32),
                   "top_camera": rng.integers(0, 256, size=(4, *shape), dtype=np.uint8)}
         horizon = 100                 # the checkpoint's n_action_steps: a chunk lasts 100 steps
-        return Case(name, config, None, max(1, horizon // slots), frames,
-                    no_nodes="ACT's camera frames (480 x 640 per robot-step) are not driven over topics yet")
+        return Case(name, config, None, max(1, horizon // slots), frames, node_params=lambda: act)
     hidden, mlp = (64, (64, 64)) if quick else (256, (512, 256, 128))
-    params = _params("policy.yaml", device)
+    params = _params(load_params_file(config_path("policy.yaml")), device)
     params["ports"] = {"names": ["obs"], "obs": {"topic": "observation", "type": "std_msgs/msg/Float32MultiArray",
                                                   "fields": ["data"], "shape": [OBS], "dtype": "float32"}}
     params["control"]["trigger_port"] = "obs"

@@ -19,6 +19,7 @@ does (``capsule_ros.cli.main``).
 """
 from __future__ import annotations
 
+import array
 import os
 import threading
 import time
@@ -53,6 +54,23 @@ def _assign(msg: Any, path: str, values: np.ndarray) -> None:
         setattr(msg, leaf, values.astype(np.float32).tolist())
 
 
+def _fill(msg: Any, port: Dict[str, Any], row: np.ndarray) -> None:
+    """One input row into ``msg``: an image (``sensor_msgs/Image``: height x width x
+    channels bytes, the port's first encoding) whole, other types field by field in the
+    port's ``fields`` order (and a JointState's joint names, where the port binds them)."""
+    if hasattr(msg, "encoding"):
+        height, width, channels = row.shape
+        msg.height, msg.width, msg.step = height, width, width * channels
+        msg.encoding = (port.get("encodings") or ["rgb8"])[0]
+        msg.data = array.array("B", np.ascontiguousarray(row, np.uint8).tobytes())   # no per-byte check
+        return
+    if port.get("names") and hasattr(msg, "name"):                # a JointState port binds joints by name
+        msg.name = list(port["names"])
+    fields = list(port["fields"])
+    for field, part in zip(fields, np.array_split(np.asarray(row).ravel(), len(fields)), strict=True):
+        _assign(msg, field, part)
+
+
 class RobotEndpoint:
     """One robot as the driver sees it: a publisher per port, its action subscription."""
 
@@ -60,12 +78,11 @@ class RobotEndpoint:
         ports = params["ports"]
         self.trigger = params["control"]["trigger_port"]
         order = sorted(ports["names"], key=lambda name: name == self.trigger)
-        self.ports: List[Tuple[str, Any, Any, List[str]]] = []
+        self.ports: List[Tuple[str, Any, Any, Dict[str, Any]]] = []
         for name in order:
             port = ports[name]
             cls = message_class(port["type"])
-            self.ports.append((name, cls, node.create_publisher(cls, f"{namespace}/{port['topic']}", RELIABLE),
-                               list(port["fields"])))
+            self.ports.append((name, cls, node.create_publisher(cls, f"{namespace}/{port['topic']}", RELIABLE), port))
         self.frames = case.frames
         self.arrived = threading.Event()
         self.sent = 0.0
@@ -85,14 +102,12 @@ class RobotEndpoint:
         """The robot's inputs of period ``t``; the trigger port's message last (it steps)."""
         self._stamp += 1
         self.arrived.clear()
-        for name, cls, publisher, fields in self.ports:
+        for name, cls, publisher, port in self.ports:
             msg = cls()
             if hasattr(msg, "header"):
                 msg.header.stamp.sec = self._stamp                 # increasing: never out of order
             rows = self.frames[name]
-            for field, part in zip(fields, np.array_split(np.asarray(rows[t % len(rows)]).ravel(), len(fields)),
-                                   strict=True):
-                _assign(msg, field, part)
+            _fill(msg, port, rows[t % len(rows)])
             if name == self.trigger:
                 self.sent = time.perf_counter()
             publisher.publish(msg)
@@ -182,8 +197,6 @@ class _Driver:
 
 def nodes_side(case: Case, slots: int, ns: Sequence[int], ticks: int) -> Dict[str, Any]:
     """max(ns) policy_node processes, one per robot; for each N, the first N driven."""
-    if case.node_params is None:
-        return {"skipped": case.no_nodes}
     params = case.node_params()
     driver = _Driver("nodes")
     out: Dict[str, Any] = {"by_n": {}, "processes": max(ns)}
@@ -200,8 +213,6 @@ def nodes_side(case: Case, slots: int, ns: Sequence[int], ticks: int) -> Dict[st
 
 def fleet_node_side(case: Case, slots: int, ns: Sequence[int], ticks: int) -> Dict[str, Any]:
     """For each N, one fleet_node of ``slots`` slots serving N robots."""
-    if case.node_params is None:
-        return {"skipped": case.no_nodes}
     base = case.node_params()
     driver = _Driver("fleet_node")
     out: Dict[str, Any] = {"by_n": {}, "batching": case.node_batching, "exit_codes": []}

@@ -2,7 +2,8 @@
 verb table (``capsule_ros.serving.verbs``): one service per verb, whose request's fields
 go by name to the method that serves it (the session's, through the node's facade), run
 on a service thread (see ros/node.py for why). Every call answers success / message /
-error_code and the result's fields, and never raises."""
+error_code and the result's fields, and never raises; an answer the middleware dropped
+for a client it had not finished discovering is sent again (``capsule_ros.ros.replies``)."""
 from __future__ import annotations
 
 from typing import Any, Callable, List
@@ -12,6 +13,7 @@ from rclpy.node import Node
 from capsule_ros.errors import CapsuleRosError, ErrorCode
 from capsule_ros.ros.facade import NodeFacade
 from capsule_ros.ros.messages import fill_response, request_fields, srv_type
+from capsule_ros.ros.replies import LateReplies
 from capsule_ros.ros.spinning import Offload
 from capsule_ros.serving.files import SaveFailed
 from capsule_ros.serving.verbs import VERBS, Verb
@@ -24,8 +26,11 @@ class CapsuleServices:
     def __init__(self, node: Node, facade: NodeFacade, offload: Offload, callback_group: Any):
         self._facade = facade
         self._offload = offload
-        self.services: List[Any] = [node.create_service(srv_type(verb), f"~/{verb.service}", self._callback(verb),
-                                                        callback_group=callback_group) for verb in VERBS]
+        replies = LateReplies(facade.logger)          # a just-discovered client's answer is not lost
+        self.services: List[Any] = [replies.keep(node.create_service(srv_type(verb), f"~/{verb.service}",
+                                                                     self._callback(verb),
+                                                                     callback_group=callback_group))
+                                    for verb in VERBS]
 
     def _callback(self, verb: Verb) -> Callable[[Any, Any], Any]:
         async def callback(request: Any, response: Any) -> Any:

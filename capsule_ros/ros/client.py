@@ -24,8 +24,6 @@ from capsule_ros.ros.messages import srv_type
 from capsule_ros.serving.verbs import BY_NAME, VERBS, Verb, find_verb
 
 QUERY_RESEND_S = 2.0          # an unanswered idempotent request is sent again after this long
-PROBE_VERB = BY_NAME["list"]  # the query that opens a client's reply paths (CapsuleClient.open_reply_paths)
-PROBE_RESEND_S = 0.5          # ... sent again this often until it is answered
 
 
 class ServiceError(Exception):
@@ -124,10 +122,6 @@ class CapsuleClient:
         self.call_timeout_s = call_timeout_s
         self._clients: Dict[str, Any] = {v.name: node.create_client(srv_type(v), f"{self.node_path}/{v.service}")
                                          for v in VERBS}
-        # Created after every verb's client, so the server answering it means it knows them all
-        # (see ``open_reply_paths``).
-        self._probe: Any = node.create_client(srv_type(PROBE_VERB), f"{self.node_path}/{PROBE_VERB.service}")
-        self._reply_paths_open = False
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         """``client.<verb>(...)`` (see the class docstring)."""
@@ -169,39 +163,18 @@ class CapsuleClient:
         ``check``)."""
         found = find_verb(service)
         client = self._clients[found.name]
-        server_wait_s = self.server_wait_s if server_wait_s is None else server_wait_s
-        call_timeout_s = self.call_timeout_s if call_timeout_s is None else call_timeout_s
-        try:
-            if not found.idempotent:
-                self.open_reply_paths(server_wait_s, call_timeout_s)
-            response = call_service(client, request if request is not None else srv_type(found).Request(),
-                                    server_wait_s, call_timeout_s,
-                                    resend_s=QUERY_RESEND_S if found.idempotent else None)
-        except (ServiceUnavailable, ServiceTimeout):
-            self._reply_paths_open = False           # a server that went away: ask again once it is back
-            raise
+        response = call_service(client, request if request is not None else srv_type(found).Request(),
+                                self.server_wait_s if server_wait_s is None else server_wait_s,
+                                self.call_timeout_s if call_timeout_s is None else call_timeout_s,
+                                resend_s=QUERY_RESEND_S if found.idempotent else None)
         if check and not response.success:
             raise ServiceRefused(client.srv_name, response.error_code, response.message)
         return response
-
-    def open_reply_paths(self, server_wait_s: float, call_timeout_s: float) -> None:
-        """Make sure the server can answer this client before the first request that must not
-        be sent twice: ask the last-created client's idempotent query until it is answered.
-
-        A server that has only just been discovered may not yet know this client's reply
-        readers, and its middleware then drops the response (Fast DDS waits about 100 ms for
-        the match). A lost commit or record cannot be asked again, so it waits on this
-        instead. Discovery announces a participant's readers in the order they were created,
-        so the server answering the probe, created last, means it knows every verb's."""
-        if not self._reply_paths_open:
-            call_service(self._probe, srv_type(PROBE_VERB).Request(), server_wait_s, call_timeout_s,
-                         resend_s=PROBE_RESEND_S)
-            self._reply_paths_open = True
 
     def ready(self) -> bool:
         """Every service of the node is available now."""
         return all(client.service_is_ready() for client in self._clients.values())
 
     def destroy(self) -> None:
-        for client in (*self._clients.values(), self._probe):
+        for client in self._clients.values():
             self.node.destroy_client(client)

@@ -2,8 +2,9 @@
 ``fleet_node`` (``capsule_ros.ros.fleet_node``) share: the parameters (declared from the
 config dataclasses, validated as configure validates them, applied as their ``applies``
 says), the lifecycle transitions (a failure reports its reason; ``lifecycle.autostart``),
-the callback groups and service threads, the control and status timers, and the clock's
-jump callback.
+the callback groups and service threads, the control and status timers, the clock's
+jump callback, and answers that reach a client discovered late (``capsule_ros.ros.replies``:
+the lifecycle and parameter services here, the capsule services where they are made).
 
 What a subclass serves it provides: ``_configure`` / ``_activate`` / ``_deactivate`` /
 ``_cleanup``, ``_offer_servers``, ``_on_timer``, ``_publish_status``, ``_apply_live``,
@@ -25,6 +26,7 @@ from capsule_ros.config import APPLIES, CONFIGURE, flatten
 from capsule_ros.errors import CapsuleRosError, ConfigError
 from capsule_ros.ros.log_bridge import RosLogBridge
 from capsule_ros.ros.params import declare_parameters, parameter_values, plain
+from capsule_ros.ros.replies import LateReplies
 from capsule_ros.ros.robot_io import control_period
 from capsule_ros.ros.spinning import Offload
 from capsule_ros.runtime.streams import StreamKeeper
@@ -53,6 +55,9 @@ class ServingNode(LifecycleNode):
     def __init__(self, node_name: str, *, extra_parameters: Optional[Callable[[Any], Dict[str, str]]] = None,
                  **kwargs: Any):
         super().__init__(node_name, **kwargs)
+        replies = LateReplies(self.get_logger())
+        for service in self.services:                  # the lifecycle's and the parameters' services
+            replies.keep(service)                      # (the capsule services keep theirs)
         self._applies = declare_parameters(self)         # parameter name -> when a change takes effect
         if extra_parameters is not None:
             self._applies.update(extra_parameters(self))
