@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import os
 import queue
+import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
@@ -66,6 +68,21 @@ def require_launch_tooling(*modules: str) -> None:
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
     """``capsule_ros.polling.wait_until`` with the tests' defaults."""
     return wait_until(predicate, timeout, what, interval)
+
+
+def ctrl_c(proc: subprocess.Popen, log_path: Path, timeout: float = 30.0) -> int:
+    """SIGINT to the process group ``proc`` leads (what a terminal's Ctrl-C does); its exit
+    status. Fails the test, after SIGKILL to the group, when it has not exited within
+    ``timeout`` (its log in the message)."""
+    pgid = os.getpgid(proc.pid)
+    os.killpg(pgid, signal.SIGINT)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(pgid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"{proc.args[0]} did not exit within {timeout:.0f} s of Ctrl-C:\n"
+                    f"{log_path.read_text(errors='replace')[-4000:]}")
 
 
 def observations(n: int, seed: int) -> np.ndarray:
@@ -361,6 +378,27 @@ class FixtureDriver:
 
     def run(self, steps: range, episode: int = 0) -> list:
         return [self.step(episode, t) for t in steps]
+
+
+def timeline_repeats(log: Sequence[tuple]) -> int:
+    """How many policy actions of a run's ``log`` (("step", (t, Action)) entries among the
+    capsule verbs') came at a step index reached before, each asserted to equal the first
+    action at that index bit for bit (safe actions are timing events, not the timeline)."""
+    first: Dict[int, bytes] = {}
+    repeated = 0
+    for kind, entry in log:
+        if kind != "step":
+            continue
+        t, action = entry
+        if action.source != action.SOURCE_POLICY:
+            continue
+        values = np.asarray(action.values, np.float32).tobytes()
+        if t in first:
+            assert values == first[t], t
+            repeated += 1
+        else:
+            first[t] = values
+    return repeated
 
 
 def write_sensor_bag(path: Path, messages: Sequence[tuple], storage: str = "mcap") -> Path:

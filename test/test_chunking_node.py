@@ -25,7 +25,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 import pytest
-from harness import REPO, ClientNode, FixtureDriver, start_policy_node
+from harness import REPO, ClientNode, FixtureDriver, start_policy_node, timeline_repeats
 from lerobot_fixtures import FIXTURES, Fixture, load_npz
 
 pytestmark = pytest.mark.ros
@@ -111,20 +111,7 @@ def test_actions_after_every_reentry_repeat_the_first_timeline_bit_for_bit(run):
     first time that index followed that capsule's state (policy actions; the safe action of
     a late refill is a timing event, not part of the timeline)."""
     _, _, log, _ = run
-    first: Dict[int, bytes] = {}
-    repeated = 0
-    for kind, entry in log:
-        if kind != "step":
-            continue
-        t, action = entry
-        if action.source != action.SOURCE_POLICY:
-            continue
-        values = np.asarray(action.values, np.float32).tobytes()
-        if t in first:
-            assert values == first[t], t
-            repeated += 1
-        else:
-            first[t] = values
+    repeated = timeline_repeats(log)
     assert repeated > 0 or not any(kind == "reenter" and entry[0] for kind, entry in log)
 
 

@@ -25,7 +25,16 @@ from typing import Dict, List
 
 import pytest
 import yaml
-from harness import REPO, ClientNode, ManagedProcess, require_launch_tooling, start_executable, unique_ns, wait_for
+from harness import (
+    REPO,
+    ClientNode,
+    ManagedProcess,
+    ctrl_c,
+    require_launch_tooling,
+    start_executable,
+    unique_ns,
+    wait_for,
+)
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 pytestmark = pytest.mark.ros
@@ -212,13 +221,7 @@ def test_ctrl_c_stops_ros2_launch_the_fleet_and_every_simulated_arm_cleanly(tmp_
                        for c in children)
         assert names == ["fleet_node"] + ["sim_node"] * len(ROBOTS), names
         assert all(os.getpgid(c.pid) == pgid for c in children)
-        os.killpg(pgid, signal.SIGINT)                                       # what a terminal's Ctrl-C does
-        try:
-            rc = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            proc.wait()
-            pytest.fail(f"ros2 launch did not exit within 30 s of Ctrl-C:\n{log_path.read_text()}")
+        rc = ctrl_c(proc, log_path)                                          # a terminal's Ctrl-C
     finally:
         client.close()
         if proc.poll() is None:

@@ -21,17 +21,12 @@ from typing import Dict
 
 import pytest
 import yaml
+from harness import DEFAULT_PARAMS, ClientNode, ctrl_c, require_launch_tooling, wait_for
 
-LAUNCH_HINT = ("the ROS 2 launch tooling is not installed: run ./setup.sh (or make test) with "
-               "CAPSULE_ROS_LAUNCH_WHEELS=<directory of the launch wheels>, e.g. shared/ros-launch/wheels "
-               "(see requirements/launch.txt; CI's .ci/run sets it)")
-if os.environ.get("CAPSULE_ROS_LAUNCH_WHEELS"):
-    import launch_pytest  # asked for: an incomplete install must fail, not skip
-else:
-    launch_pytest = pytest.importorskip("launch_pytest", reason=LAUNCH_HINT)
+require_launch_tooling("launch_pytest")    # skips with how to install it; an error where CI asked for it
 
+import launch_pytest  # noqa: E402
 import psutil  # noqa: E402
-from harness import DEFAULT_PARAMS, ClientNode, wait_for  # noqa: E402
 from launch.actions import IncludeLaunchDescription, RegisterEventHandler, SetEnvironmentVariable  # noqa: E402
 from launch.event_handlers import OnProcessExit, OnProcessStart  # noqa: E402
 from launch.launch_description_sources import PythonLaunchDescriptionSource  # noqa: E402
@@ -286,13 +281,7 @@ def test_ctrl_c_stops_ros2_launch_and_both_nodes_cleanly(tmp_path, rclpy_context
         assert all(os.getpgid(p.pid) == pgid for p in nodes.values())       # Ctrl-C reaches them directly too
         assert all(p.environ().get("ROS_DOMAIN_ID") == os.environ["ROS_DOMAIN_ID"] for p in nodes.values())
         started = time.monotonic()
-        os.killpg(pgid, signal.SIGINT)                                       # what a terminal's Ctrl-C does
-        try:
-            rc = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            proc.wait()
-            pytest.fail(f"ros2 launch did not exit within 30 s of Ctrl-C:\n{log_path.read_text()}")
+        rc = ctrl_c(proc, log_path)                                          # a terminal's Ctrl-C
         stop_s = time.monotonic() - started
     finally:
         client.close()

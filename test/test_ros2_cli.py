@@ -19,17 +19,9 @@ import subprocess
 import time
 
 import pytest
-from harness import ClientNode, start_executable, start_policy_node, wait_for
+from harness import ClientNode, ctrl_c, require_launch_tooling, start_executable, start_policy_node, wait_for
 
-LAUNCH_HINT = ("the ROS 2 command-line tools are not installed: run ./setup.sh (or make test) with "
-               "CAPSULE_ROS_LAUNCH_WHEELS=<directory of the launch wheels>, e.g. shared/ros-launch/wheels "
-               "(see requirements/launch.txt; CI's .ci/run sets it)")
-if os.environ.get("CAPSULE_ROS_LAUNCH_WHEELS"):
-    import ros2action  # noqa: F401 - asked for: an incomplete install must fail, not skip
-    import ros2lifecycle  # noqa: F401
-else:
-    pytest.importorskip("ros2lifecycle", reason=LAUNCH_HINT)
-    pytest.importorskip("ros2action", reason=LAUNCH_HINT)
+require_launch_tooling("ros2lifecycle", "ros2action")    # skips with how to install them; an error where CI asked
 
 pytestmark = pytest.mark.ros
 NODE = "/capsule_policy"                 # the names README shows: the default node, no namespace
@@ -111,8 +103,7 @@ def test_ctrl_c_on_send_goal_cancels_the_goal_although_the_cli_exits_1(managed):
     try:
         wait_for(lambda: log.read_text(errors="replace").count("Feedback:") >= 3, timeout=60,
                  what="feedback of the running goal")
-        os.killpg(proc.pid, signal.SIGINT)                   # a terminal's Ctrl-C
-        rc = proc.wait(timeout=30)
+        rc = ctrl_c(proc, log)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -34,7 +34,7 @@ import numpy as np
 import py_trees
 import pytest
 import yaml
-from harness import REPO, ClientNode, start_policy_node, wait_for
+from harness import REPO, ClientNode, start_policy_node, timeline_repeats, wait_for
 from rclpy.serialization import serialize_message
 from std_msgs.msg import String
 from vla_fixtures import TASK_PORT, VLAFixture, port_of
@@ -201,20 +201,7 @@ def test_actions_after_every_reentry_repeat_the_first_timeline_bit_for_bit(run):
     """A step index reached again after re-entering a capsule gives the same action as the
     first time (its inputs, the task included, are those of that step index)."""
     _, _, log = run
-    first: Dict[int, bytes] = {}
-    repeated = 0
-    for kind, entry in log:
-        if kind != "step":
-            continue
-        t, action = entry
-        if action.source != action.SOURCE_POLICY:
-            continue
-        values = np.asarray(action.values, np.float32).tobytes()
-        if t in first:
-            assert values == first[t], t
-            repeated += 1
-        else:
-            first[t] = values
+    repeated = timeline_repeats(log)
     assert repeated > 0 or not any(kind == "reenter" for kind, _ in log)
 
 
