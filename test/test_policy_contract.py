@@ -160,6 +160,43 @@ def test_the_check_runs_every_program_of_a_chunk_schedule(device, mode):
     assert arena_bytes(runtime) == before
 
 
+class _PlanCounter(_Chunker):
+    """``_Chunker`` counting its plans from outside the state (only this test reads it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.plans = 0
+
+    def plan(self, state, chunk):
+        self.plans += 1
+        super().plan(state, chunk)
+
+
+def test_on_a_cpu_the_state_check_is_the_programs_first_run():
+    """Start-up runs the planning network where it must: with the state check, only the
+    check's steps (the one before its snapshot, the refill repeated twice); without it,
+    one run per program to check they run at all. It once ran both (a second or more of a
+    camera policy's CPU start-up per plan)."""
+    checked, unchecked = _PlanCounter(), _PlanCounter()
+    runtime_of(checked, RuntimeConfig(device="cpu"), CHUNK_SCHEDULES["sync"])
+    runtime_of(unchecked, RuntimeConfig(device="cpu", state_check=False), CHUNK_SCHEDULES["sync"])
+    assert (checked.plans, unchecked.plans) == (3, 1)
+
+
+def test_a_step_failing_in_the_state_check_is_reported_as_at_preparation():
+    """Where the check is a program's first run, a step that cannot run on the configured
+    inputs is the same PolicyStepError as without the check, naming the inputs."""
+    for state_check in (True, False):
+        with pytest.raises(PolicyStepError, match=r"the policy's step.* fails on the configured inputs \(x float32"
+                                                  r"\[2\]\).*RuntimeError: broken"):
+            runtime_of(_Broken(), RuntimeConfig(device="cpu", state_check=state_check), CHUNK_SCHEDULES["sync"])
+
+
+class _Broken(_Chunker):
+    def plan(self, state, chunk):
+        raise RuntimeError("broken")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", sorted(CHUNK_SCHEDULES))
 def test_a_chunking_policy_with_state_outside_its_buffers_is_refused(device, mode):

@@ -133,9 +133,10 @@ def build_policy_runtime(policy: StatefulPolicy, config: RuntimeConfig = Runtime
                             identity=identity or runtime_identity(placed.policy, config, inputs),
                             inputs=dict(inputs or {}), stream=stream, streams=streams)
     runtime.reset(episode=0)
-    graphs.prepare()
+    checks_state = config.state_check and config.deterministic and not policy_checked
+    graphs.prepare(check_runs=not checks_state)      # the state check runs every program anyway
     bound.prepare()
-    if config.state_check and config.deterministic and not policy_checked:
+    if checks_state:
         check_state_contract(runtime)
     LOG.info("runtime on %s: arena %d bytes in %d buffers, graphs=%s, fingerprint %s",
              runtime.device, runtime.layout.nbytes, len(runtime.layout), graphs.captured, runtime.fingerprint[:12])

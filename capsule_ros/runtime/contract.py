@@ -35,7 +35,8 @@ import torch
 
 from capsule_ros.errors import ConfigError
 from capsule_ros.runtime.arena import BufferKind
-from capsule_ros.runtime.graphs import PolicyStepError
+from capsule_ros.runtime.graphs import PolicyStepError, step_failure
+from capsule_ros.runtime.mode import STEP_PROGRAM
 
 if TYPE_CHECKING:
     from capsule_ros.runtime.engine import PolicyRuntime
@@ -125,9 +126,8 @@ def check_state_contract(runtime: PolicyRuntime) -> List[str]:
             except PolicyStepError:
                 raise
             except Exception as exc:
-                raise PolicyStepError(f"the policy's step fails during the start-up state check (seeded random "
-                                      f"inputs): {type(exc).__name__}: {exc}; fix the step or set "
-                                      "runtime.state_check: false") from exc
+                raise step_failure(runtime.layout, STEP_PROGRAM, exc, " during the start-up state check (seeded "
+                                   "random inputs; runtime.state_check: false skips it)") from exc
             if buffers:
                 differs.append(f"{buffers} at the end")
         finally:

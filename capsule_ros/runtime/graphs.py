@@ -98,6 +98,16 @@ class PolicyStepError(ConfigError):
     """The policy's step fails on the configured inputs (found while preparing its programs)."""
 
 
+def step_failure(layout: ArenaLayout, program: str, exc: BaseException, during: str = "") -> PolicyStepError:
+    """The PolicyStepError of ``program`` (a name of the runtime's programs) failing with
+    ``exc``: the inputs it was given by name, dtype and shape, and where (``during``)."""
+    inputs = ", ".join(f"{slot.spec.name} {str(slot.spec.dtype).replace('torch.', '')}{list(slot.spec.shape)}"
+                       for slot in layout if slot.spec.kind == BufferKind.INPUT)
+    which = "step" if program == STEP_PROGRAM else f"step ({program} program)"
+    return PolicyStepError(f"the policy's {which} fails on the configured inputs ({inputs}){during}: "
+                           f"{type(exc).__name__}: {exc}; check the ports' shapes and dtypes")
+
+
 class ProgramGraphs:
     """Runs a runtime's programs and ``policy.prefill`` over ``arena`` (see the module
     docstring)."""
@@ -181,21 +191,24 @@ class ProgramGraphs:
         LOG.warning("%s; runtime.graph_fallback is eager: the step runs without a CUDA graph (slower)", problem)
         self.use_graphs = False
 
-    def prepare(self) -> None:
+    def prepare(self, check_runs: bool = True) -> None:
         """Warm every program up (and check it runs at all), then capture each on CUDA; the
-        arena keeps its bytes. Raises PolicyStepError when the step fails on these inputs."""
+        arena keeps its bytes. Raises PolicyStepError when the step fails on these inputs.
+
+        ``check_runs`` False: where nothing is captured, the programs' first run is left to
+        the start-up state check that follows (``capsule_ros.runtime.contract``), which runs
+        every program and reports a failing one the same way: a chunking policy's planning
+        network then runs once less at start-up (seconds on a CPU)."""
+        if not self.use_graphs and not check_runs:
+            self.check_reads()
+            return
         saved = self.arena.storage.clone()
         try:
             for name, program in self.programs.items():
                 try:
                     self._warm_up(program)
                 except Exception as exc:
-                    inputs = ", ".join(f"{slot.spec.name} {str(slot.spec.dtype).replace('torch.', '')}"
-                                       f"{list(slot.spec.shape)}" for slot in self.arena.layout
-                                       if slot.spec.kind == BufferKind.INPUT)
-                    which = "step" if name == STEP_PROGRAM else f"step ({name} program)"
-                    raise PolicyStepError(f"the policy's {which} fails on the configured inputs ({inputs}): "
-                                          f"{type(exc).__name__}: {exc}; check the ports' shapes and dtypes") from exc
+                    raise step_failure(self.arena.layout, name, exc) from exc
                 finally:
                     with self._stream_ctx():
                         self.arena.storage.copy_(saved)
@@ -204,9 +217,7 @@ class ProgramGraphs:
         finally:
             with self._stream_ctx():
                 self.arena.storage.copy_(saved)
-        if self.debug_checks and self.policy.torch_graph_capture:
-            for name, program in self.programs.items():
-                self._check_reads(name, program)
+        self.check_reads()
         for name, program in self.programs.items():
             if not self.use_graphs:
                 break
@@ -216,6 +227,12 @@ class ProgramGraphs:
                     self._graphs.clear()
                     break
                 self._graphs[name] = graph
+
+    def check_reads(self) -> None:
+        """With ``debug_checks``: every program reads only what the runtime owns (``_check_reads``)."""
+        if self.debug_checks and self.policy.torch_graph_capture:
+            for name, program in self.programs.items():
+                self._check_reads(name, program)
 
     @property
     def captured(self) -> bool:
