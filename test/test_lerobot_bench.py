@@ -177,3 +177,63 @@ def test_bench_chunking_pi0_without_lerobot_still_runs_its_own_sides(tmp_path):
     assert result["lerobot"]["ran"] is False and "no LeRobot environment" in result["lerobot"]["reason"]
     for side in ("sync", "async"):                     # a session side's figures have no "ran" key
         assert result[side].get("ran", True) and result[side]["refills"] >= 1, result[side]
+
+
+@pytest.mark.skipif(not LEROBOT_PYTHON.exists(), reason="LeRobot's environment (tools/lerobot_bench/setup.sh) writes "
+                    "the SmolVLA checkpoint and runs LeRobot's side; test_bench_vla_without_lerobot_* covers the "
+                    "capsule_ros sides without it")
+def test_bench_vla_serves_each_kind_and_camera_count_as_lerobot_does(tmp_path):
+    """bench vla's tiny cases with 1 and 3 cameras: both sides serve one checkpoint directory,
+    the graph side's actions are LeRobot's bit for bit, chunks and consume steps are timed,
+    and each verdict is reported against its target."""
+    result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "vla", "--quick", "--device",
+                             "cpu", "--cases", "smolvla-3cam,pi05-1cam", "--steps", "110", "--async-steps", "60",
+                             "--lerobot-python", str(LEROBOT_PYTHON), "--json"],
+                            capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cases = {case["case"]: case for case in json.loads(result.stdout)["cases"]}
+    assert set(cases) == {"smolvla-3cam", "pi05-1cam"}
+    for case in cases.values():
+        assert case["lerobot"]["lerobot"] == "0.6.1" and case["actions_equal_lerobot"] is True, case
+        for side in ("lerobot", "graph"):                   # 110 steps of a 50-row chunk: two chunks after the first
+            assert case[side]["chunks_timed"] == 2 and case[side]["consume_p50_ms"] > 0, (side, case[side])
+        assert case["chunk_target"] == (1 / 8 if case["kind"] == "smolvla" else 1 / 3)
+        assert case["chunk_met"] == (case["chunk_ratio"] <= case["chunk_target"])
+        assert case["async_misses_after_first"] == case["async"]["misses_steady"]
+    assert cases["smolvla-3cam"]["graph"]["state_bytes"] > cases["pi05-1cam"]["graph"]["state_bytes"] > 0
+
+
+def test_bench_vla_without_lerobot_runs_the_capsule_ros_sides_and_says_why(tmp_path):
+    """No LeRobot environment: π0's graph and async sides still run (capsule_ros writes its
+    checkpoint) and LeRobot's side says why it did not; SmolVLA, whose checkpoint LeRobot
+    writes, says so on every side."""
+    from capsule_ros.benchmarks import vla
+    device = torch_device("cpu")
+    written = vla.write_case(vla.CASES["pi0-2cam"], tmp_path / "pi0", quick=True, device=device, python=None,
+                             weights_from=None)
+    assert set(written.ports_of.values()) == {"joints", "camera0", "camera1"}
+    result = vla.run_case(vla.CASES["pi0-2cam"], written, device, steps=60, async_steps=20, python=None,
+                          tmp=tmp_path)
+    assert result["lerobot"]["ran"] is False and "no LeRobot environment" in result["lerobot"]["reason"]
+    assert result["graph"]["chunks_timed"] == 1 and result["graph"]["state_bytes"] > 0
+    assert result["async"]["misses_steady"] == result["async_misses_after_first"]
+    assert "chunk_ratio" not in result and "actions_equal_lerobot" not in result
+    with pytest.raises(vla.ConfigError, match="written by LeRobot"):
+        vla.write_case(vla.CASES["smolvla-1cam"], tmp_path / "smolvla", quick=True, device=device, python=None,
+                       weights_from=None)
+
+
+def test_a_pi_checkpoint_of_another_camera_count_links_the_same_weights(tmp_path):
+    from capsule_ros.benchmarks import vla
+    device = torch_device("cpu")
+    first = vla.write_case(vla.CASES["pi0-1cam"], tmp_path / "a", True, device, None, None)
+    third = vla.write_case(vla.CASES["pi0-3cam"], tmp_path / "b", True, device, None, first.checkpoint)
+    weights = [w.checkpoint / "model.safetensors" for w in (first, third)]
+    assert weights[0].stat().st_ino == weights[1].stat().st_ino
+    assert len(third.camera_keys) == 3 and len(third.config.ports) == 5          # joints, 3 cameras, task
+
+
+def test_async_steps_is_an_option_of_bench_vla_only():
+    result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "chunking", "--async-steps", "10"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode != 0 and "--async-steps is an option of bench vla only" in result.stderr

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 
 from capsule_ros.benchmarks import lerobot_pi, lerobot_smolvla
-from capsule_ros.benchmarks.common import emit, environment, print_table, resolve_device
+from capsule_ros.benchmarks.common import child_pythonpath, emit, environment, print_table, resolve_device
 from capsule_ros.benchmarks.lerobot_act import CAMERA, PORTS, STATE, serving_config, write_act_checkpoint
 from capsule_ros.benchmarks.lerobot_diffusion import write_diffusion_checkpoint
 from capsule_ros.chunking.mode import TAKEOVERS, ChunkingMode, ChunkProgram
@@ -151,15 +151,22 @@ def summary(seconds: Union[Sequence[float], np.ndarray], period: float, actions:
     at_seam = np.zeros(len(jumps), bool)
     at_seam[[s - 1 for s in seams if s >= 1]] = True
     misses = ms > period * 1e3
-    return {"mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
+    planned = ms[[s for s in seams if s >= 1]]                          # the chunks after the first
+    consume = np.delete(ms, list(seams))                                # the steps that plan nothing
+    chunks = {"chunk_p50_ms": float(np.percentile(planned, 50)), "chunk_p99_ms": float(np.percentile(planned, 99)),
+              "chunks_timed": len(planned)} if len(planned) else {"chunks_timed": 0}
+    return {**chunks, "mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
             "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "first_step_ms": float(ms[0]),
             "misses_per_1000": float(misses.sum() * 1000 / len(ms)), "misses_steady": int(misses[1:].sum()),
             "seam_jump": float(jumps[at_seam].max()) if at_seam.any() else 0.0,
-            "within_chunk_jump": float(jumps[~at_seam].max()) if (~at_seam).any() else 0.0, "seams": len(seams)}
+            "within_chunk_jump": float(jumps[~at_seam].max()) if (~at_seam).any() else 0.0, "seams": len(seams),
+            "consume_mean_ms": float(consume.mean()) if len(consume) else None,
+            "consume_p50_ms": float(np.percentile(consume, 50)) if len(consume) else None,
+            "consume_p99_ms": float(np.percentile(consume, 99)) if len(consume) else None}
 
 
 def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.ndarray], period: float,
-                 tmp: Path, level: str, extra: Sequence[str] = ()) -> Dict[str, Any]:
+                 tmp: Path, level: str, extra: Sequence[str] = (), device: str = "cpu") -> Dict[str, Any]:
     """LeRobot's loop in its own environment, or why it did not run (``extra``: more
     arguments of the loop's script, a SmolVLA's VLM files and task)."""
     if python is None or not python.exists():
@@ -168,14 +175,16 @@ def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.nda
     inputs, out = tmp / "observations.npz", tmp / "lerobot.npz"
     arrays: Dict[str, Any] = {"seed": np.asarray(0), **obs}
     np.savez(inputs, **arrays)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CAPSULE_ROS_NUMERICS": level}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(python), "OMP_NUM_THREADS": "1", "CAPSULE_ROS_NUMERICS": level}
     done = subprocess.run([str(python), str(LEROBOT_SCRIPT), "--checkpoint", str(checkpoint), "--observations",
-                           str(inputs), "--out", str(out), *extra], env=env, capture_output=True, text=True)
+                           str(inputs), "--out", str(out), "--device", device, *extra], env=env,
+                          capture_output=True, text=True)
     if done.returncode != 0:
         return {"ran": False, "reason": f"the LeRobot loop failed: {done.stderr.strip()[-600:]}"}
     with np.load(out, allow_pickle=False) as data:
         seconds, actions = data["seconds"], data["action"]
-        versions = {"lerobot": str(data["lerobot"]), "torch": str(data["torch"]), "numerics": str(data["numerics"])}
+        versions = {"lerobot": str(data["lerobot"]), "torch": str(data["torch"]), "numerics": str(data["numerics"]),
+                    "gpu_peak_bytes": int(data["gpu_peak_bytes"])}
     refills = _lerobot_refills(checkpoint, len(seconds))
     return {"ran": True, **versions, **summary(seconds, period, actions, refills), "_actions": actions}
 
@@ -248,13 +257,10 @@ def session_side(base: ServingConfig, ports_of: Dict[str, str], obs: Dict[str, n
         pacer.wait()
     counters, chunk = session.parts.loop.counters, mode.counters
     out = summary(seconds, period, np.stack(actions), seams)
-    consume = np.asarray([s for t, s in enumerate(seconds) if t not in set(seams)]) * 1e3
     if wake_floor and paced and device.type == "cuda":
         out["gpu_wake_floor"] = gpu_wake_floor(session.parts.runtime, period)
-    out.update(consume_mean_ms=float(consume.mean()) if len(consume) else None,
-               consume_p50_ms=float(np.percentile(consume, 50)) if len(consume) else None,
-               consume_p99_ms=float(np.percentile(consume, 99)) if len(consume) else None,
-               refills=chunk.refills - start_refills, late_refills=counters.late_refills,
+    out.update(refills=chunk.refills - start_refills, late_refills=counters.late_refills,
+               state_bytes=session.parts.runtime.layout.nbytes,
                session_deadline_misses=counters.deadline_misses if paced else None,
                schedule=schedule.describe(), delay=schedule.delay,
                refill_p99_ms=float(np.percentile(mode.setup.refill_seconds, 99) * 1e3)
@@ -300,9 +306,9 @@ def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_
             return {"case": case.name, "camera": list(camera), "rate_hz": 1.0 / period, "steps": steps,
                     **{side: {"ran": False, "reason": str(exc)} for side in SIDES}}
         if vla:
-            config, ports_of = lerobot_smolvla.serving_config(checkpoint), lerobot_smolvla.PORTS
+            config, ports_of = lerobot_smolvla.serving_config(checkpoint), lerobot_smolvla.ports_of()
             obs = observations(steps, camera, joints=lerobot_smolvla.JOINTS,
-                               cameras=(lerobot_smolvla.FRONT, lerobot_smolvla.WRIST))
+                               cameras=lerobot_smolvla.camera_keys())
             extra: Sequence[str] = ("--vlm", str(checkpoint.parent / "vlm"), "--task", lerobot_smolvla.TASK)
         elif pi:
             tokenizer = checkpoint.parent / "paligemma_tokenizer"

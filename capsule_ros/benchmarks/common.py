@@ -23,6 +23,15 @@ def config_path(name: str) -> Path:
     return share_file("config", name)
 
 
+def child_pythonpath(python: Path) -> str:
+    """PYTHONPATH of a child running the repository's tools under ``python``: the repository,
+    and this process's own path too where the child is this interpreter (LeRobot installed
+    beside capsule_ros, as on the GPU machine); another environment gets the repository only."""
+    repo = str(Path(__file__).resolve().parents[2])
+    inherited = os.environ.get("PYTHONPATH", "") if Path(python) == Path(sys.executable) else ""
+    return os.pathsep.join(p for p in (repo, inherited) if p)
+
+
 def resolve_device(name: str) -> torch.device:
     """The benchmark device. On a CPU, torch runs single-threaded as the node does
     (runtime.cpu_threads: 1): an intra-op thread pool turns every small copy into a

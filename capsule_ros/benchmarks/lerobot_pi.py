@@ -20,10 +20,11 @@ the draws run on the GPU (the 3B checkpoint is about 8 GB; it is written where i
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -292,10 +293,13 @@ def tokenizer_vocab() -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
     return vocab, merges
 
 
-def write_pi_checkpoint(root: Path, spec: PiSpec = PALIGEMMA_3B, seed: int = 0,
-                        device: str = "cpu") -> Tuple[Path, Path]:
+def write_pi_checkpoint(root: Path, spec: PiSpec = PALIGEMMA_3B, seed: int = 0, device: str = "cpu",
+                        weights_from: Optional[Path] = None) -> Tuple[Path, Path]:
     """Write ``root/pretrained_model`` (the checkpoint) and ``root/paligemma_tokenizer`` (its
-    tokenizer files, what ``vlm_files`` names); returns both directories."""
+    tokenizer files, what ``vlm_files`` names); returns both directories. ``weights_from``:
+    another checkpoint directory of the same model whose ``model.safetensors`` is linked
+    instead of drawn again (the weights do not depend on the number of cameras; the 3B file
+    is about 8 GB)."""
     from capsule_ros.runtime.weights import save_weights
     directory = root / "pretrained_model"
     directory.mkdir(parents=True, exist_ok=True)
@@ -309,6 +313,9 @@ def write_pi_checkpoint(root: Path, spec: PiSpec = PALIGEMMA_3B, seed: int = 0,
                 keys = step["config"]["features"]
                 save_weights(directory / step["state_file"],
                              {k: v for k, v in statistics.items() if k.rsplit(".", 1)[0] in keys})
-    save_weights(directory / "model.safetensors", seeded_weights(spec, seed, device))
+    if weights_from is not None:
+        os.link(weights_from / "model.safetensors", directory / "model.safetensors")
+    else:
+        save_weights(directory / "model.safetensors", seeded_weights(spec, seed, device))
     write_tokenizer(root / "paligemma_tokenizer")
     return directory, root / "paligemma_tokenizer"

@@ -24,8 +24,8 @@ def _bench(args) -> int:
         raise InvalidArgument(f"bench {args.which}: --cpu-hog is an option of bench services only")
     if args.lerobot_python is not None:
         from capsule_ros.cli.paths import input_file
-        if args.which != "chunking":
-            raise InvalidArgument(f"bench {args.which}: --lerobot-python is an option of bench chunking only")
+        if args.which not in ("chunking", "vla"):
+            raise InvalidArgument(f"bench {args.which}: --lerobot-python is an option of bench chunking and vla only")
         python = input_file(args.lerobot_python, "--lerobot-python").absolute()
         if not os.access(python, os.X_OK):
             raise path_error(OSError(errno.EACCES, "Permission denied (not executable)", str(python)),
@@ -39,6 +39,10 @@ def _bench(args) -> int:
         raise InvalidArgument(f"bench {args.which}: several --numerics levels side by side is bench step only")
     if len(args.numerics) == 1:   # before the benchmark runs torch: the level is fixed at its first operation
         numerics.pin(args.numerics[0])
+    if args.async_steps is not None and args.which != "vla":
+        raise InvalidArgument(f"bench {args.which}: --async-steps is an option of bench vla only")
+    if args.async_steps is not None and args.async_steps < 0:
+        raise InvalidArgument(f"--async-steps {args.async_steps}: a count of steps, 0 or more")
     if args.sides is not None and args.which != "fleet":
         raise InvalidArgument(f"bench {args.which}: --sides is an option of bench fleet only")
     module = __import__(f"capsule_ros.benchmarks.{args.which}", fromlist=["main"])
@@ -74,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help=COMMANDS["bench"].description, epilog=COMMANDS["bench"].epilog())
     bench.add_argument("which", choices=("snapshot", "reenter", "step", "services", "loop", "commits", "lifecycle",
-                                         "cancel", "chunking", "regenerate", "fleet", "startup"))
+                                         "cancel", "chunking", "regenerate", "fleet", "startup", "vla"))
     bench.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on a 2-core CPU")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -86,16 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--module", default="capsule_gru_policy.export:module",
                        help="step --policy exported: package.module:factory of the module to export "
                             "(default: %(default)s, the example package)")
-    bench.add_argument("--cases", help="chunking, fleet, startup: comma-separated cases (chunking default: act100,"
-                                       "act10,diffusion,diffusion-small,smolvla-tiny,smolvla-mid,pi0-tiny,pi05-tiny,"
-                                       "pi0-mid; --quick skips smolvla-mid and pi0-mid; fleet default: default,act,"
-                                       "recurrent; startup default: default,onnx,act,diffusion)")
+    bench.add_argument("--cases", help="chunking, fleet, startup, vla: comma-separated cases (chunking default: "
+                                       "act100,act10,diffusion,diffusion-small,smolvla-tiny,smolvla-mid,pi0-tiny,"
+                                       "pi05-tiny,pi0-mid; --quick skips smolvla-mid and pi0-mid; fleet default: "
+                                       "default,act,recurrent; startup default: default,onnx,act,diffusion; vla "
+                                       "default: smolvla, pi0 and pi05 with 1, 2 and 3 cameras, smolvla-1cam ... "
+                                       "pi05-3cam)")
     bench.add_argument("--steps", type=int, help="chunking: steps per side (default 3000; --quick 200); fleet: "
-                                                 "control periods per side and N (default 200; --quick 50)")
+                                                 "control periods per side and N (default 200; --quick 50); vla: "
+                                                 "steps of the LeRobot and graph sides (default 1000; --quick 100)")
+    bench.add_argument("--async-steps", type=int, help="vla: steps of the async side at 30 Hz (default 3000; "
+                                                       "--quick 100; 0: not run)")
     bench.add_argument("--sides", help="fleet: comma-separated sides (default fleet,loop,separate,nodes,fleet_node; "
                                        "nodes and fleet_node are processes, skipped where ROS 2 is missing)")
-    bench.add_argument("--lerobot-python", help="chunking: the Python of LeRobot's environment for its baseline "
-                                                "loop (default tools/lerobot_bench/.venv/bin/python)")
+    bench.add_argument("--lerobot-python", help="chunking, vla: the Python of LeRobot's environment for its "
+                                                "baseline loop (default tools/lerobot_bench/.venv/bin/python; vla: "
+                                                "else this Python where LeRobot imports)")
     bench.add_argument("--numerics", default="portable", metavar="LEVEL[,LEVEL...]",
                        help="CPU numerics level of the policies (runtime.numerics: portable, native, baseline, avx2, "
                             "avx512; default: %(default)s, the node's); step takes several, measured side by side in "

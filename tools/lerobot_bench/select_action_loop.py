@@ -2,7 +2,7 @@
 ``capsule-ros bench chunking``. Runs in LeRobot's environment (not the project's):
 
     PYTHONPATH=<repository root> tools/lerobot_bench/.venv/bin/python tools/lerobot_bench/select_action_loop.py \\
-        --checkpoint DIR --observations IN.npz --out OUT.npz [--threads 1]
+        --checkpoint DIR --observations IN.npz --out OUT.npz [--threads 1] [--device cuda]
 
 For every step: ``predict_action`` (LeRobot's observation conversion, preprocessor,
 ``select_action``, postprocessor), as its record and eval loops call it, with the wall time
@@ -12,8 +12,10 @@ Diffusion's, SmolVLA's and π0's noise comes from capsule_ros's counter-based RN
 a SmolVLA checkpoint's VLM files or a π0 checkpoint's tokenizer from ``--vlm``, the task from
 ``--task``; a scaled-down π0 loads through ``pi_scaled.load_pi``), so both sides sample alike and
 their actions can be compared bit for bit, at the CPU numerics level ``CAPSULE_ROS_NUMERICS``
-(pinned before torch runs; the benchmark passes its own). ``IN.npz``: one array per input feature
-[steps, ...] and ``seed``; ``OUT.npz``: ``seconds`` [steps] and ``action`` [steps, A].
+(pinned before torch runs; the benchmark passes its own). ``--device cuda`` (``capsule-ros bench
+vla``): the policy and the processors' device step on the GPU, as ``lerobot-eval`` puts them.
+``IN.npz``: one array per input feature [steps, ...] and ``seed``; ``OUT.npz``: ``seconds``
+[steps], ``action`` [steps, A] and ``gpu_peak_bytes`` (the weights and the steps; 0 on a CPU).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ def main() -> None:
     parser.add_argument("--vlm", help="a VLA's hub files: SmolVLA's VLM (config, tokenizer, processor), π0's "
                                       "tokenizer")
     parser.add_argument("--task", default="", help="a VLA: the task instruction of every step")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with np.load(args.observations, allow_pickle=False) as data:
@@ -57,20 +60,23 @@ def main() -> None:
     noise: Any = None
     if kind == "smolvla":
         from tools.lerobot_fixtures.make_vla_fixtures import CounterFlowNoise, load_policy
-        policy, pre, post = load_policy(Path(args.checkpoint), Path(args.vlm))
+        policy, pre, post = load_policy(Path(args.checkpoint), Path(args.vlm), device=args.device)
         noise = CounterFlowNoise(policy)
     elif kind in ("pi0", "pi05"):
         from tools.lerobot_fixtures.make_vla_fixtures import CounterFlowNoise
         from tools.lerobot_fixtures.pi_scaled import load_pi
-        policy, pre, post = load_pi(Path(args.checkpoint), Path(args.vlm))
+        policy, pre, post = load_pi(Path(args.checkpoint), Path(args.vlm), device=args.device)
         noise = CounterFlowNoise(policy)
     else:
         policy = (ACTPolicy if kind == "act" else DiffusionPolicy).from_pretrained(args.checkpoint)
-        pre, post = make_pre_post_processors(policy.config, pretrained_path=args.checkpoint)
+        policy.config.device = args.device
+        policy.to(args.device)
+        pre, post = make_pre_post_processors(policy.config, pretrained_path=args.checkpoint,
+                                             preprocessor_overrides={"device_processor": {"device": args.device}})
         noise = CounterNoise(policy) if isinstance(policy, DiffusionPolicy) else None
     steps = max(value.shape[0] for value in inputs.values())    # shorter arrays (camera frames) cycle
     seconds, actions = np.zeros(steps), []
-    device = torch.device("cpu")
+    device = torch.device(args.device)
     policy.reset()
     pre.reset()
     post.reset()
@@ -82,7 +88,8 @@ def main() -> None:
         action = predict_action(observation, policy, device, pre, post, use_amp=False, task=args.task or None)
         seconds[t] = time.perf_counter() - start
         actions.append(action.reshape(-1).numpy().copy())
-    np.savez(args.out, seconds=seconds, action=np.stack(actions).astype(np.float32),
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    np.savez(args.out, seconds=seconds, action=np.stack(actions).astype(np.float32), gpu_peak_bytes=np.asarray(peak),
              lerobot=np.asarray(lerobot.__version__), torch=np.asarray(torch.__version__), numerics=np.asarray(LEVEL))
 
 

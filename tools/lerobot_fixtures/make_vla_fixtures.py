@@ -310,18 +310,21 @@ def save_checkpoint(fx: VLAFixture, root: Path) -> None:
     rename_vlm(directory, HUB_ID.format(name=fx.name))
 
 
-def load_policy(directory: Path, vlm_dir: Path, rtc: Optional[dict] = None):
-    """The checkpoint as a LeRobot user loads it offline: the VLM files named by override."""
+def load_policy(directory: Path, vlm_dir: Path, rtc: Optional[dict] = None, device: str = "cpu"):
+    """The checkpoint as a LeRobot user loads it offline: the VLM files named by override, on
+    ``device`` (``policy.device`` and the processors' device step, as ``lerobot-eval`` sets them)."""
     from lerobot.configs.policies import PreTrainedConfig
     cfg = PreTrainedConfig.from_pretrained(directory)
     cfg.vlm_model_name = str(vlm_dir)
+    cfg.device = device
     if rtc is not None:
         cfg.rtc_config = RTCConfig(enabled=True, prefix_attention_schedule=RTCAttentionSchedule(
             rtc["prefix_attention_schedule"]), max_guidance_weight=rtc["max_guidance_weight"],
             execution_horizon=rtc["execution_horizon"])
     policy = SmolVLAPolicy.from_pretrained(directory, config=cfg)
     pre, post = make_pre_post_processors(cfg, pretrained_path=str(directory),
-                                         preprocessor_overrides={TOKENIZER_STEP: {"tokenizer_name": str(vlm_dir)}})
+                                         preprocessor_overrides={TOKENIZER_STEP: {"tokenizer_name": str(vlm_dir)},
+                                                                 "device_processor": {"device": device}})
     return policy, pre, post
 
 

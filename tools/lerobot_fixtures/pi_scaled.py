@@ -133,10 +133,12 @@ def scaled_pi(scale: ScaledPi) -> Iterator[None]:
             setattr(owner, name, value)
 
 
-def load_pi(checkpoint: Path, tokenizer: Path):
+def load_pi(checkpoint: Path, tokenizer: Path, device: str = "cpu"):
     """(policy, preprocessor, postprocessor) of a π0 / π0.5 checkpoint as a LeRobot user loads
     it offline (``from_pretrained``, ``make_pre_post_processors`` with the tokenizer's local
-    directory as an override), scaled as its weights say (nothing to patch at LeRobot's size)."""
+    directory as an override), scaled as its weights say (nothing to patch at LeRobot's size),
+    then moved to ``device`` (``policy.device`` and the processors' device step, as
+    ``lerobot-eval`` sets them)."""
     import json
 
     from lerobot.policies.factory import make_pre_post_processors
@@ -146,9 +148,12 @@ def load_pi(checkpoint: Path, tokenizer: Path):
     with scaled_pi(ScaledPi.of_checkpoint(checkpoint)):
         policy = (PI05Policy if kind == "pi05" else PI0Policy).from_pretrained(checkpoint)
     check_loaded(policy, checkpoint / "model.safetensors")
+    policy.config.device = device
+    policy.to(device)
     pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint),
                                          preprocessor_overrides={"tokenizer_processor":
-                                                                 {"tokenizer_name": str(tokenizer)}})
+                                                                 {"tokenizer_name": str(tokenizer)},
+                                                                 "device_processor": {"device": device}})
     return policy, pre, post
 
 
