@@ -264,7 +264,9 @@ def test_cleanup_returns_the_gpu_memory(tmp_path):
     node holds one): activate (arena, capture, capsule store) takes device memory; cleanup
     (``release``) gives it back. What stays is cuBLAS's workspace for the kept stream,
     allocated once: the loop does not grow. A fresh stream per cycle would leave 32 MiB
-    behind each time (checked too, so the test shows what the keeper prevents)."""
+    behind each time (checked too, so the test shows what the keeper prevents). The node's
+    cleanup, which leaves no captured graph behind, frees those workspaces as well: the
+    memory is back at what it was before the first configure."""
     import dataclasses
 
     from runtime_fixtures import default_config
@@ -276,7 +278,7 @@ def test_cleanup_returns_the_gpu_memory(tmp_path):
     config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, device="cuda"))
     device = torch.device("cuda")
 
-    def cycle(streams: StreamKeeper) -> int:
+    def cycle(streams: StreamKeeper, workspaces: bool = False) -> int:
         session = start_session(prepare_serving(config), streams=streams)
         for row in observations(5, 31):
             session.loop.write_input("joints", row[:4])
@@ -286,7 +288,7 @@ def test_cleanup_returns_the_gpu_memory(tmp_path):
         taken = torch.cuda.memory_allocated(device)
         session.release()
         del session
-        release_device_memory(device)
+        release_device_memory(device, cublas_workspaces=workspaces)
         return taken
 
     release_device_memory(device)
@@ -300,3 +302,6 @@ def test_cleanup_returns_the_gpu_memory(tmp_path):
     assert left[0] <= 40 * 2**20, left                                 # at most the kept stream's workspace
     unkept = [cycle(StreamKeeper()) for _ in range(2)]                # a new stream each time: it grows
     assert torch.cuda.memory_allocated(device) - before > left[0], unkept
+    for _ in range(2):                                                 # the node's cleanup: back to before
+        assert cycle(streams, workspaces=True) - before > 1 * 2**20
+        assert torch.cuda.memory_allocated(device) == before

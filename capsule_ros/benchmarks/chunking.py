@@ -166,16 +166,21 @@ def summary(seconds: Union[Sequence[float], np.ndarray], period: float, actions:
 
 
 def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.ndarray], period: float,
-                 tmp: Path, level: str, extra: Sequence[str] = (), device: str = "cpu") -> Dict[str, Any]:
+                 tmp: Path, level: str, extra: Sequence[str] = (), device: str = "cpu",
+                 deterministic: bool = False) -> Dict[str, Any]:
     """LeRobot's loop in its own environment, or why it did not run (``extra``: more
-    arguments of the loop's script, a SmolVLA's VLM files and task)."""
+    arguments of the loop's script, a SmolVLA's VLM files and task; ``deterministic``:
+    under the determinism settings capsule_ros's runtime sets, cuBLAS's fixed workspace
+    and torch's deterministic algorithms, which choose a GPU's kernels)."""
     if python is None or not python.exists():
         return {"ran": False, "reason": f"no LeRobot environment at {python} (run tools/lerobot_bench/setup.sh or "
                                         "pass --lerobot-python)"}
-    inputs, out = tmp / "observations.npz", tmp / "lerobot.npz"
+    inputs, out = tmp / "observations.npz", tmp / f"lerobot{'-deterministic' if deterministic else ''}.npz"
     arrays: Dict[str, Any] = {"seed": np.asarray(0), **obs}
     np.savez(inputs, **arrays)
     env = {**os.environ, "PYTHONPATH": child_pythonpath(python), "OMP_NUM_THREADS": "1", "CAPSULE_ROS_NUMERICS": level}
+    if deterministic:
+        env.update(CAPSULE_ROS_DETERMINISTIC="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
     done = subprocess.run([str(python), str(LEROBOT_SCRIPT), "--checkpoint", str(checkpoint), "--observations",
                            str(inputs), "--out", str(out), "--device", device, *extra], env=env,
                           capture_output=True, text=True)

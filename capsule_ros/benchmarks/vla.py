@@ -26,12 +26,18 @@ as a random walk, panning textured cameras) and counter-based noise:
   the delay fixed at start from the refill's p99 (``inference_delay_steps: auto``), a
   deadline of one period, the refill on its own stream.
 
+On a GPU LeRobot's loop runs twice: ``lerobot`` with torch's defaults (the timing baseline, as
+a user runs it) and ``lerobot_deterministic`` under the settings capsule_ros's runtime makes
+(``runtime.deterministic``: cuBLAS's fixed workspace, torch's deterministic algorithms), which
+choose which GPU kernels run, so its bits are the ones to compare.
+
 Figures: ``chunk_p50_ms`` / ``chunk_p99_ms``: the steps that plan a chunk, after the
 episode's first (a cold first call is reported alone as ``first_step_ms``);
 ``consume_p50_ms`` / ``consume_p99_ms``: the other steps; ``gpu_peak_bytes``: the side's
 peak allocation, weights included; ``state_bytes``: a capsule's state. Against the targets
 (``TARGETS``): ``chunk_ratio`` (graph over LeRobot, p50), the consume step, async's misses
-after the first step; ``actions_equal_lerobot`` (bit for bit) and ``actions_max_abs_diff``.
+after the first step; ``actions_equal_<side>`` (the graph's actions against that LeRobot side,
+bit for bit), ``actions_max_abs_diff_<side>`` and the first step that differs.
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ from capsule_ros.errors import ConfigError
 from capsule_ros.serving.config import ServingConfig
 
 KINDS = ("smolvla", "pi0", "pi05")
+SIDES = ("lerobot", "lerobot_deterministic", "graph", "async")
 CAMERA = (480, 640)
 ASYNC_RATE_HZ = 30.0
 # the targets: per chunk, capsule_ros's graph over LeRobot's eager policy (p50); the consume
@@ -148,14 +155,20 @@ def run_case(case: Case, written: Written, device: torch.device, steps: int, asy
     level = written.config.runtime.numerics
     lerobot: Dict[str, Any] = {"ran": False, "reason": "no LeRobot environment (run tools/lerobot_bench/setup.sh, "
                                                        "pass --lerobot-python, or install LeRobot here)"}
+    pinned: Dict[str, Any] = {"ran": False, "reason": "GPU only: on a CPU the lerobot side runs at the runtime's "
+                                                      "numerics level already"}
     if python is not None:
         lerobot = lerobot_side(python, written.checkpoint, obs, period, tmp, level, written.extra, device=str(device))
+        if device.type == "cuda" and written.config.runtime.deterministic:
+            pinned = lerobot_side(python, written.checkpoint, obs, period, tmp, level, written.extra,
+                                  device=str(device), deterministic=True)
     graph = graph_side(written, obs, device, "sync", ASYNC_RATE_HZ, paced=False)
     asynchronous: Dict[str, Any] = {"ran": False, "reason": "--async-steps 0"}
     if async_steps:
         paced_obs = observations(async_steps, written.camera, joints=joints, cameras=written.camera_keys)
         asynchronous = graph_side(written, paced_obs, device, "async", ASYNC_RATE_HZ, paced=True)
-    sides: Dict[str, Dict[str, Any]] = {"lerobot": lerobot, "graph": graph, "async": asynchronous}
+    sides: Dict[str, Dict[str, Any]] = {"lerobot": lerobot, "lerobot_deterministic": pinned, "graph": graph,
+                                        "async": asynchronous}
     actions: Dict[str, Optional[np.ndarray]] = {side: values.pop("_actions", None) for side, values in sides.items()}
     result: Dict[str, Any] = {"case": case.name, "kind": case.kind, "cameras": case.cameras,
                               "camera": list(written.camera), "steps": steps, "async_steps": async_steps, **sides}
@@ -181,20 +194,29 @@ def verdicts(case: Case, sides: Dict[str, Dict[str, Any]], actions: Dict[str, Op
             out["chunk_p99_ratio"] = graph["chunk_p99_ms"] / lerobot["chunk_p99_ms"]
             out["chunk_target"] = target
             out["chunk_met"] = out["chunk_ratio"] <= target
-        mine, theirs = actions["graph"], actions["lerobot"]
-        if mine is not None and theirs is not None:
-            out["actions_equal_lerobot"] = bool(np.array_equal(mine.view(np.uint32), theirs.view(np.uint32)))
-            out["actions_max_abs_diff"] = float(np.abs(mine - theirs).max())
-            out["actions_first_unequal_step"] = int(np.flatnonzero((mine != theirs).any(axis=1))[0]) \
-                if not out["actions_equal_lerobot"] else None
+        for name, (a, b) in {"lerobot": ("graph", "lerobot"),
+                             "lerobot_deterministic": ("graph", "lerobot_deterministic"),
+                             "lerobot_deterministic_vs_lerobot": ("lerobot_deterministic", "lerobot")}.items():
+            out.update(compare_actions(actions.get(a), actions.get(b), name))
     return out
+
+
+def compare_actions(mine: Optional[np.ndarray], theirs: Optional[np.ndarray], name: str) -> Dict[str, Any]:
+    """``actions_equal_<name>`` (bit for bit), the largest difference and the first step
+    that differs, where both sides ran."""
+    if mine is None or theirs is None:
+        return {}
+    equal = bool(np.array_equal(mine.view(np.uint32), theirs.view(np.uint32)))
+    return {f"actions_equal_{name}": equal, f"actions_max_abs_diff_{name}": float(np.abs(mine - theirs).max()),
+            f"actions_first_unequal_step_{name}": None if equal else
+            int(np.flatnonzero((mine != theirs).any(axis=1))[0])}
 
 
 def headline(result: Dict[str, Any]) -> Dict[str, Any]:
     """A case's main figures (progress on stderr: a long run's finished cases are not lost)."""
-    out: Dict[str, Any] = {k: result[k] for k in ("chunk_ratio", "consume_met", "async_misses_after_first",
-                                                  "actions_equal_lerobot", "actions_max_abs_diff") if k in result}
-    for side in ("lerobot", "graph", "async"):
+    out: Dict[str, Any] = {k: v for k, v in result.items() if k.startswith("actions_")
+                           or k in ("chunk_ratio", "consume_met", "async_misses_after_first")}
+    for side in SIDES:
         r = result[side]
         out[side] = ({k: r[k] for k in ("chunk_p50_ms", "chunk_p99_ms", "consume_p50_ms", "first_step_ms",
                                         "gpu_peak_bytes", "misses_steady") if k in r}
@@ -223,8 +245,7 @@ def run(device_name: str = "auto", quick: bool = False, steps: Optional[int] = N
                     written = write_case(case, root, quick, device, python, weights_from)
                 except (ConfigError, RuntimeError) as exc:
                     results.append({"case": case.name, "kind": case.kind, "cameras": case.cameras,
-                                    **{side: {"ran": False, "reason": str(exc)} for side in ("lerobot", "graph",
-                                                                                             "async")}})
+                                    **{side: {"ran": False, "reason": str(exc)} for side in SIDES}})
                     continue
                 if case.kind != "smolvla":
                     weights_from = weights_from or written.checkpoint
@@ -236,7 +257,7 @@ def run(device_name: str = "auto", quick: bool = False, steps: Optional[int] = N
 def table(result: dict) -> None:
     rows = []
     for case in result["cases"]:
-        for side in ("lerobot", "graph", "async"):
+        for side in SIDES:
             r = case[side]
             if not r.get("ran", True):
                 rows.append([case["case"], side, r["reason"][:60], "", "", "", "", ""])
@@ -248,8 +269,8 @@ def table(result: dict) -> None:
                                                    "first step ms", "GPU peak GiB", "misses after first"], rows)
     for case in result["cases"]:
         print(case["case"], {k: case[k] for k in ("chunk_ratio", "chunk_target", "chunk_met", "consume_met",
-                                                  "async_met", "actions_equal_lerobot", "actions_max_abs_diff")
-                             if k in case})
+                                                  "async_met", "actions_equal_lerobot",
+                                                  "actions_equal_lerobot_deterministic") if k in case})
 
 
 def main(args) -> int:

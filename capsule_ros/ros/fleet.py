@@ -185,7 +185,7 @@ class FleetNode(ServingNode):
         if fleet is not None:
             fleet.release()
             del fleet
-            release_device_memory(torch.device(self._device))
+            release_device_memory(torch.device(self._device), cublas_workspaces=True)   # its graphs are gone
 
     def _stop_stepping(self) -> None:
         if self._control_timer is not None:

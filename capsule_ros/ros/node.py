@@ -184,7 +184,7 @@ class PolicyNode(ServingNode):
         if session is not None:
             session.release(TRANSITION_BOUNDARY_S)
             del session
-            release_device_memory(torch.device(self._device))
+            release_device_memory(torch.device(self._device), cublas_workspaces=True)   # its graphs are gone
 
     def _stop_stepping(self) -> None:
         if self._control_timer is not None:

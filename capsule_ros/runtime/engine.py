@@ -118,13 +118,21 @@ def configure_torch(config: RuntimeConfig, device: torch.device) -> str:
     return numerics.recorded_level(config.numerics)
 
 
-def release_device_memory(device: torch.device) -> None:
+def release_device_memory(device: torch.device, cublas_workspaces: bool = False) -> None:
     """Collect what was just dropped (cycles included) and hand the CUDA caching
-    allocator's free blocks back to the driver, so other processes see the memory."""
+    allocator's free blocks back to the driver, so other processes see the memory.
+
+    ``cublas_workspaces``: free cuBLAS's workspaces too (32 MiB + 1 MiB per stream it ran
+    on, which ``empty_cache`` leaves allocated), so that the process is back at what it
+    held before configure. Only where no captured graph of this process remains (a node's
+    cleanup: its runtime was the only one): a graph replays with the workspace it was
+    captured with. The next activation allocates them again while it captures."""
     import gc
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        if cublas_workspaces and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+            torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
 
 

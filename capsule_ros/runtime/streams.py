@@ -66,9 +66,10 @@ class StreamKeeper:
     Why: cuBLAS keeps a workspace for every stream it has ever run on (docs/benchmarks.md,
     "Lifecycle: first active step and cleanup"), and
     ``torch.cuda.empty_cache`` does not free it; a fresh stream per activation would leave
-    one behind each cycle. Freeing all workspaces instead would pull them from under CUDA
-    graphs that other runtimes in the process have captured. The owner outlives the
-    runtimes (the node holds one); a runtime made without a keeper gets its own.
+    one behind each cycle. Freeing all workspaces would pull them from under CUDA graphs
+    that other runtimes in the process have captured, so only a cleanup that leaves none
+    does it (``release_device_memory(cublas_workspaces=True)``, the node's). The owner
+    outlives the runtimes (the node holds one); a runtime made without a keeper gets its own.
     """
 
     def __init__(self) -> None:

@@ -14,6 +14,9 @@ a SmolVLA checkpoint's VLM files or a π0 checkpoint's tokenizer from ``--vlm``,
 their actions can be compared bit for bit, at the CPU numerics level ``CAPSULE_ROS_NUMERICS``
 (pinned before torch runs; the benchmark passes its own). ``--device cuda`` (``capsule-ros bench
 vla``): the policy and the processors' device step on the GPU, as ``lerobot-eval`` puts them.
+``CAPSULE_ROS_DETERMINISTIC=1`` (with ``CUBLAS_WORKSPACE_CONFIG`` in the environment): torch's
+deterministic algorithms, as capsule_ros's runtime sets them (``runtime.deterministic``), so a GPU
+side's kernels are chosen under the same settings as capsule_ros's.
 ``IN.npz``: one array per input feature [steps, ...] and ``seed``; ``OUT.npz``: ``seconds``
 [steps], ``action`` [steps, A] and ``gpu_peak_bytes`` (the weights and the steps; 0 on a CPU).
 """
@@ -53,6 +56,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if os.environ.get("CAPSULE_ROS_DETERMINISTIC") == "1":           # as capsule_ros.runtime.engine.configure_torch
+        torch._C._set_deterministic_algorithms(True, warn_only=False)
+        torch.utils.deterministic.fill_uninitialized_memory = False
     with np.load(args.observations, allow_pickle=False) as data:
         inputs = {k: data[k] for k in data.files}
     seed = int(inputs.pop("seed"))
