@@ -90,12 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--module", default="capsule_gru_policy.export:module",
                        help="step --policy exported: package.module:factory of the module to export "
                             "(default: %(default)s, the example package)")
-    bench.add_argument("--cases", help="chunking, fleet, startup, vla, lifecycle: comma-separated cases (chunking "
-                                       "default: act100,act10,diffusion,diffusion-small,smolvla-tiny,smolvla-mid,"
-                                       "pi0-tiny,pi05-tiny,pi0-mid; --quick skips smolvla-mid and pi0-mid; fleet default: "
-                                       "default,act,recurrent; startup default: default,onnx,act,diffusion; vla "
-                                       "default: smolvla, pi0 and pi05 with 1, 2 and 3 cameras, smolvla-1cam ... "
-                                       "pi05-3cam; lifecycle default: default,pi0,pi05, also smolvla)")
+    bench.add_argument("--cases", help=(
+        "chunking, fleet, startup, vla, lifecycle: comma-separated cases (chunking default: act100,act10,diffusion,"
+        "diffusion-small,smolvla-tiny,smolvla-mid,pi0-tiny,pi05-tiny,pi0-mid; --quick skips smolvla-mid and pi0-mid; "
+        "fleet default: default,act,recurrent; startup default: default,onnx,act,diffusion; vla default: smolvla, "
+        "pi0 and pi05 with 1, 2 and 3 cameras, smolvla-1cam ... pi05-3cam; lifecycle default: default,pi0,pi05, also "
+        "smolvla)"))
     bench.add_argument("--steps", type=int, help="chunking: steps per side (default 3000; --quick 200); fleet: "
                                                  "control periods per side and N (default 200; --quick 50); vla: "
                                                  "steps of the LeRobot and graph sides (default 1000; --quick 100)")
