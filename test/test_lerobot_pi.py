@@ -36,7 +36,6 @@ from capsule_ros.benchmarks.lerobot_pi import (
     with_cameras,
     write_pi_checkpoint,
 )
-from capsule_ros.chunking.mark import ChunkingMark
 from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.checkpoint import read_checkpoint
 from capsule_ros.policies.lerobot.pi.architecture import LEROBOT_VARIANTS, PALIGEMMA_VISION, read_architecture
@@ -174,25 +173,7 @@ def test_a_capsule_at_every_cursor_restores_byte_exactly_and_replays_bit_identic
     fx = fixtures[name]
     runtime = fx.runtime(mode, delay, fx.rtc_settings() if guided else None, device=device)
     try:
-        end = runtime.mode.schedule.end
-        steps = 3 * end + 2
-        runtime.reset(episode=1, seed=fx.seed(0))
-        original = np.stack([fx.act(runtime, 0, t) for t in range(steps)])
-        seen_pending = False
-        for k in range(end, 2 * end + 1):                # a whole chunk cycle, after the episode's first chunk
-            runtime.reset(episode=1, seed=fx.seed(0))
-            for t in range(k):
-                fx.act(runtime, 0, t)
-            runtime.synchronize()
-            snapshot = runtime.arena.storage.clone()
-            seen_pending |= ChunkingMark.parse(runtime.mark()).pending
-            for t in range(k, k + 3):                    # move on (other inputs), then come back
-                fx.act(runtime, 1, t)
-            runtime.load_state(snapshot)
-            assert torch.equal(runtime.arena.storage, snapshot), f"restore at step {k} not byte-exact"
-            again = np.stack([fx.act(runtime, 0, t) for t in range(k, steps)])
-            assert_same_actions(again[None], original[None, k:], f"{name} capsule at step {k}")
-        assert seen_pending == (mode == "async")
+        assert fx.check_capsules_at_every_cursor(runtime, name) == (mode == "async")
     finally:
         runtime.close()
 

@@ -241,6 +241,25 @@ def test_the_fingerprint_covers_what_changes_the_numbers(fixtures):
     assert architecture["task"]["tokenizer"]["vocabulary"] > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("mode, delay, guided", [("sync", 0, False), ("async", 3, True)])
+def test_a_capsule_at_every_cursor_restores_byte_exactly_and_replays_bit_identically(fixtures, mode, delay, guided,
+                                                                                      device):
+    """SmolVLA's arena at every row of a chunk cycle (async: with and without a refill in
+    flight, RTC guided) put back after other steps gives the same bytes and then the same
+    actions, at the runtime level and without ROS (test_vla_capsules.py does it through a
+    session with the task arriving as messages). On CUDA every program is a captured graph
+    (async: the refill too, on its own stream), so a capsule taken mid-chunk or mid-refill
+    restores into the graphs' static buffers."""
+    fx = fixtures["smolvla_two_cams"]
+    rtc = next((r for r in fx.async_cases() if r[1] == delay and r[2].guided), None) if guided else None
+    runtime = fx.runtime(mode, delay, rtc[2] if rtc is not None else RTCSettings(), device=device)
+    try:
+        assert fx.check_capsules_at_every_cursor(runtime, f"smolvla {mode} on {device}") == (mode == "async")
+    finally:
+        runtime.close()
+
+
 # --- on a GPU (skipped elsewhere with the reason) -------------------------------------------------
 
 @pytest.mark.cuda

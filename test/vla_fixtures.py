@@ -197,6 +197,32 @@ class RecordedVLA:
         runtime.step()
         return runtime.read_step_outputs().action.copy()
 
+    def check_capsules_at_every_cursor(self, runtime: PolicyRuntime, what: str) -> bool:
+        """The arena at every row of a chunk cycle (after the episode's first chunk) put back
+        after three steps on other inputs: the same bytes, then the same actions as the run
+        that never left. Returns whether a refill was in flight at any of them (async)."""
+        from capsule_ros.chunking.mark import ChunkingMark
+        end = runtime.mode.schedule.end
+        steps = 3 * end + 2
+        assert steps <= self.steps, f"{what}: a chunk cycle after the first chunk needs {steps} recorded steps"
+        runtime.reset(episode=1, seed=self.seed(0))
+        original = np.stack([self.act(runtime, 0, t) for t in range(steps)])
+        seen_pending = False
+        for k in range(end, 2 * end + 1):                # a whole chunk cycle, after the episode's first chunk
+            runtime.reset(episode=1, seed=self.seed(0))
+            for t in range(k):
+                self.act(runtime, 0, t)
+            runtime.synchronize()
+            snapshot = runtime.arena.storage.clone()
+            seen_pending |= ChunkingMark.parse(runtime.mark()).pending
+            for t in range(k, k + 3):                    # move on (other inputs), then come back
+                self.act(runtime, 1, t)
+            runtime.load_state(snapshot)
+            assert torch.equal(runtime.arena.storage, snapshot), f"{what}: restore at step {k} not byte-exact"
+            again = np.stack([self.act(runtime, 0, t) for t in range(k, steps)])
+            assert_same_actions(again[None], original[None, k:], f"{what}: capsule at step {k}")
+        return seen_pending
+
     def rollout(self, runtime: PolicyRuntime, episodes: Optional[int] = None) -> np.ndarray:
         """Every action of the recorded episodes (``runtime.reset`` with the episode's seed between them)."""
         episodes = self.episodes if episodes is None else episodes
