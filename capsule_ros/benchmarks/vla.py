@@ -29,10 +29,12 @@ as a random walk, panning textured cameras) and counter-based noise:
 On a GPU LeRobot's loop runs twice: ``lerobot`` with torch's defaults (the timing baseline, as
 a user runs it) and ``lerobot_deterministic`` under the settings capsule_ros's runtime makes
 (``runtime.deterministic``: cuBLAS's fixed workspace, torch's deterministic algorithms), which
-choose which GPU kernels run, so its bits are the ones to compare.
+choose which GPU kernels run: the two show how far LeRobot's own bits move with the kernels a
+GPU picks, beside how far capsule_ros's are from each.
 
 Figures: ``chunk_p50_ms`` / ``chunk_p99_ms``: the steps that plan a chunk, after the
-episode's first (a cold first call is reported alone as ``first_step_ms``);
+episode's first (a cold first call is reported alone as ``first_step_ms``; on the async side
+the steps that take over a chunk planned in the background, not a chunk's time);
 ``consume_p50_ms`` / ``consume_p99_ms``: the other steps; ``gpu_peak_bytes``: the side's
 peak allocation, weights included; ``state_bytes``: a capsule's state. Against the targets
 (``TARGETS``): ``chunk_ratio`` (graph over LeRobot, p50), the consume step, async's misses
