@@ -16,8 +16,8 @@ as a random walk, panning textured cameras) and counter-based noise:
 - ``lerobot``: LeRobot's ``predict_action`` loop (``tools/lerobot_bench/select_action_loop.py``
   with ``--device``): its observation conversion, preprocessor, ``select_action`` and
   postprocessor every step, eager, as its record and eval loops call it. LeRobot's
-  environment: ``--lerobot-python``, ``CAPSULE_ROS_LEROBOT_PYTHON``,
-  ``tools/lerobot_bench/.venv``, or this interpreter where LeRobot imports (the GPU
+  environment: ``--lerobot-python``, ``CAPSULE_ROS_LEROBOT_PYTHON``, the one
+  ``tools/lerobot_bench/setup.sh`` makes, or this interpreter where LeRobot imports (the GPU
   machine: LeRobot travels there as wheels). Without it the side reports why;
 - ``graph``: ``control.chunking: sync`` through a ``PolicySession``, back to back: on a GPU
   every program is a captured CUDA graph (the refill: prefix, unrolled denoise and the write
