@@ -254,8 +254,10 @@ def test_ros2_launch_serves_config_smolvla_and_ros2_topic_pub_changes_the_task(t
         def task_received() -> int:
             return max((p.received for s in client.drain(status) for p in s.ports if p.name == TASK_PORT), default=-1)
         wait_for(lambda: task_received() == 0, timeout=180, what="the launched node's status")
-        pub = subprocess.run(["ros2", "topic", "pub", "--once", "-w", "1", "/task", "std_msgs/msg/String",
-                              "{data: 'open the drawer'}"], capture_output=True, text=True, timeout=120, env=env)
+        # --keep-alive as docs/vla.md says: by default --once exits too soon for a busy machine
+        pub = subprocess.run(["ros2", "topic", "pub", "--once", "-w", "1", "--keep-alive", "2", "/task",
+                              "std_msgs/msg/String", "{data: 'open the drawer'}"],
+                             capture_output=True, text=True, timeout=120, env=env)
         assert pub.returncode == 0, pub.stdout + pub.stderr
         wait_for(lambda: task_received() >= 1, timeout=60, what="the task message in ~/status")
         leaf = SetTask(text="pick up the café cup", topic="/task", timeout_s=30.0)     # the same from a tree
