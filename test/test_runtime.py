@@ -291,7 +291,9 @@ def test_cleanup_returns_the_gpu_memory(tmp_path):
         release_device_memory(device, cublas_workspaces=workspaces)
         return taken
 
-    release_device_memory(device)
+    # the baseline a fresh node process has: nothing of earlier tests in this process, their
+    # cuBLAS workspaces included (their runtimes, and so their graphs, are gone)
+    release_device_memory(device, cublas_workspaces=True)
     before = torch.cuda.memory_allocated(device)
     streams = StreamKeeper()
     left = []

@@ -76,8 +76,13 @@ def camera_to_float(image: torch.Tensor, size: Optional[Tuple[int, int]] = None)
     ``prepare_observation_for_inference`` converts a camera frame. The result is made
     contiguous as there: a channels-last layout would select other convolution kernels
     (different last bits). ``size`` (H, W): resize a frame of another size to it
-    (``resize_cameras``), before normalisation, as a frame captured at that size would be."""
-    x = torch.movedim(image.to(torch.float32) / 255, -1, -3).contiguous()
+    (``resize_cameras``), before normalisation, as a frame captured at that size would be.
+
+    LeRobot divides on the CPU, a true division. On CUDA, torch divides by a Python number
+    as a multiplication by its reciprocal, which can round differently in the last bit; a
+    0-dim tensor on the device makes CUDA divide too, so both devices give LeRobot's bits."""
+    x = image.to(torch.float32)
+    x = torch.movedim(x / x.new_full((), 255.0), -1, -3).contiguous()
     return x if size is None else resize_image(x, size)
 
 
