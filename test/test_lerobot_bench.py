@@ -217,6 +217,11 @@ def test_bench_vla_without_lerobot_runs_the_capsule_ros_sides_and_says_why(tmp_p
     assert result["lerobot"]["ran"] is False and "no LeRobot environment" in result["lerobot"]["reason"]
     assert result["graph"]["chunks_timed"] == 1 and result["graph"]["state_bytes"] > 0
     assert result["async"]["misses_steady"] == result["async_misses_after_first"]
+    paced, asynchronous = result["sync_paced"], result["async"]          # async's consume steps over sync's paced alike
+    assert result["consume_ratio"] == asynchronous["consume_p50_ms"] / paced["consume_p50_ms"]
+    assert result["consume_p99_ratio"] == asynchronous["consume_p99_ms"] / paced["consume_p99_ms"]
+    assert result["consume_ratio_met"] == (result["consume_ratio"] <= vla.CONSUME_RATIO_TARGET)
+    assert result["consume_ratio_back_to_back"] == asynchronous["consume_p50_ms"] / result["graph"]["consume_p50_ms"]
     assert "chunk_ratio" not in result and "actions_equal_lerobot" not in result
     with pytest.raises(vla.ConfigError, match="written by LeRobot"):
         vla.write_case(vla.CASES["smolvla-1cam"], tmp_path / "smolvla", quick=True, device=device, python=None,

@@ -22,6 +22,9 @@ as a random walk, panning textured cameras) and counter-based noise:
 - ``graph``: ``control.chunking: sync`` through a ``PolicySession``, back to back: on a GPU
   every program is a captured CUDA graph (the refill: prefix, unrolled denoise and the write
   into the chunk; the consume: one row out), on a CPU the same plan eagerly;
+- ``sync_paced``: the graph side's steps paced at 30 Hz as async is: what a consume step
+  costs when the GPU and the host idled a period before it (``bench chunking``'s paced
+  floor), the baseline of async's consume steps (``consume_ratio``);
 - ``async``: ``control.chunking: async`` paced at 30 Hz over ``--async-steps`` (default 3000),
   the delay fixed at start from the refill's p99 (``inference_delay_steps: auto``), a
   deadline of one period, the refill on its own stream.
@@ -38,7 +41,8 @@ the steps that take over a chunk planned in the background, not a chunk's time);
 ``consume_p50_ms`` / ``consume_p99_ms``: the other steps; ``gpu_peak_bytes``: the side's
 peak allocation, weights included; ``state_bytes``: a capsule's state. Against the targets
 (``TARGETS``): ``chunk_ratio`` (graph over LeRobot, p50), the consume step, async's misses
-after the first step; ``actions_equal_<side>`` (the graph's actions against that LeRobot side,
+after the first step, ``consume_ratio`` / ``consume_p99_ratio`` (async's consume steps over
+``sync_paced``'s; ``consume_ratio_back_to_back``: over the graph side's); ``actions_equal_<side>`` (the graph's actions against that LeRobot side,
 bit for bit), ``actions_max_abs_diff_<side>`` and the first step that differs.
 """
 from __future__ import annotations
@@ -48,6 +52,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -62,7 +67,7 @@ from capsule_ros.errors import ConfigError
 from capsule_ros.serving.config import ServingConfig
 
 KINDS = ("smolvla", "pi0", "pi05")
-SIDES = ("lerobot", "lerobot_deterministic", "graph", "async")
+SIDES = ("lerobot", "lerobot_deterministic", "graph", "sync_paced", "async")
 CAMERA = (480, 640)
 ASYNC_RATE_HZ = 30.0
 # the targets: per chunk, capsule_ros's graph over LeRobot's eager policy (p50); the consume
@@ -70,8 +75,9 @@ ASYNC_RATE_HZ = 30.0
 CHUNK_RATIO_TARGET: Dict[str, float] = {"smolvla": 1 / 8, "pi0": 1 / 3, "pi05": 1 / 3}
 CONSUME_TARGET_MS = 0.1
 ASYNC_MISSES_TARGET = 0
+CONSUME_RATIO_TARGET = 1.2           # async's consume step over sync's, paced alike
 TARGETS: Dict[str, Any] = {"chunk_ratio": CHUNK_RATIO_TARGET, "consume_ms": CONSUME_TARGET_MS,
-                           "async_misses": ASYNC_MISSES_TARGET}
+                           "async_misses": ASYNC_MISSES_TARGET, "consume_ratio": CONSUME_RATIO_TARGET}
 
 
 @dataclass(frozen=True)
@@ -159,18 +165,29 @@ def run_case(case: Case, written: Written, device: torch.device, steps: int, asy
                                                        "pass --lerobot-python, or install LeRobot here)"}
     pinned: Dict[str, Any] = {"ran": False, "reason": "GPU only: on a CPU the lerobot side runs at the runtime's "
                                                       "numerics level already"}
+    started = time.monotonic()
+
+    def done(side: str, out: Dict[str, Any]) -> Dict[str, Any]:
+        """Progress on stderr: a run stopped by a time limit still says how far it got."""
+        print(f"bench vla: {case.name} {side} side finished at {time.monotonic() - started:.0f} s", file=sys.stderr,
+              flush=True)
+        return out
+
     if python is not None:
-        lerobot = lerobot_side(python, written.checkpoint, obs, period, tmp, level, written.extra, device=str(device))
+        lerobot = done("lerobot", lerobot_side(python, written.checkpoint, obs, period, tmp, level, written.extra,
+                                               device=str(device)))
         if device.type == "cuda" and written.config.runtime.deterministic:
-            pinned = lerobot_side(python, written.checkpoint, obs, period, tmp, level, written.extra,
-                                  device=str(device), deterministic=True)
-    graph = graph_side(written, obs, device, "sync", ASYNC_RATE_HZ, paced=False)
+            pinned = done("lerobot_deterministic",
+                          lerobot_side(python, written.checkpoint, obs, period, tmp, level, written.extra,
+                                       device=str(device), deterministic=True))
+    graph = done("graph", graph_side(written, obs, device, "sync", ASYNC_RATE_HZ, paced=False))
+    paced = done("sync_paced", graph_side(written, obs, device, "sync", ASYNC_RATE_HZ, paced=True))
     asynchronous: Dict[str, Any] = {"ran": False, "reason": "--async-steps 0"}
     if async_steps:
         paced_obs = observations(async_steps, written.camera, joints=joints, cameras=written.camera_keys)
-        asynchronous = graph_side(written, paced_obs, device, "async", ASYNC_RATE_HZ, paced=True)
+        asynchronous = done("async", graph_side(written, paced_obs, device, "async", ASYNC_RATE_HZ, paced=True))
     sides: Dict[str, Dict[str, Any]] = {"lerobot": lerobot, "lerobot_deterministic": pinned, "graph": graph,
-                                        "async": asynchronous}
+                                        "sync_paced": paced, "async": asynchronous}
     actions: Dict[str, Optional[np.ndarray]] = {side: values.pop("_actions", None) for side, values in sides.items()}
     result: Dict[str, Any] = {"case": case.name, "kind": case.kind, "cameras": case.cameras,
                               "camera": list(written.camera), "steps": steps, "async_steps": async_steps, **sides}
@@ -189,6 +206,7 @@ def verdicts(case: Case, sides: Dict[str, Dict[str, Any]], actions: Dict[str, Op
     if asynchronous.get("ran", True):
         out["async_misses_after_first"] = asynchronous["misses_steady"]
         out["async_met"] = asynchronous["misses_steady"] <= ASYNC_MISSES_TARGET
+        out.update(consume_ratios(asynchronous, sides["sync_paced"], graph))
     if lerobot.get("ran") and graph.get("ran", True):
         target = CHUNK_RATIO_TARGET[case.kind]
         if "chunk_p50_ms" in graph and "chunk_p50_ms" in lerobot:
@@ -200,6 +218,20 @@ def verdicts(case: Case, sides: Dict[str, Dict[str, Any]], actions: Dict[str, Op
                              "lerobot_deterministic": ("graph", "lerobot_deterministic"),
                              "lerobot_deterministic_vs_lerobot": ("lerobot_deterministic", "lerobot")}.items():
             out.update(compare_actions(actions.get(a), actions.get(b), name))
+    return out
+
+
+def consume_ratios(asynchronous: Dict[str, Any], paced: Dict[str, Any], back_to_back: Dict[str, Any]) -> Dict[str, Any]:
+    """Async's consume steps over sync's paced alike (p50 and p99, against
+    ``CONSUME_RATIO_TARGET``) and over sync's back to back, where the sides ran."""
+    out: Dict[str, Any] = {}
+    mine = asynchronous.get("consume_p50_ms")
+    if paced.get("ran", True) and mine and paced.get("consume_p50_ms"):
+        out["consume_ratio"] = mine / paced["consume_p50_ms"]
+        out["consume_p99_ratio"] = asynchronous["consume_p99_ms"] / paced["consume_p99_ms"]
+        out["consume_ratio_met"] = out["consume_ratio"] <= CONSUME_RATIO_TARGET
+    if back_to_back.get("ran", True) and mine and back_to_back.get("consume_p50_ms"):
+        out["consume_ratio_back_to_back"] = mine / back_to_back["consume_p50_ms"]
     return out
 
 
@@ -217,7 +249,8 @@ def compare_actions(mine: Optional[np.ndarray], theirs: Optional[np.ndarray], na
 def headline(result: Dict[str, Any]) -> Dict[str, Any]:
     """A case's main figures (progress on stderr: a long run's finished cases are not lost)."""
     out: Dict[str, Any] = {k: v for k, v in result.items() if k.startswith("actions_")
-                           or k in ("chunk_ratio", "consume_met", "async_misses_after_first")}
+                           or k in ("chunk_ratio", "consume_met", "async_misses_after_first", "consume_ratio",
+                                    "consume_p99_ratio")}
     for side in SIDES:
         r = result[side]
         out[side] = ({k: r[k] for k in ("chunk_p50_ms", "chunk_p99_ms", "consume_p50_ms", "first_step_ms",
@@ -271,7 +304,8 @@ def table(result: dict) -> None:
                                                    "first step ms", "GPU peak GiB", "misses after first"], rows)
     for case in result["cases"]:
         print(case["case"], {k: case[k] for k in ("chunk_ratio", "chunk_target", "chunk_met", "consume_met",
-                                                  "async_met", "actions_equal_lerobot",
+                                                  "async_met", "consume_ratio", "consume_ratio_met",
+                                                  "actions_equal_lerobot",
                                                   "actions_equal_lerobot_deterministic") if k in case})
 
 
