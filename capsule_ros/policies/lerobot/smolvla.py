@@ -80,18 +80,34 @@ def check_config(checkpoint: Checkpoint) -> None:
 
 # --- LeRobot's hand-written functions, operation for operation ------------------------------------
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, max_wavelength: int = 10_000) -> torch.Tensor:
-    """RoPE positions [B, L] applied to x [B, L, H, D] (``smolvlm_with_expert.apply_rope``)."""
+@dataclass(frozen=True)
+class RopeAngles:
+    """The sines and cosines ``smolvlm_with_expert.apply_rope`` makes for positions [B, L] and
+    a head width: the same for every layer that rotates at those positions, so a chunk makes
+    them once per position set instead of once per layer and denoising step (the same
+    operations on the same inputs: the same bits)."""
+
+    sin: torch.Tensor                        # float32 [B, L, 1, D / 2]
+    cos: torch.Tensor
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, head_dim: int, max_wavelength: int = 10_000) -> RopeAngles:
+        d_half = head_dim // 2
+        freq_exponents = (2.0 / head_dim) * torch.arange(d_half, dtype=torch.float32, device=positions.device)
+        timescale = max_wavelength ** freq_exponents
+        radians = positions[..., None].to(torch.float32) / timescale[None, None, :].to(torch.float32)
+        radians = radians[..., None, :]
+        return cls(torch.sin(radians), torch.cos(radians))
+
+
+def rotate(x: torch.Tensor, angles: RopeAngles) -> torch.Tensor:
+    """``apply_rope``'s rotation of x [B, L, H, D] (RoPE) by the angles of its positions."""
     d_half = x.shape[-1] // 2
-    device = x.device
+    if angles.sin.shape[-1] != d_half:
+        raise ValueError(f"RoPE angles for heads of {2 * angles.sin.shape[-1]}, applied to heads of {x.shape[-1]}")
     dtype = x.dtype
     x = x.to(torch.float32)
-    freq_exponents = (2.0 / x.shape[-1]) * torch.arange(d_half, dtype=torch.float32, device=device)
-    timescale = max_wavelength ** freq_exponents
-    radians = positions[..., None].to(torch.float32) / timescale[None, None, :].to(torch.float32)
-    radians = radians[..., None, :]
-    sin = torch.sin(radians)
-    cos = torch.cos(radians)
+    sin, cos = angles.sin, angles.cos
     x1, x2 = x.split(d_half, dim=-1)
     res = torch.empty_like(x)
     res[..., :d_half] = x1 * cos - x2 * sin
@@ -132,17 +148,32 @@ def sinusoidal_time_embedding(time: torch.Tensor, dimension: int, min_period: fl
     return torch.cat([torch.sin(sin_input), torch.cos(sin_input)], dim=1)
 
 
-def eager_attention(attention_mask: torch.Tensor, batch_size: int, head_dim: int, heads: int, kv_heads: int,
-                    query_states: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
+def eager_attention(attention_mask: torch.Tensor, heads: int, kv_heads: int, query_states: torch.Tensor,
+                    key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
     """``SmolVLMWithExpertModel.eager_attention_forward``: grouped-query attention upcast to float32."""
+    keys, values = grouped_keys_values(key_states, value_states, heads, kv_heads)
+    return attend(attention_mask, query_states, keys, values)
+
+
+def grouped_keys_values(key_states: torch.Tensor, value_states: torch.Tensor, heads: int,
+                        kv_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``eager_attention_forward``'s first half: keys and values [B, L, kv_heads, D] repeated
+    to every query head (keys upcast to float32): [B, L, heads, D], contiguous. Exact copies,
+    so a chunk groups a fixed prefix's once and concatenates each step's suffix to them."""
+    batch_size, sequence_length, _, head_dim = key_states.shape
     groups = heads // kv_heads
-    sequence_length = key_states.shape[1]
     key_states = key_states[:, :, :, None, :].expand(batch_size, sequence_length, kv_heads, groups, head_dim)
     key_states = key_states.reshape(batch_size, sequence_length, kv_heads * groups, head_dim)
     value_states = value_states[:, :, :, None, :].expand(batch_size, sequence_length, kv_heads, groups, head_dim)
     value_states = value_states.reshape(batch_size, sequence_length, kv_heads * groups, head_dim)
+    return key_states.to(dtype=torch.float32), value_states
+
+
+def attend(attention_mask: torch.Tensor, query_states: torch.Tensor, key_states: torch.Tensor,
+           value_states: torch.Tensor) -> torch.Tensor:
+    """``eager_attention_forward``'s second half, over grouped keys and values."""
+    batch_size, _, heads, head_dim = key_states.shape
     query_states = query_states.to(dtype=torch.float32)
-    key_states = key_states.to(dtype=torch.float32)
     query_states = query_states.transpose(1, 2)
     key_states = key_states.transpose(1, 2)
     att_weights = torch.matmul(query_states, key_states.transpose(2, 3))
@@ -154,7 +185,7 @@ def eager_attention(attention_mask: torch.Tensor, batch_size: int, head_dim: int
     probs = probs.to(dtype=value_states.dtype)
     att_output = torch.matmul(probs, value_states.permute(0, 2, 1, 3))
     att_output = att_output.permute(0, 2, 1, 3)
-    return att_output.reshape(batch_size, -1, kv_heads * groups * head_dim)
+    return att_output.reshape(batch_size, -1, heads * head_dim)
 
 
 def get_intermediate_size(hidden_dim: int, ffn_dim_multiplier: int = 4, multiple_of: int = 256) -> int:
@@ -309,13 +340,13 @@ class SmolVLAModel(nn.Module):
 class Prefix:
     """One chunk's prefix, as the denoising steps read it (scratch of one plan)."""
 
-    keys: List[torch.Tensor]                 # per VLM layer [B, heads_kv, P, D] (DynamicCache's layout)
-    values: List[torch.Tensor]
-    pad_masks: torch.Tensor                  # bool [B, P]
     attention: torch.Tensor                  # bool [B, T, P + T]: the suffix's mask over [prefix; suffix]
-    positions: torch.Tensor                  # int64 [B, T]: the suffix's position ids
-    expert_positions: torch.Tensor           # int64 [B, T]: the same from 0 (cross-attention layers)
-    cross_kv: Dict[int, Tuple[torch.Tensor, torch.Tensor]]   # VLM layer -> the expert's K/V over the prefix
+    positions: RopeAngles                    # the suffix's positions (self-attention layers)
+    expert_positions: RopeAngles             # the same from 0 (cross-attention layers)
+    # VLM layer -> keys (float32) and values over the prefix, grouped to every query head
+    # (``grouped_keys_values``): the expert's projections (cross-attention layers), the VLM's
+    # own (self-attention layers, which append each step's suffix to them)
+    grouped_kv: Dict[int, Tuple[torch.Tensor, torch.Tensor]]
 
 
 class SmolVLAPolicy(VLAPolicy):
@@ -483,11 +514,15 @@ class SmolVLAPolicy(VLAPolicy):
         offsets = torch.sum(pad_masks, dim=-1)[:, None]
         suffix_positions = offsets + torch.cumsum(self.suffix_pad, dim=1) - 1
         expert_positions = suffix_positions - torch.min(suffix_positions, dim=1, keepdim=True).values
-        cross_kv: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        grouped_kv: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         for i, (selfish, expert) in enumerate(zip(vwe.plan.self_attention, vwe.plan.expert_of, strict=True)):
-            if not selfish and expert is not None:
-                cross_kv[i] = self.cross_keys_values(vwe.lm_expert.layers[expert], keys[i], values[i])
-        return Prefix(keys, values, pad_masks, attention, suffix_positions, expert_positions, cross_kv)
+            if expert is None:
+                continue
+            prefix_kv = (keys[i].transpose(1, 2), values[i].transpose(1, 2)) if selfish else \
+                self.cross_keys_values(vwe.lm_expert.layers[expert], keys[i], values[i])
+            grouped_kv[i] = grouped_keys_values(*prefix_kv, vwe.heads, vwe.kv_heads)
+        return Prefix(attention, RopeAngles.of(suffix_positions, vwe.head_dim),
+                      RopeAngles.of(expert_positions, vwe.head_dim), grouped_kv)
 
     def prefix_pass(self, emb: torch.Tensor, att_2d: torch.Tensor,
                     positions: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
@@ -499,19 +534,20 @@ class SmolVLAPolicy(VLAPolicy):
         values: List[torch.Tensor] = []
         hidden = emb
         last = len(layers) - 1
+        angles = RopeAngles.of(positions, vwe.head_dim)
         for i, layer in enumerate(layers):
             normed = layer.input_layernorm(hidden)
             shape = (*normed.shape[:-1], -1, layer.self_attn.head_dim)
             normed = normed.to(dtype=layer.self_attn.q_proj.weight.dtype)
-            key_state = apply_rope(layer.self_attn.k_proj(normed).view(shape), positions)
+            key_state = rotate(layer.self_attn.k_proj(normed).view(shape), angles)
             value_state = layer.self_attn.v_proj(normed).view(shape)
             keys.append(torch.cat([key_state.transpose(1, 2)], dim=-2))        # DynamicCache: [B, H, P, D]
             values.append(torch.cat([value_state.transpose(1, 2)], dim=-2))
             if i == last:
                 break                 # the last layer's output feeds only the discarded final norm
-            query_state = apply_rope(layer.self_attn.q_proj(normed).view(shape), positions)
-            att_output = eager_attention(att_2d, 1, vwe.head_dim, vwe.heads, vwe.kv_heads, query_state,
-                                         keys[i].transpose(1, 2), values[i].transpose(1, 2))
+            query_state = rotate(layer.self_attn.q_proj(normed).view(shape), angles)
+            att_output = eager_attention(att_2d, vwe.heads, vwe.kv_heads, query_state, keys[i].transpose(1, 2),
+                                         values[i].transpose(1, 2))
             hidden = self._layer_output(layer, att_output, hidden)
         return keys, values
 
@@ -523,7 +559,7 @@ class SmolVLAPolicy(VLAPolicy):
             att_output = att_output.to(o_proj.weight.dtype)
         out_emb = o_proj(att_output)
         out_emb += hidden
-        after_first_residual = out_emb.clone()
+        after_first_residual = out_emb          # LeRobot clones it; nothing below writes to it
         out_emb = layer.post_attention_layernorm(out_emb)
         out_emb = layer.mlp(out_emb)
         out_emb += after_first_residual
@@ -569,19 +605,20 @@ class SmolVLAPolicy(VLAPolicy):
             shape = (*normed.shape[:-1], -1, layer.self_attn.head_dim)
             normed = normed.to(dtype=layer.self_attn.q_proj.weight.dtype)
             query_state = layer.self_attn.q_proj(normed).view(shape)
-            if selfish:
+            keys, values = prefix.grouped_kv[i]
+            if selfish:         # LeRobot: [prefix; suffix] keys and values, then grouped (exact copies either way)
                 key_state = layer.self_attn.k_proj(normed).view(shape)
                 value_state = layer.self_attn.v_proj(normed).view(shape)
-                query_state = apply_rope(query_state, prefix.positions)
-                key_state = apply_rope(key_state, prefix.positions)
-                keys = torch.cat([prefix.keys[i], key_state.transpose(1, 2)], dim=-2).transpose(1, 2)
-                values = torch.cat([prefix.values[i], value_state.transpose(1, 2)], dim=-2).transpose(1, 2)
+                query_state = rotate(query_state, prefix.positions)
+                key_state = rotate(key_state, prefix.positions)
+                suffix_keys, suffix_values = grouped_keys_values(key_state, value_state, vwe.heads, vwe.kv_heads)
+                keys = torch.cat([keys, suffix_keys], dim=1)
+                values = torch.cat([values, suffix_values], dim=1)
                 mask = prefix.attention
             else:
-                keys, values = prefix.cross_kv[i]
-                query_state = apply_rope(query_state, prefix.expert_positions)
+                query_state = rotate(query_state, prefix.expert_positions)
                 mask = prefix.attention[:, -hidden.shape[1]:, :keys.shape[1]]
-            att_output = eager_attention(mask, 1, vwe.head_dim, vwe.heads, vwe.kv_heads, query_state, keys, values)
+            att_output = attend(mask, query_state, keys, values)
             hidden = self._layer_output(layer, att_output, hidden)
         out = vwe.lm_expert.norm(hidden)
         out = out[:, -self.options.chunk_size:]
