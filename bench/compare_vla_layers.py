@@ -35,7 +35,8 @@ import torch
 
 from capsule_ros.benchmarks import vla
 from capsule_ros.benchmarks.chunking import at, observations, side_session
-from capsule_ros.benchmarks.common import resolve_device
+from capsule_ros.benchmarks.common import resolve_device, write_report
+
 # LeRobot's side, imported before torch runs (they pin the CPU numerics level)
 from tools.lerobot_fixtures.make_fixtures import predict_action
 from tools.lerobot_fixtures.make_vla_fixtures import CounterFlowNoise, load_policy
@@ -99,7 +100,7 @@ def same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Tuple[str, flo
 def lerobot_first_action(written: vla.Written, obs: Dict[str, np.ndarray], device: torch.device,
                          deterministic: bool, record: Optional[Record], order: List[str]):
     """LeRobot's policy, loaded as select_action_loop.py loads it, planning step 0."""
-    extra = dict(zip(written.extra[::2], written.extra[1::2]))
+    extra = dict(zip(written.extra[::2], written.extra[1::2], strict=True))
     load = load_policy if written.config.policy.kind == "lerobot_smolvla" else load_pi
     policy, pre, post = load(written.checkpoint, Path(extra["--vlm"]), device=str(device))
     noise = CounterFlowNoise(policy)
@@ -220,10 +221,7 @@ def main() -> int:
         lines += compare_records(theirs, order, mine)
         lines.append("LeRobot default algorithms against LeRobot deterministic, module by module:")
         lines += compare_records(theirs, order, default_record, limit=15)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare_vla_layers.txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "compare_vla_layers.txt", lines)
     return 0
 
 

@@ -31,7 +31,7 @@ import torch
 from torch.autograd import DeviceType
 
 from capsule_ros.benchmarks.chunking import CASES, PORTS, Pacer, at, observations, side_session
-from capsule_ros.benchmarks.common import resolve_device
+from capsule_ros.benchmarks.common import resolve_device, write_report
 from capsule_ros.benchmarks.lerobot_act import serving_config
 from capsule_ros.chunking.mode import ChunkProgram
 from capsule_ros.runtime import numerics
@@ -168,10 +168,7 @@ def main(argv=None) -> int:
         for chunking in ("sync", "async"):
             lines += profile_mode(checkpoint, device, chunking, obs, args.steps, args.rate, paced) + [""]
             print(f"profile_async_consume: {chunking} done", file=sys.stderr, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    target = args.out / "profile_async_consume.txt"
-    target.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    target = write_report(args.out, "profile_async_consume.txt", lines)
     print(f"wrote {target}", file=sys.stderr)
     return 0
 

@@ -27,7 +27,7 @@ from torch.autograd import DeviceType
 
 from capsule_ros.benchmarks import vla
 from capsule_ros.benchmarks.chunking import at, observations, side_session
-from capsule_ros.benchmarks.common import resolve_device, time_calls
+from capsule_ros.benchmarks.common import resolve_device, time_calls, write_report
 from capsule_ros.chunking.mode import ChunkProgram
 
 TOP = 30
@@ -82,10 +82,7 @@ def main() -> int:
         for name, us in gpu_us.most_common(TOP):
             lines.append(f"  {us / 3:10.1f}  {kernels[name] / 3:6.0f}  {name[:140]}")
         session.release()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile_vla_chunk.txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "profile_vla_chunk.txt", lines)
     return 0
 
 

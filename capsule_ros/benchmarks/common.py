@@ -146,6 +146,16 @@ def print_table(title: str, header: List[str], rows: Iterable[List[object]]) -> 
     Console(width=200).print(table)
 
 
+def write_report(out_dir: Union[str, Path], name: str, lines: Sequence[str]) -> Path:
+    """A profiling script's text report: ``out_dir/name`` (made if missing), also printed."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / name
+    target.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return target
+
+
 def emit(result: dict, as_json: bool, table: Callable[[dict], None]) -> None:
     if as_json:
         print(json.dumps(result, indent=2))

@@ -42,8 +42,9 @@ the steps that take over a chunk planned in the background, not a chunk's time);
 peak allocation, weights included; ``state_bytes``: a capsule's state. Against the targets
 (``TARGETS``): ``chunk_ratio`` (graph over LeRobot, p50), the consume step, async's misses
 after the first step, ``consume_ratio`` / ``consume_p99_ratio`` (async's consume steps over
-``sync_paced``'s; ``consume_ratio_back_to_back``: over the graph side's); ``actions_equal_<side>`` (the graph's actions against that LeRobot side,
-bit for bit), ``actions_max_abs_diff_<side>`` and the first step that differs.
+``sync_paced``'s; ``consume_ratio_back_to_back``: over the graph side's);
+``actions_equal_<side>`` (the graph's actions against that LeRobot side, bit for bit),
+``actions_max_abs_diff_<side>`` and the first step that differs.
 """
 from __future__ import annotations
 
