@@ -178,12 +178,15 @@ def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.nda
     inputs, out = tmp / "observations.npz", tmp / f"lerobot{'-deterministic' if deterministic else ''}.npz"
     arrays: Dict[str, Any] = {"seed": np.asarray(0), **obs}
     np.savez(inputs, **arrays)
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(python), "OMP_NUM_THREADS": "1", "CAPSULE_ROS_NUMERICS": level}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(python), "CAPSULE_ROS_NUMERICS": level}
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu:                  # one thread each side; on a GPU the host keeps torch's default, as a user's does
+        env["OMP_NUM_THREADS"] = "1"
     if deterministic:
         env.update(CAPSULE_ROS_DETERMINISTIC="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
     done = subprocess.run([str(python), str(LEROBOT_SCRIPT), "--checkpoint", str(checkpoint), "--observations",
-                           str(inputs), "--out", str(out), "--device", device, *extra], env=env,
-                          capture_output=True, text=True)
+                           str(inputs), "--out", str(out), "--device", device, "--threads", "1" if on_cpu else "0",
+                           *extra], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         return {"ran": False, "reason": f"the LeRobot loop failed: {done.stderr.strip()[-600:]}"}
     with np.load(out, allow_pickle=False) as data:

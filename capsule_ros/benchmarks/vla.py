@@ -15,7 +15,8 @@ as a random walk, panning textured cameras) and counter-based noise:
 
 - ``lerobot``: LeRobot's ``predict_action`` loop (``tools/lerobot_bench/select_action_loop.py``
   with ``--device``): its observation conversion, preprocessor, ``select_action`` and
-  postprocessor every step, eager, as its record and eval loops call it. LeRobot's
+  postprocessor every step, eager, as its record and eval loops call it (one torch thread on
+  a CPU, as capsule_ros's side; torch's default on a GPU, as a user's process). LeRobot's
   environment: ``--lerobot-python``, ``CAPSULE_ROS_LEROBOT_PYTHON``, the one
   ``tools/lerobot_bench/setup.sh`` makes, or this interpreter where LeRobot imports (the GPU
   machine: LeRobot travels there as wheels). Without it the side reports why;

@@ -49,13 +49,16 @@ def main() -> None:
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--observations", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's CPU threads; 0: its default (a GPU run: the host as a user's process has it, "
+                             "and a 3B model built in seconds, not minutes)")
     parser.add_argument("--vlm", help="a VLA's hub files: SmolVLA's VLM (config, tokenizer, processor), π0's "
                                       "tokenizer")
     parser.add_argument("--task", default="", help="a VLA: the task instruction of every step")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     if os.environ.get("CAPSULE_ROS_DETERMINISTIC") == "1":           # as capsule_ros.runtime.engine.configure_torch
         torch._C._set_deterministic_algorithms(True, warn_only=False)
         torch.utils.deterministic.fill_uninitialized_memory = False
