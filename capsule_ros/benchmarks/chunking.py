@@ -331,10 +331,10 @@ def run_case(case: Case, device: torch.device, quick: bool, steps: int, lerobot_
         lerobot = lerobot_side(lerobot_python, checkpoint, obs, period, tmp, level, extra) \
             if device.type == "cpu" else \
             {"ran": False, "reason": "LeRobot's loop is measured on the CPU only (no LeRobot on the GPU machine)"}
-        sync = _refused_or(lambda: session_side(config, ports_of, obs, device, "sync", 1.0 / period, paced=False))
-        sync_paced = _refused_or(lambda: session_side(config, ports_of, obs, device, "sync", 1.0 / period,
+        sync = refused_or(lambda: session_side(config, ports_of, obs, device, "sync", 1.0 / period, paced=False))
+        sync_paced = refused_or(lambda: session_side(config, ports_of, obs, device, "sync", 1.0 / period,
                                                       paced=True))
-        asynchronous = _refused_or(lambda: session_side(config, ports_of, obs, device, "async", 1.0 / period,
+        asynchronous = refused_or(lambda: session_side(config, ports_of, obs, device, "async", 1.0 / period,
                                                         paced=True, wake_floor=True))
     sides: Dict[str, Dict[str, Any]] = {"lerobot": lerobot, "sync": sync, "sync_paced": sync_paced,
                                         "async": asynchronous}
@@ -367,7 +367,7 @@ def consume_ratios(sides: Mapping[str, Mapping[str, Any]]) -> Dict[str, float]:
     return out
 
 
-def _refused_or(side: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+def refused_or(side: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
     """A session side's figures, or (a schedule the configuration refuses, e.g. an auto
     delay the chunk cannot take) why it did not run, with the numbers of the refusal."""
     try:

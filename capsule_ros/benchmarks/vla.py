@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from capsule_ros.benchmarks import lerobot_pi, lerobot_smolvla
-from capsule_ros.benchmarks.chunking import DEFAULT_LEROBOT_PYTHON, lerobot_side, observations, session_side
+from capsule_ros.benchmarks.chunking import DEFAULT_LEROBOT_PYTHON, lerobot_side, observations, refused_or, session_side
 from capsule_ros.benchmarks.common import emit, environment, print_table, resolve_device
 from capsule_ros.errors import ConfigError
 from capsule_ros.serving.config import ServingConfig
@@ -149,11 +149,9 @@ def graph_side(written: Written, obs: Dict[str, np.ndarray], device: torch.devic
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    try:
-        out = session_side(written.config, written.ports_of, obs, device, chunking, rate, paced=paced)
-    except ConfigError as exc:
-        return {"ran": False, "reason": f"refused at configure: {exc}"}
-    out["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+    out = refused_or(lambda: session_side(written.config, written.ports_of, obs, device, chunking, rate, paced=paced))
+    if out.get("ran", True):
+        out["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
     return out
 
 
