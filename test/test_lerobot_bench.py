@@ -242,3 +242,25 @@ def test_async_steps_is_an_option_of_bench_vla_only():
     result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "chunking", "--async-steps", "10"],
                             capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode != 0 and "--async-steps is an option of bench vla only" in result.stderr
+
+
+@pytest.mark.skipif(not LEROBOT_PYTHON.exists(), reason="bench/compare_vla_layers.py runs LeRobot and capsule_ros in "
+                    "one process, LeRobot's (tools/lerobot_bench/setup.sh); test_vla_parity.py and "
+                    "test_lerobot_pi.py compare the actions without it")
+@pytest.mark.parametrize("case", ["smolvla-1cam", "pi0-1cam"])
+def test_compare_vla_layers_finds_no_difference_where_the_bits_agree(tmp_path, case):
+    """On the CPU, where both kinds give LeRobot's bits: the tool reports every action
+    bit-identical, every shared weight equal, and no module whose output differs; its report
+    names the modules it compared (so "none" is not an empty comparison)."""
+    result = subprocess.run([str(LEROBOT_PYTHON), "bench/compare_vla_layers.py", str(tmp_path), "--case", case,
+                             "--quick", "--device", "cpu"], capture_output=True, text=True, timeout=900, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'examples' / 'gru_policy'}",
+                                 "CAPSULE_ROS_WITHOUT_ROS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = (tmp_path / "compare_vla_layers.txt").read_text()
+    for pair in ("capsule_ros graph vs capsule_ros eager", "capsule_ros eager vs LeRobot deterministic"):
+        assert f"{pair}: bit-identical (max 0)" in report, report
+    assert re.search(r"weights with the same name on both sides: [1-9]\d*, different: 0", report), report
+    compared = [int(n) for n in re.findall(r"modules compared: (\d+)", report)]
+    assert len(compared) == 2 and min(compared) > 50, report
+    assert report.count("first divergence: none") == 2, report

@@ -327,6 +327,21 @@ def test_config_is_all_validation_reads(checkpoints):
         read_checkpoint(checkpoints["diffusion"].parent)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_camera_frame_becomes_the_floats_lerobot_makes_on_the_cpu(device):
+    """Every uint8 value, converted on ``device``, equals LeRobot's conversion bit for bit:
+    ``/ 255`` on the CPU, a true division. A multiplication by the reciprocal (what torch's
+    CUDA kernel makes of a division by a Python number) rounds 126 of the 256 values the other
+    way, which made every camera policy's image on a GPU differ from LeRobot's."""
+    from capsule_ros.policies.lerobot.common import camera_to_float
+    frame = torch.arange(256, dtype=torch.uint8).reshape(16, 16, 1).expand(16, 16, 3)
+    want = torch.movedim(frame.to(torch.float32) / 255, -1, -3).contiguous()        # LeRobot's, on the CPU
+    got = camera_to_float(frame.to(device)).cpu()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    reciprocal = torch.movedim(frame.to(torch.float32) * (1 / 255), -1, -3)
+    assert int((reciprocal != want).sum()) == 126 * 3                            # what the test tells apart
+
+
 # --- CUDA ----------------------------------------------------------------------------------
 
 
