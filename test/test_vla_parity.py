@@ -241,6 +241,45 @@ def test_the_fingerprint_covers_what_changes_the_numbers(fixtures):
     assert architecture["task"]["tokenizer"]["vocabulary"] > 0
 
 
+def lerobot_apply_rope(x: torch.Tensor, positions: torch.Tensor, max_wavelength: int = 10_000) -> torch.Tensor:
+    """``smolvlm_with_expert.apply_rope`` of LeRobot 0.6.1, as written there: the reference."""
+    d_half = x.shape[-1] // 2
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    freq_exponents = (2.0 / x.shape[-1]) * torch.arange(d_half, dtype=torch.float32, device=x.device)
+    timescale = max_wavelength ** freq_exponents
+    radians = positions[..., None].to(torch.float32) / timescale[None, None, :].to(torch.float32)
+    radians = radians[..., None, :]
+    sin, cos = torch.sin(radians), torch.cos(radians)
+    x1, x2 = x.split(d_half, dim=-1)
+    res = torch.empty_like(x)
+    res[..., :d_half] = x1 * cos - x2 * sin
+    res[..., d_half:] = x2 * cos + x1 * sin
+    return res.to(dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_by_shared_angles_is_lerobots_bit_for_bit(device, dtype):
+    """``rotate`` with angles made once (``RopeAngles``) against LeRobot's ``apply_rope``, on
+    finite values at the edges of the dtype: signed zeros, subnormals, the largest values,
+    positions from 0 to past the 48-token prompt and a chunk."""
+    from capsule_ros.policies.lerobot.smolvla import RopeAngles, rotate
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 160, 5, 64, generator=gen) * torch.logspace(-3, 3, 64)
+    info = torch.finfo(dtype)
+    x[0, 0, 0, :8] = torch.tensor([0.0, -0.0, info.tiny, -info.tiny, info.tiny / 4, info.max, -info.max, 1.0])
+    x = x.to(dtype).to(device)
+    positions = torch.stack([torch.arange(160), torch.arange(160) * 7 + 3]).to(device)
+    got = rotate(x, RopeAngles.of(positions, 64))
+    want = lerobot_apply_rope(x, positions)
+    assert got.dtype == want.dtype == dtype
+    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    with pytest.raises(ValueError, match="heads of 64, applied to heads of 32"):
+        rotate(x[..., :32], RopeAngles.of(positions, 64))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("mode, delay, guided", [("sync", 0, False), ("async", 3, True)])
 def test_a_capsule_at_every_cursor_restores_byte_exactly_and_replays_bit_identically(fixtures, mode, delay, guided,

@@ -85,9 +85,10 @@ class RopeAngles:
     """The sines and cosines ``smolvlm_with_expert.apply_rope`` makes for positions [B, L] and
     a head width: the same for every layer that rotates at those positions, so a chunk makes
     them once per position set instead of once per layer and denoising step (the same
-    operations on the same inputs: the same bits)."""
+    operations on the same inputs: the same bits). Kept as full-width rows for ``rotate``:
+    ``cos`` is [cos, cos] and ``sin`` is [-sin, sin] along the head (float32 [B, L, 1, D])."""
 
-    sin: torch.Tensor                        # float32 [B, L, 1, D / 2]
+    sin: torch.Tensor
     cos: torch.Tensor
 
     @classmethod
@@ -97,22 +98,25 @@ class RopeAngles:
         timescale = max_wavelength ** freq_exponents
         radians = positions[..., None].to(torch.float32) / timescale[None, None, :].to(torch.float32)
         radians = radians[..., None, :]
-        return cls(torch.sin(radians), torch.cos(radians))
+        sin, cos = torch.sin(radians), torch.cos(radians)
+        return cls(torch.cat([-sin, sin], dim=-1), torch.cat([cos, cos], dim=-1))
 
 
 def rotate(x: torch.Tensor, angles: RopeAngles) -> torch.Tensor:
-    """``apply_rope``'s rotation of x [B, L, H, D] (RoPE) by the angles of its positions."""
-    d_half = x.shape[-1] // 2
-    if angles.sin.shape[-1] != d_half:
-        raise ValueError(f"RoPE angles for heads of {2 * angles.sin.shape[-1]}, applied to heads of {x.shape[-1]}")
+    """``apply_rope``'s rotation of x [B, L, H, D] (RoPE) by the angles of its positions.
+
+    LeRobot writes each half: ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin``. Here the
+    same products and sums run over whole contiguous rows, ``x * [cos, cos] + [x2, x1] *
+    [-sin, sin]``: each element is the same rounded product, and ``a - b`` is exactly ``a +
+    (-b)`` in IEEE arithmetic (signed zeros included), so the bits are LeRobot's, in 4 kernels
+    instead of 8 strided ones."""
+    if angles.cos.shape[-1] != x.shape[-1]:
+        raise ValueError(f"RoPE angles for heads of {angles.cos.shape[-1]}, applied to heads of {x.shape[-1]}")
     dtype = x.dtype
     x = x.to(torch.float32)
-    sin, cos = angles.sin, angles.cos
-    x1, x2 = x.split(d_half, dim=-1)
-    res = torch.empty_like(x)
-    res[..., :d_half] = x1 * cos - x2 * sin
-    res[..., d_half:] = x2 * cos + x1 * sin
-    return res.to(dtype)
+    x1, x2 = x.split(x.shape[-1] // 2, dim=-1)
+    swapped = torch.cat([x2, x1], dim=-1)
+    return (x * angles.cos + swapped * angles.sin).to(dtype)
 
 
 def make_att_2d_masks(pad_masks: torch.Tensor, att_masks: torch.Tensor) -> torch.Tensor:
