@@ -8,7 +8,8 @@
 # runtimes, the default policy, ACT and a recurrent actor) or fleet-default / fleet-act /
 # fleet-recurrent (one case of it), vla-smolvla / vla-pi0 / vla-pi05 (bench vla: one kind with 1, 2
 # and 3 cameras against LeRobot's eager policy; LeRobot 0.6.1 and its missing dependencies installed
-# as wheels first, docs/benchmarks.md says which); default: all of them but vla. Writes pytest output and one JSON
+# as wheels first, docs/benchmarks.md says which) or vla-<kind>-<n>cam (one case of it: a π case
+# takes about 5 minutes); default: all of them but vla. Writes pytest output and one JSON
 # per benchmark to OUT_DIR (default: bench/results/<date>). Needs torch with CUDA, numpy,
 # pyyaml, rich, safetensors and pytest + hypothesis for the tests, and transformers 5.5.4
 # (with tokenizers 0.22.2 and huggingface_hub 1.33.0: requirements/lock.txt) for the VLA
@@ -35,6 +36,7 @@ for task in "${TASKS[@]}"; do
     step-exported) args=(step --policy exported) ;;   # docs/benchmarks.md, "exported program"
     step-act) args=(step --policy act) ;;             # docs/benchmarks.md, "ACT from a LeRobot checkpoint"
     fleet-*) args=(fleet --cases "${task#fleet-}") ;; # docs/benchmarks.md, "Fleet"
+    vla-*cam) args=(vla --cases "${task#vla-}") ;;    # one case, e.g. vla-pi05-2cam (a device call's 10 minutes)
     vla-*) kind="${task#vla-}"                         # docs/benchmarks.md, "VLAs on the GPU": one kind, 1-3 cameras
            args=(vla --cases "$kind-1cam,$kind-2cam,$kind-3cam") ;;
     *) args=("$task") ;;
