@@ -205,11 +205,10 @@ class GoalRunner:
     """An ActionClient of a policy node's ~/run_policy with blocking helpers (the client node spins elsewhere)."""
 
     def __init__(self, client: ClientNode, node_path: str):
-        from rclpy.action import ActionClient
-
         from capsule_ros.action import RunPolicy
+        from capsule_ros.ros.spinning import SpinSafeActionClient
         self.RunPolicy = RunPolicy
-        self.action = ActionClient(client.node, RunPolicy, f"{node_path}/run_policy")
+        self.action = SpinSafeActionClient(client.node, RunPolicy, f"{node_path}/run_policy")
         assert self.action.wait_for_server(timeout_sec=60)
         self.feedback: queue.Queue = queue.Queue()
 

@@ -402,3 +402,28 @@ def test_halting_the_run_policy_leaf_cancels_its_run(env):
     finally:
         stop.set()
     client.capsules.reenter()
+
+
+def test_an_action_client_made_on_a_spinning_node_never_stops_its_executor(rclpy_context):
+    """rclpy's ActionClient gives itself to the node before it makes the lock its entity
+    count takes, so an executor spinning in another thread can ask in between and die (its
+    node then answers nothing: a RunPolicy behaviour made while the tree's node spins).
+    Asked exactly there, SpinSafeActionClient answers; rclpy's own client does not."""
+    from rclpy.action import ActionClient
+
+    from capsule_ros.action import RunPolicy
+    from capsule_ros.ros.spinning import SpinSafeActionClient
+    node = rclpy_context.create_node("action_client_race")
+    handed = node.add_waitable
+
+    def add_waitable_asked_at_once(waitable):
+        waitable.get_num_entities()            # what a spinning executor may do at this moment
+        handed(waitable)
+    node.add_waitable = add_waitable_asked_at_once
+    try:
+        client = SpinSafeActionClient(node, RunPolicy, "/race/run_policy")
+        assert client.get_num_entities() is not None
+        with pytest.raises(AttributeError, match="_lock"):
+            ActionClient(node, RunPolicy, "/race/run_policy_plain")
+    finally:
+        node.destroy_node()

@@ -20,7 +20,7 @@ import numpy as np
 from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device
 from capsule_ros.polling import wait_until
 from capsule_ros.ros.processes import start_policy_node, workdir
-from capsule_ros.ros.spinning import SpunNode
+from capsule_ros.ros.spinning import SpinSafeActionClient, SpunNode
 
 RATE_HZ = 50.0
 NS = "/bench_cancel"
@@ -34,7 +34,6 @@ def _until(future, timeout_s: float, what: str):
 def run(device_name: str = "cpu", quick: bool = False) -> dict:
     import rclpy
     from geometry_msgs.msg import PointStamped
-    from rclpy.action import ActionClient
     from rclpy.qos import QoSProfile, ReliabilityPolicy
     from sensor_msgs.msg import JointState
 
@@ -59,7 +58,7 @@ def run(device_name: str = "cpu", quick: bool = False) -> dict:
                                         lambda m: arrivals.put((time.perf_counter(), m.source)), reliable)
         joints = client.node.create_publisher(JointState, f"{NS}/arm/joint_states", reliable)
         goal_pub = client.node.create_publisher(PointStamped, f"{NS}/arm/goal", reliable)
-        action: Any = ActionClient(client.node, RunPolicy, f"{NS}/capsule_policy/run_policy")
+        action: Any = SpinSafeActionClient(client.node, RunPolicy, f"{NS}/capsule_policy/run_policy")
         if not action.wait_for_server(timeout_sec=120):
             raise SystemExit("policy_node's ~/run_policy did not appear")
 

@@ -125,15 +125,15 @@ class RunPolicy(py_trees.behaviour.Behaviour):
         """Create the action client and the cancel client once (``node`` from the kwargs or
         the constructor)."""
         from action_msgs.srv import CancelGoal
-        from rclpy.action import ActionClient
 
         from capsule_ros.action import RunPolicy as RunPolicyAction
+        from capsule_ros.ros.spinning import SpinSafeActionClient
         node = kwargs.get("node", self._node)
         if node is None:
             raise KeyError(f"{self.name}: no rclpy node: pass node= to the constructor or to setup()")
         if self._action is None or self._node is not node:
             self._node = node
-            self._action = ActionClient(node, RunPolicyAction, self.action_name)
+            self._action = SpinSafeActionClient(node, RunPolicyAction, self.action_name)
             self._cancel = node.create_client(CancelGoal, f"{self.action_name}/_action/cancel_goal")
 
     def initialise(self) -> None:

@@ -13,6 +13,7 @@ import queue
 import threading
 from typing import Any, Callable
 
+from rclpy.action import ActionClient
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.task import Future
@@ -34,6 +35,20 @@ class SpinThread:
         ``rclpy.shutdown()`` (a thread still inside rclpy at interpreter exit aborts it)."""
         self.executor.shutdown(timeout_sec=timeout_s)
         self.thread.join(timeout_s)
+
+
+class SpinSafeActionClient(ActionClient):
+    """An rclpy ActionClient that can be made on a node another thread is spinning.
+
+    rclpy's constructor hands the client to the node (``add_waitable``) before it makes the
+    lock that ``get_num_entities`` takes; an executor spinning in another thread can ask for
+    the entities in between, and its thread dies of an AttributeError (then no service reply
+    or goal response of that node arrives). The lock here exists before the node sees the
+    client; rclpy's own then replaces it, before anything can use the client."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._lock = threading.Lock()
+        super().__init__(*args, **kwargs)
 
 
 class SpunNode:
