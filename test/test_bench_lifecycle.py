@@ -35,3 +35,28 @@ def test_bench_lifecycle_refuses_an_unknown_case():
     result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "lifecycle", "--quick", "--device",
                              "cpu", "--cases", "default,pi9"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode != 0 and "pi9" in result.stderr
+
+
+def test_a_cycle_logs_its_own_ticks_so_large_inputs_still_configure(tmp_path):
+    """A VLA's cameras over the default 20,000 logged steps are over the log's memory limit
+    (configure refuses them); the benchmark's cycles log the ticks they run. Here the limit
+    is lowered until the default policy's own inputs are over it at 20,000 steps."""
+    import dataclasses
+
+    import torch
+
+    from capsule_ros.benchmarks import lifecycle
+    from capsule_ros.errors import ConfigError
+    from capsule_ros.serving.factory import prepare_serving
+
+    config = lifecycle.case_config("default", torch.device("cpu"), True, tmp_path)
+    config = dataclasses.replace(config, control=dataclasses.replace(config.control, input_log_max_mb=0.1))
+    try:
+        prepare_serving(config)
+    except ConfigError as exc:
+        assert "input_log_steps = 20000" in str(exc)
+    else:
+        raise AssertionError("20,000 logged steps fit in 0.1 MB: the premise of this test is gone")
+    cycles = lifecycle._for_the_cycles(config, torch.device("cpu"), tmp_path / "capsules")
+    assert cycles.control.input_log_steps == lifecycle.STEADY_TICKS + 1
+    prepare_serving(cycles)                      # configures: the cycle's ticks fit
