@@ -74,10 +74,10 @@ def test_without_ros_the_process_sides_are_skipped_with_the_reason():
         assert "ROS 2 is not importable here" in sides[side]["skipped"], sides[side]
 
 
-def test_sides_is_an_option_of_bench_fleet_only_and_names_known_sides():
+def test_sides_is_an_option_of_bench_fleet_and_vla_only_and_names_known_sides():
     done = subprocess.run([*CLI[:-1], "step", "--sides", "nodes"], capture_output=True, text=True, timeout=120,
                           cwd=REPO)
-    assert done.returncode != 0 and "--sides is an option of bench fleet only" in done.stderr
+    assert done.returncode != 0 and "--sides is an option of bench fleet and vla only" in done.stderr
     done = subprocess.run([*CLI, "--quick", "--sides", "nodes,robots"], capture_output=True, text=True, timeout=300,
                           cwd=REPO)
     assert done.returncode != 0 and "--sides ['robots']" in done.stderr

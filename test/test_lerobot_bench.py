@@ -228,6 +228,27 @@ def test_bench_vla_without_lerobot_runs_the_capsule_ros_sides_and_says_why(tmp_p
                        weights_from=None)
 
 
+def test_bench_vla_runs_only_the_chosen_sides(tmp_path):
+    """``--sides graph``: π0's back-to-back graph side runs and every other side says it was
+    not chosen; an unknown side is refused in one line, naming the sides there are."""
+    result = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "vla", "--quick", "--device",
+                             "cpu", "--cases", "pi0-1cam", "--sides", "graph", "--steps", "60", "--async-steps", "20",
+                             "--lerobot-python", sys.executable, "--json"],
+                            capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    case, = out["cases"]
+    assert out["sides"] == ["graph"] and case["graph"]["chunks_timed"] == 1, case["graph"]
+    for side in ("lerobot", "sync_paced", "async"):
+        assert case[side] == {"ran": False, "reason": "not chosen (--sides)"}, (side, case[side])
+    assert "consume_ratio" not in case and "chunk_ratio" not in case
+    refused = subprocess.run([sys.executable, "-m", "capsule_ros.cli.main", "bench", "vla", "--quick", "--device",
+                              "cpu", "--sides", "graph,lerobto"], capture_output=True, text=True, timeout=120,
+                             cwd=REPO)
+    assert refused.returncode != 0 and "lerobto" in refused.stderr and "sync_paced" in refused.stderr
+    assert refused.stderr.strip().count("\n") == 0, refused.stderr
+
+
 def test_a_pi_checkpoint_of_another_camera_count_links_the_same_weights(tmp_path):
     from capsule_ros.benchmarks import vla
     device = torch_device("cpu")

@@ -135,6 +135,16 @@ def paced_ticks(session, seconds: float, rng: np.random.Generator, period_s: flo
     return np.asarray(out)
 
 
+def chosen(option: Optional[str], names: Sequence[str], what: str, bench: str) -> List[str]:
+    """A comma-separated option's names (default all), each one of ``names``; SystemExit
+    naming the unknown ones (``capsule-ros bench <bench>: --<what> ...``)."""
+    picked = [c.strip() for c in (option or ",".join(names)).split(",") if c.strip()]
+    unknown = sorted(set(picked) - set(names))
+    if unknown:
+        raise SystemExit(f"capsule-ros bench {bench}: --{what} {unknown}: {what} are {', '.join(names)}")
+    return picked
+
+
 def print_table(title: str, header: List[str], rows: Iterable[List[object]]) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from capsule_ros.benchmarks.common import config_path, emit, environment, pct, print_table, resolve_device
+from capsule_ros.benchmarks.common import chosen, config_path, emit, environment, pct, print_table, resolve_device
 from capsule_ros.config import load_params_file
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
 from capsule_ros.runtime.policy import ACTION, RNG, STEP, State, StatefulPolicy, standard_specs
@@ -418,22 +418,13 @@ def table(result: Dict[str, Any]) -> None:
                 print(f"  {side}: skipped ({figures['skipped']})")
 
 
-def chosen(option: Optional[str], names: Sequence[str], what: str) -> List[str]:
-    """A comma-separated option's names (default all), each one of ``names``."""
-    picked = [c.strip() for c in (option or ",".join(names)).split(",") if c.strip()]
-    unknown = sorted(set(picked) - set(names))
-    if unknown:
-        raise SystemExit(f"capsule-ros bench fleet: --{what} {unknown}: {what} are {', '.join(names)}")
-    return picked
-
-
 def main(args, sides: Optional[Sequence[Side]] = None) -> int:
     """``sides``: what the command line assembled (default the in-process ones), of which
     ``--sides`` picks."""
     device = resolve_device(args.device)
-    cases = chosen(args.cases, CASES, "cases")
+    cases = chosen(args.cases, CASES, "cases", "fleet")
     available = {side.name: side for side in (sides if sides is not None else in_process_sides())}
-    picked = chosen(getattr(args, "sides", None), SIDE_NAMES, "sides")
+    picked = chosen(getattr(args, "sides", None), SIDE_NAMES, "sides", "fleet")
     picked_sides = [available.get(name, Side(name, None, "not offered by this caller")) for name in picked]
     emit(run(device, args.quick, cases, args.steps, picked_sides), args.json, table)
     return 0

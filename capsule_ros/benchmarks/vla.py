@@ -30,7 +30,9 @@ as a random walk, panning textured cameras) and counter-based noise:
   the delay fixed at start from the refill's p99 (``inference_delay_steps: auto``), a
   deadline of one period, the refill on its own stream.
 
-On a GPU LeRobot's loop runs twice: ``lerobot`` with torch's defaults (the timing baseline, as
+``--sides`` picks some of the five (default all; the others are reported as not chosen): a π
+case's LeRobot side builds and loads a 3B model before its first step, minutes on a GPU
+machine. On a GPU LeRobot's loop runs twice: ``lerobot`` with torch's defaults (the timing baseline, as
 a user runs it) and ``lerobot_deterministic`` under the settings capsule_ros's runtime makes
 (``runtime.deterministic``: cuBLAS's fixed workspace, torch's deterministic algorithms), which
 choose which GPU kernels run: the two show how far LeRobot's own bits move with the kernels a
@@ -57,7 +59,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -71,7 +73,7 @@ from capsule_ros.benchmarks.chunking import (
     refused_or,
     session_side,
 )
-from capsule_ros.benchmarks.common import emit, environment, print_table, resolve_device
+from capsule_ros.benchmarks.common import chosen, emit, environment, print_table, resolve_device
 from capsule_ros.errors import ConfigError
 from capsule_ros.serving.config import ServingConfig
 
@@ -163,7 +165,8 @@ def graph_side(written: Written, obs: Dict[str, np.ndarray], device: torch.devic
 
 
 def run_case(case: Case, written: Written, device: torch.device, steps: int, async_steps: int,
-             python: Optional[Path], tmp: Path) -> Dict[str, Any]:
+             python: Optional[Path], tmp: Path, sides: Sequence[str] = SIDES) -> Dict[str, Any]:
+    """The case's ``sides`` (the others are reported as not chosen), then its verdicts."""
     joints = int(written.config.ports[written.ports_of[lerobot_pi.STATE]].shape[0])
     obs = observations(steps, written.camera, joints=joints, cameras=written.camera_keys)
     period = 1.0 / ASYNC_RATE_HZ
@@ -174,25 +177,30 @@ def run_case(case: Case, written: Written, device: torch.device, steps: int, asy
                                                       "numerics level already"}
     started = time.monotonic()
 
-    def done(side: str, out: Dict[str, Any]) -> Dict[str, Any]:
-        """Progress on stderr: a run stopped by a time limit still says how far it got."""
-        print(f"bench vla: {case.name} {side} side finished at {time.monotonic() - started:.0f} s", file=sys.stderr,
+    def side(name: str, measure: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+        """A chosen side's figures, with progress on stderr (a run stopped by a time limit
+        still says how far it got); a side not chosen is reported as such."""
+        if name not in sides:
+            return {"ran": False, "reason": "not chosen (--sides)"}
+        out = measure()
+        print(f"bench vla: {case.name} {name} side finished at {time.monotonic() - started:.0f} s", file=sys.stderr,
               flush=True)
         return out
 
     if python is not None:
-        lerobot = done("lerobot", lerobot_side(python, written.checkpoint, obs, period, tmp, level, written.extra,
-                                               device=str(device)))
+        lerobot = side("lerobot", lambda: lerobot_side(python, written.checkpoint, obs, period, tmp, level,
+                                                       written.extra, device=str(device)))
         if device.type == "cuda" and written.config.runtime.deterministic:
-            pinned = done("lerobot_deterministic",
-                          lerobot_side(python, written.checkpoint, obs, period, tmp, level, written.extra,
-                                       device=str(device), deterministic=True))
-    graph = done("graph", graph_side(written, obs, device, "sync", ASYNC_RATE_HZ, paced=False))
-    paced = done("sync_paced", graph_side(written, obs, device, "sync", ASYNC_RATE_HZ, paced=True))
+            pinned = side("lerobot_deterministic",
+                          lambda: lerobot_side(python, written.checkpoint, obs, period, tmp, level, written.extra,
+                                               device=str(device), deterministic=True))
+    graph = side("graph", lambda: graph_side(written, obs, device, "sync", ASYNC_RATE_HZ, paced=False))
+    paced = side("sync_paced", lambda: graph_side(written, obs, device, "sync", ASYNC_RATE_HZ, paced=True))
     asynchronous: Dict[str, Any] = {"ran": False, "reason": "--async-steps 0"}
     if async_steps:
         paced_obs = observations(async_steps, written.camera, joints=joints, cameras=written.camera_keys)
-        asynchronous = done("async", graph_side(written, paced_obs, device, "async", ASYNC_RATE_HZ, paced=True))
+        asynchronous = side("async", lambda: graph_side(written, paced_obs, device, "async", ASYNC_RATE_HZ,
+                                                        paced=True))
     sides: Dict[str, Dict[str, Any]] = {"lerobot": lerobot, "lerobot_deterministic": pinned, "graph": graph,
                                         "sync_paced": paced, "async": asynchronous}
     actions: Dict[str, Optional[np.ndarray]] = {side: values.pop("_actions", None) for side, values in sides.items()}
@@ -256,7 +264,7 @@ def headline(result: Dict[str, Any]) -> Dict[str, Any]:
 
 def run(device_name: str = "auto", quick: bool = False, steps: Optional[int] = None,
         cases: Sequence[str] = tuple(CASES), named_python: Optional[str] = None,
-        async_steps: Optional[int] = None) -> dict:
+        async_steps: Optional[int] = None, sides: Sequence[str] = SIDES) -> dict:
     device = resolve_device(device_name)
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
@@ -279,8 +287,8 @@ def run(device_name: str = "auto", quick: bool = False, steps: Optional[int] = N
                     continue
                 if case.kind != "smolvla":
                     weights_from = weights_from or written.checkpoint
-                results.append(run_case(case, written, device, steps, async_steps, python, root))
-    return {"bench": "vla", **environment(device), "quick": quick, "targets": TARGETS,
+                results.append(run_case(case, written, device, steps, async_steps, python, root, sides))
+    return {"bench": "vla", **environment(device), "quick": quick, "targets": TARGETS, "sides": list(sides),
             "lerobot_python": str(python) if python else None, "cases": results}
 
 
@@ -306,6 +314,7 @@ def table(result: dict) -> None:
 
 def main(args) -> int:
     cases = tuple(args.cases.split(",")) if getattr(args, "cases", None) else tuple(CASES)
+    sides = chosen(getattr(args, "sides", None), SIDES, "sides", "vla")
     emit(run(args.device, args.quick, getattr(args, "steps", None), cases, getattr(args, "lerobot_python", None),
-             getattr(args, "async_steps", None)), args.json, table)
+             getattr(args, "async_steps", None), sides), args.json, table)
     return 0

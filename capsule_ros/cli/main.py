@@ -43,8 +43,8 @@ def _bench(args) -> int:
         raise InvalidArgument(f"bench {args.which}: --async-steps is an option of bench vla only")
     if args.async_steps is not None and args.async_steps < 0:
         raise InvalidArgument(f"--async-steps {args.async_steps}: a count of steps, 0 or more")
-    if args.sides is not None and args.which != "fleet":
-        raise InvalidArgument(f"bench {args.which}: --sides is an option of bench fleet only")
+    if args.sides is not None and args.which not in ("fleet", "vla"):
+        raise InvalidArgument(f"bench {args.which}: --sides is an option of bench fleet and vla only")
     module = __import__(f"capsule_ros.benchmarks.{args.which}", fromlist=["main"])
     if args.which == "fleet":
         return module.main(args, sides=_fleet_sides())
@@ -102,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--async-steps", type=int, help="vla: steps of the async side at 30 Hz (default 3000; "
                                                        "--quick 100; 0: not run)")
     bench.add_argument("--sides", help="fleet: comma-separated sides (default fleet,loop,separate,nodes,fleet_node; "
-                                       "nodes and fleet_node are processes, skipped where ROS 2 is missing)")
+                                       "nodes and fleet_node are processes, skipped where ROS 2 is missing); vla: "
+                                       "(default lerobot,lerobot_deterministic,graph,sync_paced,async; a π case's "
+                                       "LeRobot side alone takes minutes on a GPU)")
     bench.add_argument("--lerobot-python", help="chunking, vla: the Python of LeRobot's environment for its "
                                                 "baseline loop (default tools/lerobot_bench/.venv/bin/python; vla: "
                                                 "else this Python where LeRobot imports)")
