@@ -165,8 +165,8 @@ def graph_side(written: Written, obs: Dict[str, np.ndarray], device: torch.devic
 
 
 def run_case(case: Case, written: Written, device: torch.device, steps: int, async_steps: int,
-             python: Optional[Path], tmp: Path, sides: Sequence[str] = SIDES) -> Dict[str, Any]:
-    """The case's ``sides`` (the others are reported as not chosen), then its verdicts."""
+             python: Optional[Path], tmp: Path, chosen_sides: Sequence[str] = SIDES) -> Dict[str, Any]:
+    """The case's ``chosen_sides`` (the others are reported as not chosen), then its verdicts."""
     joints = int(written.config.ports[written.ports_of[lerobot_pi.STATE]].shape[0])
     obs = observations(steps, written.camera, joints=joints, cameras=written.camera_keys)
     period = 1.0 / ASYNC_RATE_HZ
@@ -180,7 +180,7 @@ def run_case(case: Case, written: Written, device: torch.device, steps: int, asy
     def side(name: str, measure: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
         """A chosen side's figures, with progress on stderr (a run stopped by a time limit
         still says how far it got); a side not chosen is reported as such."""
-        if name not in sides:
+        if name not in chosen_sides:
             return {"ran": False, "reason": "not chosen (--sides)"}
         out = measure()
         print(f"bench vla: {case.name} {name} side finished at {time.monotonic() - started:.0f} s", file=sys.stderr,
