@@ -77,7 +77,7 @@ class Level:
 
 LEVELS: Dict[str, Level] = {level.name: level for level in (
     Level("baseline", "default", "COMPATIBLE,STRICT", "SSE41", frozenset({"sse4_1", "sse4_2"})),
-    Level("avx2", "avx2", "COMPATIBLE,STRICT", "AVX2", frozenset({"avx2", "fma"})),
+    Level("avx2", "avx2", "AVX2,STRICT", "AVX2", frozenset({"avx2", "fma"})),
     Level("avx512", "avx512", "AVX512,STRICT", "AVX512_CORE",
           frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"})),
 )}
