@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from cpu_references import bag_fixtures
 from fixtures.make_bags import NODE_PARAMS, K, N, observations, record_events, record_rollback
 from harness import REPO, ClientNode, Driver, restore_node, set_params_ok, start_policy_node, wait_for
 
@@ -492,23 +493,26 @@ def test_independent_mcap_reader_decodes_every_message():
     assert kinds == [EventKind.COMMIT, EventKind.SAVE, EventKind.REENTER]          # the commit persisted: SAVE
 
 
-def test_fixture_bags_replay_bit_identically_on_any_machine_with_their_level():
+def test_fixture_bags_replay_bit_identically_on_a_machine_of_their_cpu_class():
     """The committed bags were recorded at the pinned CPU numerics level avx2 (make_bags.py):
-    they verify here whatever this machine's own vector ISA, with the torch build of
-    requirements/ (a new torch needs new fixtures: make_bags.py)."""
+    they verify here whatever this machine's own vector ISA, where its CPU computes the
+    level's kernels as the recording one did (``cpu_references``: a class of its own has its
+    own recordings), with the torch build of requirements/ (a new torch needs new fixtures:
+    make_bags.py)."""
     from capsule_ros.bag.metadata import runtime_versions
-    manifest = json.loads((FIXTURES / "manifest.json").read_text())
+    bags = bag_fixtures()
+    manifest = json.loads((bags / "manifest.json").read_text())
     for name in ("rollback_mcap", "events_sqlite3"):
-        with Recording(FIXTURES / name) as recording:
+        with Recording(bags / name) as recording:
             assert recording.meta.numerics == "avx2" and recording.config.runtime.numerics == "avx2"
             assert recording.meta.versions["torch"] == runtime_versions()["torch"], \
                 "the fixture bags were recorded with another torch build: regenerate them (test/fixtures/make_bags.py)"
-    verdict = replay_bag(FIXTURES / "rollback_mcap", ReplayOptions(
-        from_capsule=manifest["rollback_mcap"]["capsule_id"], capsule_dir=FIXTURES / "capsules"))
+    verdict = replay_bag(bags / "rollback_mcap", ReplayOptions(
+        from_capsule=manifest["rollback_mcap"]["capsule_id"], capsule_dir=bags / "capsules"))
     assert verdict.identical and verdict.steps_compared == 2 * (N - K), (verdict.first_divergence, verdict.notes)
     assert verdict.fingerprint_replay == verdict.fingerprint_recorded, "the fixtures are stale: make_bags.py"
     assert (verdict.numerics_recorded, verdict.numerics_replay) == ("avx2", "avx2")
-    events = replay_bag(FIXTURES / "events_sqlite3")
+    events = replay_bag(bags / "events_sqlite3")
     assert events.identical and events.complete, (events.first_divergence, events.notes)
 
 

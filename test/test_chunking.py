@@ -17,7 +17,7 @@ from typing import Dict, List
 import numpy as np
 import pytest
 import torch
-from lerobot_fixtures import FIXTURES, PORTS, Fixture, load_npz
+from lerobot_fixtures import PORTS, Fixture, load_npz, reference_path
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from capsule_ros.capsules.directory import CapsuleDirectory
@@ -131,7 +131,7 @@ def test_consume_steps_of_act_upload_no_inputs(fixtures):
 @pytest.mark.parametrize("name", CHUNKING)
 def test_async_mode_equals_lerobots_fixed_delay_loop_bit_for_bit(name, fixtures):
     fixture = fixtures[name]
-    reference = load_npz(FIXTURES / name / "async.npz")
+    reference = load_npz(reference_path(name, "async.npz"))
     episodes = reference[f"action_d{int(reference['delays'][0])}"].shape[0]
     for delay, horizon in zip(reference["delays"], reference["horizons"], strict=True):
         runtime = runtime_for(fixture, "async", int(delay))
@@ -438,7 +438,7 @@ def test_cuda_graph_programs_equal_their_eager_plan_and_stay_close_to_lerobot(na
     got = {key: np.stack(list(_stepped(runtime, fixture, 0, 40))) for key, runtime in (("graph", graphed),
                                                                                          ("eager", eager))}
     assert got["graph"].tobytes() == got["eager"].tobytes()
-    references = load_npz(FIXTURES / name / "async.npz")
+    references = load_npz(reference_path(name, "async.npz"))
     reference = fixture.outputs["action"] if chunking == "sync" else references.get(f"action_d{delay}")
     if reference is not None:                              # LeRobot's own loop, on the CPU
         assert float(np.abs(got["graph"] - reference[0, :40]).max()) < 1e-2

@@ -26,7 +26,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import pytest
 from harness import REPO, ClientNode, FixtureDriver, start_policy_node, timeline_repeats
-from lerobot_fixtures import FIXTURES, Fixture, load_npz
+from lerobot_fixtures import Fixture, load_npz, reference_path
 
 pytestmark = pytest.mark.ros
 DELAY, STEPS = 3, 60
@@ -90,7 +90,7 @@ def run(tmp_path_factory, rclpy_context):
 
 def test_policy_actions_equal_lerobots_fixed_delay_loop_until_the_first_reentry(run):
     fixture, _, log, _ = run
-    reference = load_npz(FIXTURES / "act_queue" / "async.npz")[f"action_d{DELAY}"][0]
+    reference = load_npz(reference_path("act_queue", "async.npz"))[f"action_d{DELAY}"][0]
     clean_until = max((t for kind, t in log if kind == "clean"), default=0)
     steps = [entry for kind, entry in log if kind == "step"][:clean_until]
     assert len(steps) >= 10, "the schedule re-entered too early to compare"

@@ -19,7 +19,7 @@ from typing import Dict, List
 import numpy as np
 import pytest
 import torch
-from lerobot_fixtures import FIXTURES, NAMES, extract_checkpoint, feature_map, load_npz
+from lerobot_fixtures import FIXTURES, NAMES, extract_checkpoint, feature_map, load_npz, reference_path
 
 from capsule_ros.chunking.mode import mode_for
 from capsule_ros.errors import ConfigError
@@ -84,7 +84,7 @@ def checkpoints(tmp_path_factory) -> Dict[str, Path]:
 @pytest.fixture(scope="module")
 def cases(checkpoints) -> Dict[str, Case]:
     return {name: Case(name, checkpoints[name], load_npz(FIXTURES / name / "inputs.npz"),
-                       load_npz(FIXTURES / name / "outputs.npz")) for name in NAMES}
+                       load_npz(reference_path(name, "outputs.npz"))) for name in NAMES}
 
 
 @pytest.fixture(scope="module")

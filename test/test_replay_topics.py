@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 
 import yaml
+from cpu_references import bag_fixtures
 from harness import REPO
 from rosbags.rosbag2 import StoragePlugin, Writer
 
 from capsule_ros.bag.reader import Recording
 from capsule_ros.bag.replay import replay_bag
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 EXTRA = {"/fixture/arm/camera/label": 3, "/rosout_copy": 2}     # topic -> messages added beside the recording
 
 
@@ -46,12 +46,12 @@ def with_extra_topics(src: Path, dst: Path) -> None:
 
 def test_extra_topics_are_listed_by_the_verdict_and_the_cli(tmp_path):
     bag = tmp_path / "with_extra"
-    with_extra_topics(FIXTURES / "events_sqlite3", bag)
+    with_extra_topics(bag_fixtures() / "events_sqlite3", bag)
     verdict = replay_bag(bag)
     assert verdict.identical and verdict.complete, (verdict.first_divergence, verdict.notes)
     assert verdict.topics_ignored == [f"{topic} (std_msgs/msg/String, {n} message{'s' if n > 1 else ''})"
                                       for topic, n in sorted(EXTRA.items())]
-    assert replay_bag(FIXTURES / "events_sqlite3").topics_ignored == []          # the recording itself: none
+    assert replay_bag(bag_fixtures() / "events_sqlite3").topics_ignored == []          # the recording itself: none
 
     cli = [sys.executable, "-m", "capsule_ros.cli.main", "replay", str(bag), "--verify"]
     table = subprocess.run(cli, capture_output=True, text=True, timeout=300, cwd=REPO)

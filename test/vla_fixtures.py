@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-from lerobot_fixtures import FIXTURES, REPO, joint_names, load_npz
+from lerobot_fixtures import FIXTURES, REPO, joint_names, load_npz, reference_path
 
 from capsule_ros.chunking.mode import mode_for
 from capsule_ros.chunking.schedule import ChunkingSettings
@@ -113,7 +113,8 @@ class RecordedVLA:
     @staticmethod
     def recorded(name: str) -> Tuple[Dict[str, np.ndarray], ...]:
         """inputs, outputs and async references of the fixture ``name``."""
-        return tuple(load_npz(FIXTURES / name / f"{part}.npz") for part in ("inputs", "outputs", "async"))
+        return (load_npz(FIXTURES / name / "inputs.npz"),
+                *(load_npz(reference_path(name, f"{part}.npz")) for part in ("outputs", "async")))
 
     # -- what a kind's fixture says ----------------------------------------------------------------
     @property
