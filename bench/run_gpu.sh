@@ -9,9 +9,10 @@
 # fleet-recurrent (one case of it), vla-smolvla / vla-pi0 / vla-pi05 (bench vla: one kind with 1, 2
 # and 3 cameras against LeRobot's eager policy; LeRobot 0.6.1 and its missing dependencies installed
 # as wheels first, docs/benchmarks.md says which) or vla-<kind>-<n>cam (one case of it: a π case
-# takes more than 6 minutes; `capsule-ros bench vla --sides` runs some of its sides); default: all of them but vla. Writes pytest output and one JSON
-# per benchmark to OUT_DIR (default: bench/results/<date>). Needs torch with CUDA, numpy,
-# pyyaml, rich, safetensors and pytest + hypothesis for the tests, and transformers 5.5.4
+# takes more than 6 minutes; `capsule-ros bench vla --sides` runs some of its sides); default:
+# all of them but vla. Writes pytest output and one JSON per benchmark to OUT_DIR (default:
+# bench/results/<date>). Needs torch with CUDA, numpy, pyyaml, rich, safetensors and pytest +
+# hypothesis for the tests, and transformers 5.5.4
 # (with tokenizers 0.22.2 and huggingface_hub 1.33.0: requirements/lock.txt) for the VLA
 # tests; no ROS (CAPSULE_ROS_WITHOUT_ROS=1 proves it). The example policy package
 # (examples/gru_policy) is used from the checkout through PYTHONPATH, like capsule_ros.

@@ -55,9 +55,16 @@ def cpu_class() -> str:
     return f"{level}-{digest.hexdigest()[:16]}"
 
 
+def recorded(directory: Path, name: str) -> Path:
+    """``directory / name``, or the same recording made on a CPU of this one's class,
+    ``directory / "cpu" / cpu_class() / name``, where there is one. A CPU of a class without
+    recordings of its own is compared with the committed ones, and fails where its bits
+    differ."""
+    mine = directory / "cpu" / cpu_class() / name
+    return mine if mine.exists() else directory / name
+
+
 def bag_fixtures() -> Path:
     """The directory of the fixture bags (``rollback_mcap``, ``events_sqlite3``, their
-    ``capsules`` and ``manifest.json``) recorded on a CPU of this one's class
-    (``fixtures/cpu/<cpu_class()>/``, test/fixtures/make_bags.py), else ``fixtures/``."""
-    mine = FIXTURES / "cpu" / cpu_class()
-    return mine if (mine / "manifest.json").exists() else FIXTURES
+    ``capsules`` and ``manifest.json``; test/fixtures/make_bags.py) for this CPU's class."""
+    return recorded(FIXTURES, "manifest.json").parent

@@ -10,7 +10,7 @@ from typing import Any, Dict
 
 import numpy as np
 import torch
-from cpu_references import cpu_class
+from cpu_references import recorded
 
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
 
@@ -29,12 +29,9 @@ def load_npz(path: Path) -> Dict[str, np.ndarray]:
 
 
 def reference_path(name: str, file: str) -> Path:
-    """``file`` of LeRobot's recorded actions for fixture ``name``: the set made on a CPU of
-    this one's class (``cpu/<cpu_class()>/``, tools/lerobot_fixtures/README.md), else the
-    set the fixture was committed with. A CPU of a class without a set of its own is
-    compared with the committed set, and fails where its bits differ."""
-    mine = FIXTURES / name / "cpu" / cpu_class() / file
-    return mine if mine.exists() else FIXTURES / name / file
+    """``file`` of LeRobot's recorded actions for fixture ``name``, for this CPU's class
+    (``cpu_references.recorded``; tools/lerobot_fixtures/README.md)."""
+    return recorded(FIXTURES / name, file)
 
 
 def extract_checkpoint(archive: Path, target: Path) -> Path:
