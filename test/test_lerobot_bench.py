@@ -218,6 +218,7 @@ def test_bench_vla_without_lerobot_runs_the_capsule_ros_sides_and_says_why(tmp_p
     assert result["graph"]["chunks_timed"] == 1 and result["graph"]["state_bytes"] > 0
     assert result["async"]["misses_steady"] == result["async_misses_after_first"]
     paced, asynchronous = result["sync_paced"], result["async"]          # async's consume steps over sync's paced alike
+    assert result["graph"]["steps"] == 60 and paced["steps"] == asynchronous["steps"] == 20   # one paced episode
     assert result["consume_ratio"] == asynchronous["consume_p50_ms"] / paced["consume_p50_ms"]
     assert result["consume_p99_ratio"] == asynchronous["consume_p99_ms"] / paced["consume_p99_ms"]
     assert result["consume_ratio_met"] == (result["consume_ratio"] <= vla.CONSUME_RATIO_TARGET)

@@ -155,7 +155,7 @@ def summary(seconds: Union[Sequence[float], np.ndarray], period: float, actions:
     consume = np.delete(ms, list(seams))                                # the steps that plan nothing
     chunks = {"chunk_p50_ms": float(np.percentile(planned, 50)), "chunk_p99_ms": float(np.percentile(planned, 99)),
               "chunks_timed": len(planned)} if len(planned) else {"chunks_timed": 0}
-    return {**chunks, "mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
+    return {**chunks, "steps": len(ms), "mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
             "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "first_step_ms": float(ms[0]),
             "misses_per_1000": float(misses.sum() * 1000 / len(ms)), "misses_steady": int(misses[1:].sum()),
             "seam_jump": float(jumps[at_seam].max()) if at_seam.any() else 0.0,

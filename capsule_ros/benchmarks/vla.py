@@ -23,9 +23,10 @@ as a random walk, panning textured cameras) and counter-based noise:
 - ``graph``: ``control.chunking: sync`` through a ``PolicySession``, back to back: on a GPU
   every program is a captured CUDA graph (the refill: prefix, unrolled denoise and the write
   into the chunk; the consume: one row out), on a CPU the same plan eagerly;
-- ``sync_paced``: the graph side's steps paced at 30 Hz as async is: what a consume step
-  costs when the GPU and the host idled a period before it (``bench chunking``'s paced
-  floor), the baseline of async's consume steps (``consume_ratio``);
+- ``sync_paced``: sync steps paced at 30 Hz over the async side's episode (``--async-steps``
+  of them, or ``--steps`` when that is 0): what a consume step costs when the GPU and the
+  host idled a period before it (``bench chunking``'s paced floor), the baseline of async's
+  consume steps (``consume_ratio``);
 - ``async``: ``control.chunking: async`` paced at 30 Hz over ``--async-steps`` (default 3000),
   the delay fixed at start from the refill's p99 (``inference_delay_steps: auto``), a
   deadline of one period, the refill on its own stream.
@@ -195,10 +196,13 @@ def run_case(case: Case, written: Written, device: torch.device, steps: int, asy
                           lambda: lerobot_side(python, written.checkpoint, obs, period, tmp, level, written.extra,
                                                device=str(device), deterministic=True))
     graph = side("graph", lambda: graph_side(written, obs, device, "sync", ASYNC_RATE_HZ, paced=False))
-    paced = side("sync_paced", lambda: graph_side(written, obs, device, "sync", ASYNC_RATE_HZ, paced=True))
+    # the two paced sides run the same episode, as long: a GPU's clocks after minutes of
+    # paced steps are not those of the first seconds after a busy start
+    paced_obs = observations(async_steps, written.camera, joints=joints, cameras=written.camera_keys) \
+        if async_steps else obs
+    paced = side("sync_paced", lambda: graph_side(written, paced_obs, device, "sync", ASYNC_RATE_HZ, paced=True))
     asynchronous: Dict[str, Any] = {"ran": False, "reason": "--async-steps 0"}
     if async_steps:
-        paced_obs = observations(async_steps, written.camera, joints=joints, cameras=written.camera_keys)
         asynchronous = side("async", lambda: graph_side(written, paced_obs, device, "async", ASYNC_RATE_HZ,
                                                         paced=True))
     sides: Dict[str, Dict[str, Any]] = {"lerobot": lerobot, "lerobot_deterministic": pinned, "graph": graph,
