@@ -81,3 +81,16 @@ def test_sides_is_an_option_of_bench_fleet_and_vla_only_and_names_known_sides():
     done = subprocess.run([*CLI, "--quick", "--sides", "nodes,robots"], capture_output=True, text=True, timeout=300,
                           cwd=REPO)
     assert done.returncode != 0 and "--sides ['robots']" in done.stderr
+
+
+def test_the_fleet_tick_profile_reports_the_ticks_and_where_they_went(tmp_path):
+    """bench/profile_fleet_tick.py on the CPU: the ticks' percentiles, then the fleet's own
+    functions under cProfile (its tick among them) and torch's ops under torch.profiler."""
+    done = subprocess.run([sys.executable, "bench/profile_fleet_tick.py", str(tmp_path), "--device", "cpu", "--case",
+                           "default", "--quick", "--robots", "3", "--ticks", "12"], capture_output=True, text=True,
+                          timeout=600, cwd=REPO, env={**os.environ, "CAPSULE_ROS_WITHOUT_ROS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = (tmp_path / "profile_fleet_tick.txt").read_text()
+    assert report.startswith("default, 3 robots, cpu, 12 ticks back to back\ntick ms p10 / p50 / p90 / p99: ")
+    assert report.count("fleet/session.py") >= 2 and "(tick)" in report, report[:3000]
+    assert "Self CPU time total" in report
