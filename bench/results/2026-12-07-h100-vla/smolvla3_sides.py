@@ -1,7 +1,12 @@
 """Diagnose smolvla-3cam's sync_paced side on the GPU (no LeRobot loop sides)."""
-import faulthandler, sys, tempfile, time
+import faulthandler
+import sys
+import tempfile
+import time
 from pathlib import Path
+
 import torch
+
 from capsule_ros.benchmarks import vla
 from capsule_ros.benchmarks.chunking import observations
 
