@@ -28,8 +28,7 @@ from torch.func import vmap
 from capsule_ros.errors import ConfigError
 
 READY = "ready"       # the slots a fleet step advances: every other slot keeps its bytes exactly
-UPLOAD = "upload"     # the slots whose staged inputs the step moves into the arena
-CORE_MASKS = (READY, UPLOAD)
+CORE_MASKS = (READY,)
 
 _functorch: Any = torch._C._functorch
 

@@ -10,10 +10,11 @@ the measured cost of each):
 
 - ``vmap`` (``BatchedFleet``): one program per execution-mode program over ALL S slots,
   the policy's single-robot step batched with ``torch.func.vmap`` (one captured CUDA graph
-  each; eager on a CPU). A per-slot READY mask, which the host writes with the inputs,
-  decides which rows advance: the program keeps a copy of every slot's state (the step
-  guard's copy), runs the batched step over every slot, then merges byte for byte, so a
-  slot that is not ready gets its state back exactly. (A mode may run a step as several
+  each; eager on a CPU). A per-slot READY mask, which the host writes before the step,
+  decides which rows advance (the stepping slots' inputs are copied in before it too):
+  the program keeps a copy of every slot's state (the step guard's copy), runs the batched
+  step over every slot, then merges byte for byte, so a slot that is not ready gets its
+  state back exactly. (A mode may run a step as several
   programs in a row, ``capsule_ros.runtime.fleetmode``: a chunking fleet plans each
   refilling robot's chunk at batch 1 between its batched phases.) A slot's bits never depend on the
   other slots' values, but the batch size S is part of what computes them, so the
@@ -37,7 +38,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 import torch
 
 from capsule_ros.errors import InvalidArgument
-from capsule_ros.runtime.batching import READY, UPLOAD, SlotMasks, keep_where
+from capsule_ros.runtime.batching import READY, SlotMasks, keep_where
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.runtime.fingerprint import RuntimeIdentity
 from capsule_ros.runtime.fleetmode import FleetMode, FleetProgram
@@ -133,10 +134,11 @@ class FleetHost:
     whole contiguous allocations, so that the outputs go out with one memory copy, which a
     CUDA graph captures (a copy between a strided host view and the device would go through
     a temporary host buffer that a graph cannot keep), and the staged inputs of consecutive
-    slots go up with one copy (``upload``, before the step's programs: only the rows of the
-    slots whose step reads them, so a step that reads no inputs, a chunking fleet's
-    consume, moves no camera frame). ``keep``: the copy of every slot's state the programs
-    take first (the merge's source, each slot's guard copy)."""
+    slots go up with one copy and into their arena rows with one more (``upload``, before
+    the step's programs: only the rows of the slots whose step reads them, so a step that
+    reads no inputs, a chunking fleet's consume, moves no camera frame and runs no copy).
+    ``keep``: the copy of every slot's state the programs take first (the merge's source,
+    each slot's guard copy)."""
 
     staging: torch.Tensor          # [S, input row] host (whole)
     staging_device: torch.Tensor   # [S, input row] device
@@ -156,14 +158,19 @@ class FleetHost:
                    outputs_host, _rows(outputs, arena.device, False) if cuda else outputs_host,
                    inputs.shape[1], outputs.shape[1], torch.zeros_like(arena.rows_of(*STATE_KINDS, BufferKind.OUTPUT)))
 
-    def upload(self, slots: Iterable[int], stream: Optional[torch.cuda.Stream]) -> None:
-        """The staged rows of ``slots`` onto the device, on ``stream`` (non-blocking; one
-        copy per run of consecutive slots; nothing on a CPU, where they are one buffer)."""
-        if self.staging_device is self.staging:
-            return
+    def upload(self, slots: Iterable[int], inputs: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> None:
+        """The staged rows of ``slots`` into their rows of ``inputs`` (the arena's ``[S,
+        input bytes]``), on ``stream``: per run of consecutive slots, one copy onto the
+        device (non-blocking, from whole pinned rows; none on a CPU, where staging is one
+        buffer) and one into the arena's strided rows. Eager, before the step's programs,
+        so a step whose slots upload nothing (a chunking fleet's consume) copies nothing: a
+        masked merge inside the captured programs would pass over every slot's inputs in
+        every step (docs/benchmarks.md, "Fleet", GPU)."""
         with on_stream(stream):
             for start, end in _runs(sorted(slots)):
-                self.staging_device[start:end].copy_(self.staging[start:end], non_blocking=True)
+                if self.staging_device is not self.staging:
+                    self.staging_device[start:end].copy_(self.staging[start:end], non_blocking=True)
+                inputs[start:end].copy_(self.staging_device[start:end, :self.input_bytes])
 
     def staging_row(self, slot: int) -> torch.Tensor:
         """Slot ``slot``'s input staging (host), without the padding."""
@@ -190,14 +197,13 @@ def _rows(like: torch.Tensor, device: torch.device, pinned: bool) -> torch.Tenso
 def compose_fleet_programs(programs: Mapping[str, FleetProgram], arena: FleetArena, host: FleetHost,
                            masks: SlotMasks) -> Dict[str, Program]:
     """Each fleet program as one graph. One that opens a step first keeps every slot's
-    state and brings the masks and the uploaded inputs in (only the ``upload`` slots'
-    inputs change); one that closes it then merges back the state of every slot that is
-    not ``ready`` (byte for byte, from the copy) and copies every slot's meta + outputs to
-    the host. A program that does neither runs as it is, between two that do."""
-    state, inputs = arena.rows_of(*STATE_KINDS, BufferKind.OUTPUT), arena.rows_of(BufferKind.INPUT)
+    state and brings the masks in (the uploading slots' inputs are in the arena already:
+    ``FleetHost.upload``); one that closes it then merges back the state of every slot
+    that is not ``ready`` (byte for byte, from the copy) and copies every slot's meta +
+    outputs to the host. A program that does neither runs as it is, between two that do."""
+    state = arena.rows_of(*STATE_KINDS, BufferKind.OUTPUT)
     outputs = arena.rows_of(BufferKind.META, BufferKind.OUTPUT)
-    ready, upload = masks.column(READY), masks.column(UPLOAD)
-    staged = host.staging_device[:, :host.input_bytes]
+    ready = masks.column(READY)
     outputs_out = host.outputs_device[:, :host.output_bytes]
 
     def wrapped(program: FleetProgram) -> Program:
@@ -206,7 +212,6 @@ def compose_fleet_programs(programs: Mapping[str, FleetProgram], arena: FleetAre
                 host.keep.copy_(state)
                 host.kept += 1             # Python: counts eager runs only (a graph replay runs none of it)
                 masks.upload()
-                inputs.copy_(torch.where(upload, staged, inputs))
             program.run()
             if program.closes:
                 keep_where(ready, state, host.keep)
@@ -230,6 +235,7 @@ class BatchedFleet(FleetRuntime):
         self.masks = masks
         self.host = host
         self.graphs = graphs
+        self._inputs = arena.rows_of(BufferKind.INPUT)          # every slot's inputs: the uploads' target
         self._uploads: Set[int] = set()
         self._launched: Optional[torch.cuda.Event] = None
 
@@ -275,12 +281,11 @@ class BatchedFleet(FleetRuntime):
             self._launched.synchronize()
         self.masks.set(READY, chosen)
         uploads = self._uploads & set(chosen)
-        self.masks.set(UPLOAD, uploads)
         self._uploads.clear()
         kept = self.host.kept
         try:
             sequence = self.fleet_mode.program_for(chosen)
-            self.host.upload(uploads, self.stream)
+            self.host.upload(uploads, self._inputs, self.stream)
             for program in sequence:
                 self.graphs.step(program, eager=eager)
         except BaseException:
