@@ -325,8 +325,12 @@ class PolicyRuntime:
         if not self._outputs_in_host:
             return self.read_outputs()
         self._outputs_in_host = False
-        self.synchronize()
+        self.wait_for_step()
         return self._host_outputs(self.transfer.outputs)
+
+    def wait_for_step(self) -> None:
+        """Block until the last ``step`` (its outputs' copy to the host included) is done."""
+        self.synchronize()
 
     def _host_outputs(self, v: Mapping[str, np.ndarray]) -> StepOutputs:
         if self.config.debug_checks:

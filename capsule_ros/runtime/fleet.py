@@ -270,6 +270,15 @@ class BatchedFleet(FleetRuntime):
         self.fleet_mode.after_fleet_step(chosen, eager)
         return outcomes
 
+    def wait_for_step(self) -> None:
+        """Block until the last launched step is done. Once per step: its robots read their
+        outputs one after the other, and only the first has anything to wait for (a stream
+        synchronisation per robot cost 16 of them per tick for 16 robots, docs/benchmarks.md,
+        "Fleet", GPU)."""
+        if self._launched is not None:
+            self._launched.synchronize()
+            self._launched = None
+
     def launch(self, chosen: Mapping[int, str], eager: bool = False) -> None:
         """Run the fleet programs for the slots in ``chosen`` (slot -> its mode's program),
         in the order the fleet mode gives: the masks written on the host once the previous
@@ -277,8 +286,7 @@ class BatchedFleet(FleetRuntime):
         program raises after the step's copy of the state (eagerly run Python), every slot
         gets its state back from that copy before the error goes on: a slot that did not
         step keeps its bytes even then."""
-        if self._launched is not None:
-            self._launched.synchronize()
+        self.wait_for_step()
         self.masks.set(READY, chosen)
         uploads = self._uploads & set(chosen)
         self._uploads.clear()
@@ -338,6 +346,10 @@ class SlotRuntime(PolicyRuntime):
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
+
+    def wait_for_step(self) -> None:
+        """The fleet step's end, waited for once whichever of its robots reads first."""
+        self.fleet.wait_for_step()
 
     def stepped(self, program: str, eager: bool) -> StepReport:
         """The fleet stepped this slot with ``program``: its outputs are on the host rows."""
