@@ -6,7 +6,8 @@
 # step-act (bench step --policy act: ACT from a LeRobot checkpoint, graph vs eager, its capsule
 # vs the copy limit), fleet (bench fleet: N robots of one fleet of 16 slots against N separate
 # runtimes, the default policy, ACT and a recurrent actor) or fleet-default / fleet-act /
-# fleet-recurrent (one case of it), vla-smolvla / vla-pi0 / vla-pi05 (bench vla: one kind with 1, 2
+# fleet-recurrent (one case of it), profile-fleet (bench/profile_fleet_tick.py: where a 16-robot ACT
+# fleet's tick goes), vla-smolvla / vla-pi0 / vla-pi05 (bench vla: one kind with 1, 2
 # and 3 cameras against LeRobot's eager policy; LeRobot 0.6.1 and its missing dependencies installed
 # as wheels first, docs/benchmarks.md says which) or vla-<kind>-<n>cam (one case of it: a π case
 # takes more than 6 minutes; `capsule-ros bench vla --sides` runs some of its sides); default:
@@ -31,6 +32,11 @@ for task in "${TASKS[@]}"; do
       test/test_policy_contract.py test/test_exported.py test/test_lerobot_bench.py test/test_chunking.py test/test_modes.py \
       test/test_fleet.py test/test_fleet_chunking.py test/test_vla_parity.py test/test_lerobot_pi.py -m cuda -q \
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.txt"
+    continue
+  fi
+  if [[ "$task" == profile-fleet ]]; then
+    python3 bench/profile_fleet_tick.py "$OUT" --device cuda --case act > "$OUT/profile_fleet_tick.log" 2>&1
+    echo "profile-fleet: exit $?"; head -2 "$OUT/profile_fleet_tick.txt"
     continue
   fi
   case "$task" in
