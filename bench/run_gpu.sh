@@ -10,7 +10,8 @@
 # fleet's tick goes), vla-smolvla / vla-pi0 / vla-pi05 (bench vla: one kind with 1, 2
 # and 3 cameras against LeRobot's eager policy; LeRobot 0.6.1 and its missing dependencies installed
 # as wheels first, docs/benchmarks.md says which) or vla-<kind>-<n>cam (one case of it: a π case
-# takes more than 6 minutes; `capsule-ros bench vla --sides` runs some of its sides); default:
+# takes more than 6 minutes, and the two paced sides take --async-steps / 30 s each, 100 s at the
+# default; `capsule-ros bench vla --sides` runs some of its sides); default:
 # all of them but vla. Writes pytest output and one JSON per benchmark to OUT_DIR (default:
 # bench/results/<date>). Needs torch with CUDA, numpy, pyyaml, rich, safetensors and pytest +
 # hypothesis for the tests, and transformers 5.5.4
