@@ -33,7 +33,8 @@ as a random walk, panning textured cameras) and counter-based noise:
 
 ``--sides`` picks some of the five (default all; the others are reported as not chosen): a π
 case's LeRobot side builds and loads a 3B model before its first step, minutes on a GPU
-machine, and each paced side lasts ``--async-steps`` periods at 30 Hz (100 s at the default). On a GPU LeRobot's loop runs twice: ``lerobot`` with torch's defaults (the timing baseline, as
+machine, and each paced side lasts ``--async-steps`` periods at 30 Hz (100 s at the default).
+On a GPU LeRobot's loop runs twice: ``lerobot`` with torch's defaults (the timing baseline, as
 a user runs it) and ``lerobot_deterministic`` under the settings capsule_ros's runtime makes
 (``runtime.deterministic``: cuBLAS's fixed workspace, torch's deterministic algorithms), which
 choose which GPU kernels run: the two show how far LeRobot's own bits move with the kernels a
