@@ -1,8 +1,10 @@
 """sim_node (the built-in simulated robot) with policy_node, both as installed executables:
 lockstep runs drive the arm from the policy's actions; realtime mode holds the arm still
-when actions stop."""
+when actions stop; a stream of Ctrl-Cs ends a node cleanly."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -83,4 +85,22 @@ def test_realtime_sim_holds_still_when_actions_stop(tmp_path, rclpy_context):
         assert np.allclose(held[0].position, held[-1].position, atol=1e-4)
     finally:
         client.close()
+        assert sim.stop() == 0, sim.log()
+
+
+def test_a_node_exits_cleanly_however_many_ctrl_cs_come_while_it_stops(tmp_path):
+    """Under ros2 launch a node gets Ctrl-C twice (the terminal's, then launch's copy), and a
+    node that cleans up fast can be exiting when the second comes; Python's exit puts the
+    default SIGINT handler back, which would end it with -2. SIGINT every half millisecond
+    from the first until the node is gone: it exits 0 every time."""
+    for attempt in range(3):
+        sim = start_sim(tmp_path, f"/ctrlc{attempt}")
+        wait_for(lambda: "simulated arm" in sim.log(), timeout=60, what="sim_node up")
+        deadline = time.monotonic() + 20.0
+        while sim.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                os.kill(sim.proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                break
+            time.sleep(0.0005)
         assert sim.stop() == 0, sim.log()

@@ -8,17 +8,21 @@ publisher's context is invalid``), and Python's default handler raises KeyboardI
 wherever the main thread is, a second time in the middle of the clean-up. So
 ``run_node`` owns SIGINT and SIGTERM for the process: the first one only asks the spin
 loop to stop (a flag, checked between callbacks and at least every ``POLL_S``), later
-ones do nothing. The node is then taken down in order, with the context alive until
+ones are ignored. The node is then taken down in order, with the context alive until
 the end: the executor stops (no callback runs any more), ``node.close()`` stops the
 node's own threads (they may still publish until they are joined), the node is
-destroyed, and only then is rclpy shut down. The process exits 0.
+destroyed, and only then is rclpy shut down. The process exits 0. From the moment the
+spin loop stops, the stop signals are ignored rather than handled: a node that cleans up
+fast can be exiting when launch's copy of the Ctrl-C arrives, and Python's exit puts a
+handled signal back to its default (which ends the process with -2) but leaves an
+ignored one ignored. (Not from inside the handler: ``signal.signal`` runs the pending
+handlers first, so a burst of Ctrl-Cs would recurse.)
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
-import threading
 import traceback
 from typing import Any, Callable, List, Optional
 
@@ -36,11 +40,14 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopRequest:
-    """Set by the first SIGINT/SIGTERM; the handlers stay installed until the process
-    exits, so a signal that comes during the clean-up (launch's copy of Ctrl-C) is harmless."""
+    """Set by the first SIGINT/SIGTERM (``signal``: which). The handler only stores:
+    a burst of signals runs it nested, between any two bytecodes of whatever it runs, so
+    anything more (a ``threading.Event``'s lock and condition) recursed until Python gave
+    up. Once the spin loop has stopped, the stop signals are ignored until the process
+    exits (``ignore_from_now``), so one that comes during the clean-up or the
+    interpreter's exit (launch's copy of Ctrl-C) is harmless."""
 
     def __init__(self) -> None:
-        self.event = threading.Event()
         self.signal: Optional[int] = None
 
     def install(self) -> None:
@@ -50,10 +57,16 @@ class StopRequest:
     def _on_signal(self, signum, _frame) -> None:
         if self.signal is None:
             self.signal = signum
-        self.event.set()
 
     def is_set(self) -> bool:
-        return self.event.is_set()
+        return self.signal is not None
+
+    @staticmethod
+    def ignore_from_now() -> None:
+        """Ignore the stop signals until the process ends (Python's exit keeps an ignored
+        signal ignored, where it would put a handled one back to the default)."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def start_up_error(program: str, exc: BaseException) -> str:
@@ -109,6 +122,7 @@ def run_node(make_node: Callable[[], Node], program: str, argv: Optional[List[st
     except ExternalShutdownException:
         pass
     finally:
+        stop.ignore_from_now()
         executor.shutdown(timeout_sec=1.0)
         close = getattr(node, "close", None)
         if close is not None:
