@@ -18,7 +18,6 @@ import cProfile
 import io
 import pstats
 import tempfile
-import time
 from pathlib import Path
 from typing import List
 
@@ -43,25 +42,14 @@ def main() -> None:
 
     from capsule_ros.benchmarks import fleet as bench
     from capsule_ros.benchmarks.common import resolve_device, write_report
-    from capsule_ros.fleet import FleetConfig, build_fleet
 
     device = resolve_device(args.device)
     case = bench.make_case(args.case, device, args.quick, Path(tempfile.mkdtemp(prefix="capsule-fleet-profile-")),
                            np.random.default_rng(0), args.robots)
-    names = tuple(f"r{i}" for i in range(args.robots))
-    policy = case.make_policy() if case.make_policy is not None else None
-    fleet = build_fleet(case.config, FleetConfig(robots=names, batching="vmap"), policy=policy)
-    bench._stagger(case, [fleet.robot(name).loop for name in names])
+    fleet, names = bench.staggered_fleet(case, args.robots, "vmap")
 
     def ticks(count: int) -> np.ndarray:
-        ms = []
-        for t in range(count):
-            for name in names:
-                bench._stage(fleet.robot(name).loop, case, t)
-            start = time.perf_counter()
-            fleet.tick(names)
-            ms.append((time.perf_counter() - start) * 1e3)
-        return np.asarray(ms)
+        return bench.timed_ticks(fleet, case, names, count) * 1e3
 
     ticks(50)                                                   # past the first chunks and launches
     wall = ticks(args.ticks)

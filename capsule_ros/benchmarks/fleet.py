@@ -221,24 +221,36 @@ def _stage(loop: Any, case: Case, t: int) -> None:
         loop.write_input(port, rows[t % len(rows)])
 
 
-def fleet_side(case: Case, slots: int, ns: Sequence[int], ticks: int, batching: str) -> Dict[str, Any]:
-    """One fleet of ``slots`` robots; for each N, ``ticks`` fleet steps of its first N robots."""
+def staggered_fleet(case: Case, slots: int, batching: str) -> Tuple[Any, Tuple[str, ...]]:
+    """A fleet of ``slots`` robots (``r0`` ...) serving ``case``, each robot's chunk at another
+    row; the fleet and its robots' names."""
     from capsule_ros.fleet import FleetConfig, build_fleet
     names = tuple(f"r{i}" for i in range(slots))
     policy = case.make_policy() if case.make_policy is not None else None
     fleet = build_fleet(case.config, FleetConfig(robots=names, batching=batching), policy=policy)
     _stagger(case, [fleet.robot(name).loop for name in names])
+    return fleet, names
+
+
+def timed_ticks(fleet: Any, case: Case, active: Sequence[str], ticks: int) -> np.ndarray:
+    """``ticks`` fleet steps of the ``active`` robots, each timed (seconds) after every
+    robot's inputs are staged."""
+    seconds = np.zeros(ticks)
+    for t in range(ticks):
+        for name in active:
+            _stage(fleet.robot(name).loop, case, t)
+        start = time.perf_counter()
+        fleet.tick(active)
+        seconds[t] = time.perf_counter() - start
+    return seconds
+
+
+def fleet_side(case: Case, slots: int, ns: Sequence[int], ticks: int, batching: str) -> Dict[str, Any]:
+    """One fleet of ``slots`` robots; for each N, ``ticks`` fleet steps of its first N robots."""
+    fleet, names = staggered_fleet(case, slots, batching)
     out: Dict[str, Any] = {"by_n": {}}
     for n in ns:
-        active = names[:n]
-        seconds = []
-        for t in range(ticks):
-            for name in active:
-                _stage(fleet.robot(name).loop, case, t)
-            start = time.perf_counter()
-            fleet.tick(active)
-            seconds.append(time.perf_counter() - start)
-        out["by_n"][n] = _figures(n, np.asarray(seconds))
+        out["by_n"][n] = _figures(n, timed_ticks(fleet, case, names[:n], ticks))
     if batching == "vmap":
         out["snapshot_stall_ms"] = _snapshot_stall(fleet, case, names, ticks)
     out["first_robot"] = _first_robot_actions(fleet, case, names[0])
