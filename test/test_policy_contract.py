@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig
 from capsule_ros.runtime.graphs import PolicyStepError
 from capsule_ros.runtime.policy import ACTION, STEP, ChunkCadence, StatefulPolicy, chunk_specs, standard_specs
 from capsule_ros.serving.factory import build_policy
+from capsule_ros.serving.records import ActionSource
 
 torch.set_num_threads(1)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -174,13 +176,14 @@ class _PlanCounter(_Chunker):
 
 def test_on_a_cpu_the_state_check_is_the_programs_first_run():
     """Start-up runs the planning network where it must: with the state check, only the
-    check's steps (the one before its snapshot, the refill repeated twice); without it,
-    one run per program to check they run at all. It once ran both (a second or more of a
-    camera policy's CPU start-up per plan)."""
+    check's steps (the refill repeated twice; the step before its snapshot consumes);
+    without it, one run per program to check they run at all. It once ran both, and the
+    step before the snapshot planned too (a second or more of a camera policy's CPU
+    start-up per plan)."""
     checked, unchecked = _PlanCounter(), _PlanCounter()
     runtime_of(checked, RuntimeConfig(device="cpu"), CHUNK_SCHEDULES["sync"])
     runtime_of(unchecked, RuntimeConfig(device="cpu", state_check=False), CHUNK_SCHEDULES["sync"])
-    assert (checked.plans, unchecked.plans) == (3, 1)
+    assert (checked.plans, unchecked.plans) == (2, 1)
 
 
 def test_a_step_failing_in_the_state_check_is_reported_as_at_preparation():
@@ -291,3 +294,78 @@ def test_graph_fallback_eager_serves_it_without_a_graph_and_warns(caplog):
     runtime.load_inputs()
     runtime.step()
     assert runtime.read_outputs().action.tolist() == (x * np.float32(3.0)).tolist()
+
+
+# -- the state check beside serving (runtime.state_check_timing) ------------------------------------------------
+
+def _stamped(stamp_s: int, **fields) -> SimpleNamespace:
+    """A message-like object with a header (port adapters read attributes of any object)."""
+    return SimpleNamespace(header=SimpleNamespace(stamp=SimpleNamespace(sec=stamp_s, nanosec=0)), **fields)
+
+
+def _gru_prepared(tmp_path, timing: str):
+    from runtime_fixtures import gru_config
+
+    from capsule_ros.serving.factory import prepare_serving
+    config = gru_config(tmp_path)
+    return prepare_serving(dataclasses.replace(config, runtime=dataclasses.replace(config.runtime,
+                                                                                   state_check_timing=timing)))
+
+
+@pytest.mark.parametrize("timing", ["auto", "while_serving", "before_serving"])
+def test_the_state_check_beside_serving_leaves_the_live_policy_unplanned_and_restores_wait_for_it(tmp_path, timing):
+    """policy_node's start (``check_beside``): on a CPU a chunking policy's check runs on a copy of
+    the policy while serving starts (``auto`` and ``while_serving``): the live runtime plans no
+    chunk at start-up (the check plans twice, and before serving so does the live one). A restore
+    waits for the verdict and is exact."""
+    from capsule_ros.serving.factory import checks_state_while_serving, start_session
+    prepared = _gru_prepared(tmp_path, timing)
+    beside = timing != "before_serving"
+    assert checks_state_while_serving(prepared.config, prepared.policy) == beside
+    session = start_session(prepared, check_beside=True)
+    try:
+        runtime = session.parts.runtime
+        assert runtime.mode.counters.refills == (0 if beside else 2)
+        capsule = session.verbs.commit("home")
+        before = arena_bytes(runtime)
+        session.verbs.reenter(capsule.id)
+        assert arena_bytes(runtime) == before
+    finally:
+        session.release()
+
+
+def test_a_failed_state_check_beside_serving_refuses_restores_and_the_policy_keeps_acting(tmp_path, capsys):
+    """A chunking policy that counts its plans in a Python attribute, started with the check
+    beside serving: activation succeeds, the failure is logged, every restore (reset or
+    re-enter from a capsule) is refused with WRONG_STATE naming the check, the live state is
+    untouched, and commits and a plain reset still work."""
+    from capsule_ros.errors import WrongState
+    from capsule_ros.serving.factory import start_session
+    prepared = _gru_prepared(tmp_path, "while_serving")
+    policy = prepared.policy
+
+    class _CountingPlans(type(policy)):        # type: ignore[misc]
+        def plan(self, state, chunk):
+            super().plan(state, chunk)
+            self.plans_run = getattr(self, "plans_run", 0) + 1
+            chunk.add_(float(self.plans_run))
+
+    policy.__class__ = _CountingPlans
+    session = start_session(prepared, check_beside=True)
+    try:
+        capsule = session.verbs.commit("home")
+        live = arena_bytes(session.parts.runtime)
+        for restore in (lambda: session.verbs.reenter(capsule.id), lambda: session.verbs.reset(capsule.id)):
+            with pytest.raises(WrongState, match=r"capsule restores are refused: the start-up state check failed "
+                                                 r"\(PolicyStateError: policy .* keeps state outside"):
+                restore()
+            assert arena_bytes(session.parts.runtime) == live
+        assert "state check failed, beside serving: policy gru_chunk keeps state outside" in capsys.readouterr().err
+        session.verbs.commit("still")
+        assert session.verbs.reset().episode_id == 2
+        for stamp in range(1, 4):                      # it acts: the policy's own actions, not safe ones
+            session.loop.feed("goal", _stamped(stamp, point=SimpleNamespace(x=0.3, y=0.4, z=0.0)))
+            fed = session.loop.feed("joints", _stamped(stamp, name=[], position=[0.1, 0.2], velocity=[0.0, 0.0]))
+            assert fed.record is not None and fed.record.source == ActionSource.POLICY
+    finally:
+        session.release()

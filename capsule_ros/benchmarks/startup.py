@@ -19,15 +19,18 @@ ALOHA shapes, a 480 x 640 camera) and ``diffusion`` (Diffusion Policy's default 
 - ``plain``: a fresh Python process (``startup_plain.py``) that loads the same model
   (ONNX Runtime only for the ONNX model; the kind's own model code and weights in plain
   torch for the others: no arena, runtime, capsules or ROS) and computes one action,
-  timed from its launch to its output.
+  timed from its launch to its output. A torch side computes at the CPU vector level the
+  node pins (``runtime.numerics``: the same kernels, so that the difference is start-up);
+  ``plain_native`` is the same process at this CPU's own level, for the reader.
 - ``import torch``: a process that only imports torch, for the reader (an ONNX policy is
   served over a torch arena; its plain side never imports torch).
 
 Target: served <= ``BUDGET_S`` + plain + graph capture (none on a CPU: the step runs
 eagerly), per case, on medians (``met``). ``met_but_state_check``: the same without the
 time of the start-up state check (``runtime.state_check``: five steps a plain load never
-runs, which a chunking camera policy's refills make the largest part of its start-up; the
-node logs it). The sides alternate in ``ROUNDS`` rounds so that a busy
+runs; the node logs it). A chunking policy's node runs it beside serving on a CPU
+(``runtime.state_check_timing: auto``; ``state_check_beside``: in every round), where its
+plans are then not part of the launch to the first action. The sides alternate in ``ROUNDS`` rounds so that a busy
 machine slows them alike; the spread (min..max) and the load average before and after
 are recorded. CPU only: it launches policy_node (ROS), which the GPU machine lacks.
 """
@@ -110,10 +113,14 @@ def _case(name: str, tmp: Path, quick: bool) -> Case:
 
 
 # -- the plain side ---------------------------------------------------------------------------------
-def time_plain(case: Case) -> float:
-    """Seconds from launching the plain process to its first action."""
+def time_plain(case: Case, native: bool = False) -> float:
+    """Seconds from launching the plain process to its first action (``native``: a torch
+    side at this CPU's own vector level rather than the node's)."""
+    args = list(case.plain)
+    if native:
+        args[0] += "-native"
     start = time.monotonic()
-    out = subprocess.run([sys.executable, str(PLAIN), *case.plain], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(PLAIN), *args], capture_output=True, text=True,
                          timeout=FIRST_ACTION_TIMEOUT_S, env=_env())
     seconds = time.monotonic() - start
     if out.returncode != 0 or "first action" not in out.stdout:
@@ -232,6 +239,8 @@ def log_phases(log: str, launched_wall: float) -> Dict[str, Any]:
         check = re.search(r"state check: .* in ([0-9.]+) ms", text)
         if check:
             phases["state_check_s"] = float(check.group(1)) / 1e3
+        if text.startswith("[serving.statecheck] state check passed, beside serving"):
+            phases["state_check_beside"] = 1.0
         pools = re.search(r"capsule pools: (\d+) device slab\(s\), (\d+) host slab\(s\)", text)
         if pools:
             phases["slabs"] = int(pools.group(1)) + int(pools.group(2))
@@ -285,8 +294,9 @@ def _run(cases: Sequence[str], quick: bool, rounds: int, device: Any, tmp: Path)
         for round_no in range(rounds):
             torch_import.append(time_torch_import())
             for case in prepared:
-                for side in ("plain", "served") if round_no % 2 == 0 else ("served", "plain"):
-                    got = ({"plain_s": time_plain(case)} if side == "plain"
+                sides = ["plain", "served"] + (["plain_native"] if case.plain[0] == "torch" else [])
+                for side in sides if round_no % 2 == 0 else reversed(sides):
+                    got = ({f"{side}_s": time_plain(case, native=side == "plain_native")} if side != "served"
                            else time_served(case, client, tmp, round_no))
                     for key, value in got.items():
                         samples[case.name].setdefault(key, []).append(value)
@@ -298,14 +308,16 @@ def _run(cases: Sequence[str], quick: bool, rounds: int, device: Any, tmp: Path)
                               "budget_s": BUDGET_S, "import_torch_s": _spread(torch_import), "cases": {}}
     for case in prepared:
         got = samples[case.name]
-        row: Dict[str, Any] = {"summary": case.summary, "slabs": int(got["slabs"][0]) if got.get("slabs") else 0}
-        for key in ("served_s", "plain_s", "configured_s", "serving_s", "activate_s", "state_check_s"):
+        row: Dict[str, Any] = {"summary": case.summary, "slabs": int(got["slabs"][0]) if got.get("slabs") else 0,
+                               "state_check_beside": len(got.get("state_check_beside", [])) == rounds}
+        for key in ("served_s", "plain_s", "plain_native_s", "configured_s", "serving_s", "activate_s",
+                    "state_check_s"):
             if got.get(key):
                 row[key] = _spread(got[key])
         row["graph_capture_s"] = 0.0                 # a CPU runs the step eagerly: nothing is captured
         row["target_s"] = BUDGET_S + row["plain_s"]["median"] + row["graph_capture_s"]
         row["met"] = bool(row["served_s"]["median"] <= row["target_s"])
-        check = row.get("state_check_s", {"median": 0.0})["median"]
+        check = 0.0 if row["state_check_beside"] else row.get("state_check_s", {"median": 0.0})["median"]
         row["met_but_state_check"] = bool(row["served_s"]["median"] - check <= row["target_s"])
         result["cases"][case.name] = row
     result["met"] = all(row["met"] for row in result["cases"].values())
@@ -317,14 +329,15 @@ def table(result: dict) -> None:
         return f"{spread['median']:.2f} ({spread['min']:.2f}..{spread['max']:.2f})" if spread else "-"
     rows = []
     for name, row in result["cases"].items():
-        rows.append([name, cell(row["served_s"]), cell(row["plain_s"]), f"{row['target_s']:.2f}",
+        rows.append([name, cell(row["served_s"]), cell(row["plain_s"]), cell(row.get("plain_native_s")),
+                     f"{row['target_s']:.2f}",
                      "yes" if row["met"] else "NO", cell(row.get("configured_s")), cell(row.get("activate_s")),
                      cell(row.get("state_check_s")), "yes" if row["met_but_state_check"] else "NO", row["slabs"]])
     print_table(f"launch to first action, s: median (min..max) of {result['rounds']} rounds; import torch alone "
                 f"{cell(result['import_torch_s'])} s; load {result['load_average_before'][0]:.1f} -> "
                 f"{result['load_average_after'][0]:.1f}",
-                ["case", "policy_node", "plain load", "target", "met", "to configured", "activate", "state check",
-                 "met but the check", "slabs"], rows)
+                ["case", "policy_node", "plain load", "plain, native level", "target", "met", "to configured",
+                 "activate", "state check", "met but the check", "slabs"], rows)
 
 
 def main(args) -> int:

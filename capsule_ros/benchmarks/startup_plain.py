@@ -5,11 +5,15 @@ out one action, in a fresh process, as a user would without capsule_ros.
     python startup_plain.py torch PARAMS.json    the policy kind's own build (its model code
                                                  and weights) in plain torch: no arena,
                                                  runtime, capsules, session or ROS
+    python startup_plain.py torch-native PARAMS.json   the same at this CPU's own vector level
 
 It is run as a script by its path, so an ONNX model's side imports no torch and no
 capsule_ros. It prints ``first action`` and the action once it has one; the benchmark
 times the process from its launch to that line. Both sides run one intra-op thread, as the
-node does (``runtime.cpu_threads: 1``).
+node does (``runtime.cpu_threads: 1``). ``torch`` computes at the CPU vector level the
+node pins (``runtime.numerics``, portable by default: AVX2 kernels, which plan a chunk
+slower than this CPU's own, AVX-512 here), so that the two sides run the same kernels and
+the difference is start-up; ``torch-native`` does not pin it, as torch does by default.
 """
 from __future__ import annotations
 
@@ -30,13 +34,17 @@ def onnx_action(model: str) -> List[float]:
     return [float(v) for v in np.asarray(session.run(None, feeds)[0]).ravel()]
 
 
-def torch_action(params_file: str) -> List[float]:
+def torch_action(params_file: str, native: bool) -> List[float]:
+    params = json.loads(Path(params_file).read_text())
+    if not native:                   # before torch's first operation, which fixes the level
+        from capsule_ros.runtime import numerics
+        numerics.pin(params.get("runtime", {}).get("numerics", numerics.NATIVE))
     import torch
     torch.set_num_threads(1)
     from capsule_ros.policies.registry import BuildContext, policy_kind
     from capsule_ros.runtime.arena import BufferKind, BufferSpec, dtype_from_name
     from capsule_ros.serving.config import ServingConfig
-    config = ServingConfig.from_params(json.loads(Path(params_file).read_text()))
+    config = ServingConfig.from_params(params)
     inputs = tuple(BufferSpec(name, port.shape, dtype_from_name(port.dtype), BufferKind.INPUT)
                    for name, port in config.ports.items())
     weights: Any = config.policy.weights or None
@@ -55,7 +63,7 @@ def torch_action(params_file: str) -> List[float]:
 
 def main(argv: List[str]) -> int:
     kind, path = argv
-    action = onnx_action(path) if kind == "onnx" else torch_action(path)
+    action = onnx_action(path) if kind == "onnx" else torch_action(path, native=kind == "torch-native")
     print("first action", json.dumps(action[:4]), flush=True)
     return 0
 

@@ -304,6 +304,14 @@ class ChunkingMode(ExecutionMode):
         self.cursor, self.pending = cursor, False
         return s.execution_horizon + s.delay + 1 if s.timing == RefillTiming.ASYNC else s.end - cursor + 1
 
+    def warm_up_position(self) -> None:
+        """A full chunk, nothing requested: the warm-up's steps consume. Plans run in the
+        state check; one more would cost a camera policy's CPU start-up seconds."""
+        with on_stream(self.stream):
+            self.arena[CHUNK_CURSOR].fill_(0)
+            self.arena[CHUNK_PENDING].fill_(0)
+        self.cursor, self.pending = 0, False
+
     def check_outputs(self, outputs: Mapping[str, np.ndarray]) -> None:
         if int(outputs[CHUNK_CURSOR][0]) != self.cursor:
             raise RuntimeError(f"chunk cursor {int(outputs[CHUNK_CURSOR][0])} in the arena, {self.cursor} in the "

@@ -130,7 +130,8 @@ class PolicyNode(ServingNode):
             options = SessionOptions(clock_ns=self._now_ns, on_event=self.io.on_event,
                                      on_safe_action=self.io.publish_action)
             session = start_session(prepared, options=options, streams=self._streams, watch=self._watch,
-                                    warm_up=False)            # below, once the heap is settled
+                                    warm_up=False,            # below, once the heap is settled
+                                    check_beside=True)        # where runtime.state_check_timing says so
             if self._watch is not None:
                 self._watch.start(config)     # capsules.regenerate_stale: in the background
             served = session.status()

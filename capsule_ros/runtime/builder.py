@@ -99,7 +99,7 @@ def build_policy_runtime(policy: StatefulPolicy, config: RuntimeConfig = Runtime
                          mode: ModeSetup = EVERY_STEP, inputs: Optional[Mapping[str, object]] = None,
                          identity: Optional[RuntimeIdentity] = None, streams: Optional[StreamKeeper] = None,
                          stream_role: str = "step", policy_checked: bool = False,
-                         arena: Optional[StateArena] = None) -> PolicyRuntime:
+                         checked_elsewhere: bool = False, arena: Optional[StateArena] = None) -> PolicyRuntime:
     """A runtime of ``policy`` run in ``mode`` (see the module docstring for the phases).
 
     ``inputs``: input buffer name -> what fills it (part of the fingerprint; the node
@@ -109,8 +109,11 @@ def build_policy_runtime(policy: StatefulPolicy, config: RuntimeConfig = Runtime
     ConfigError) when the policy's step cannot run on its declared inputs or cannot be
     captured, and PolicyStateError when it keeps state outside its buffers
     (``runtime.state_check``; skipped with ``policy_checked``, for a replica whose policy
-    passed it with the original). ``arena``: the arena to build in, with the mode's scratch
-    (a slot of a fleet's arena, ``capsule_ros.runtime.slots``); default a new one."""
+    passed it with the original). ``checked_elsewhere``: the state check runs on another
+    runtime of a copy of the policy (``capsule_ros.serving.statecheck``), which also runs
+    each program first: this one runs neither. ``arena``: the arena to build in, with the
+    mode's scratch (a slot of a fleet's arena, ``capsule_ros.runtime.slots``); default a new
+    one."""
     placed = place_policy(policy, config)
     streams = streams or StreamKeeper()
     stream = streams.get(placed.device, stream_role)
@@ -133,8 +136,8 @@ def build_policy_runtime(policy: StatefulPolicy, config: RuntimeConfig = Runtime
                             identity=identity or runtime_identity(placed.policy, config, inputs),
                             inputs=dict(inputs or {}), stream=stream, streams=streams)
     runtime.reset(episode=0)
-    checks_state = config.state_check and config.deterministic and not policy_checked
-    graphs.prepare(check_runs=not checks_state)      # the state check runs every program anyway
+    checks_state = config.state_check and config.deterministic and not (policy_checked or checked_elsewhere)
+    graphs.prepare(check_runs=not (checks_state or checked_elsewhere))   # the state check runs every program
     bound.prepare()
     if checks_state:
         check_state_contract(runtime)

@@ -68,6 +68,12 @@ class RuntimeConfig(ConfigSection):
     state_check: bool = setting(True, "at start, check that the policy keeps no state outside its declared buffers: "
                                 "steps repeated from a snapshot must give the same bits (five extra steps; skipped "
                                 "when deterministic is off)", read_only=True)
+    state_check_timing: str = setting(
+        "auto", "when the state check runs: before_serving (activation waits for it and fails on a policy that "
+        "keeps state outside its buffers), while_serving (policy_node: on a copy of the policy beside the first "
+        "steps; a capsule restore waits for its verdict, and after a failed one is refused) or auto (while_serving "
+        "on a CPU for a chunking policy, whose check plans chunks a plain start never plans; before_serving "
+        "otherwise)", choices=("auto", "before_serving", "while_serving"), read_only=True)
     graph_fallback: str = setting("off", "when the step cannot be captured as a CUDA graph: off (start-up fails, "
                                   "naming the problem) or eager (run it without a graph, slower, with a warning)",
                                   choices=("off", "eager"), read_only=True)

@@ -58,7 +58,8 @@ def weights_digest(module: nn.Module) -> str:
     for name, tensor in sorted(module.state_dict().items()):
         t = tensor.detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())     # the tensor's own bytes: no copy
     return h.hexdigest()
 
 

@@ -28,6 +28,7 @@ admit()             before a restore touches the live state        any mark
 after_restore()     after a restore (its caller says so)           nothing
 resync()            the arena's bytes were replaced wholesale      nothing
 rehearse()          the start-up state check                       2 steps, from where it is
+warm_up_position()  the node's warm-up (it puts the arena back)    from where it is
 check_outputs()     each read of the outputs (debug checks)        nothing
 close()             the runtime is closed                          nothing
 =================== ============================================ ==========================
@@ -141,6 +142,11 @@ class ExecutionMode:
         """For the state check: put the arena and the host-side state where steps run
         every program of the mode; the number of steps that takes."""
         return REHEARSED_STEPS
+
+    def warm_up_position(self) -> None:
+        """For the node's warm-up of its step path (``GuardedStep.rehearse``, which puts the
+        arena back after): put the state where the next steps run the program most steps
+        run."""
 
     def check_outputs(self, outputs: Mapping[str, np.ndarray]) -> None:
         """Debug checks: the host copies of a step's meta and outputs agree with the mode's

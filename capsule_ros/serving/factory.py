@@ -37,6 +37,7 @@ from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.ports import TEXT_TYPE
 from capsule_ros.serving.recompute import check_log_size
 from capsule_ros.serving.session import PolicySession
+from capsule_ros.serving.statecheck import StateCheckBeside
 
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "policies"
 
@@ -156,6 +157,7 @@ class PreparedServing:
     identity: RuntimeIdentity
     directory: Optional[CapsuleDirectory] = None       # None when capsules.directory is ''
     mode: Optional[ModeSetup] = None                   # None until ``settle_mode``
+    weights: Optional[str] = None                      # what overrode policy.weights (``prepare_serving``)
 
     @property
     def fingerprint(self) -> str:
@@ -183,7 +185,7 @@ def prepare_serving(config: ServingConfig, *, weights: Optional[str] = None, nod
                                      key_file=config.capsules.key_file,
                                      chunk_bytes=int(config.capsules.chunk_mb * 2**20),
                                      max_file_bytes=int(config.capsules.max_file_mb * 2**20))
-    return PreparedServing(config, policy, identity, directory)
+    return PreparedServing(config, policy, identity, directory, weights=weights)
 
 
 def settle_mode(prepared: PreparedServing, *, streams: Optional[StreamKeeper] = None) -> PreparedServing:
@@ -198,9 +200,20 @@ def settle_mode(prepared: PreparedServing, *, streams: Optional[StreamKeeper] = 
     return dataclasses.replace(prepared, config=config, mode=mode)
 
 
+def checks_state_while_serving(config: ServingConfig, policy: StatefulPolicy) -> bool:
+    """Whether ``runtime.state_check_timing`` puts the state check beside serving (``auto``:
+    on a CPU, for a chunking policy: ``capsule_ros.serving.statecheck``)."""
+    runtime = config.runtime
+    if not (runtime.state_check and runtime.deterministic) or runtime.state_check_timing == "before_serving":
+        return False
+    if runtime.state_check_timing == "while_serving":
+        return True
+    return runtime.resolve_device().type == "cpu" and policy.cadence() is not None
+
+
 def start_session(prepared: PreparedServing, *, options: Optional[SessionOptions] = None,
                   streams: Optional[StreamKeeper] = None, watch: Optional[DirectoryWatch] = None,
-                  warm_up: bool = True) -> PolicySession:
+                  warm_up: bool = True, check_beside: bool = False) -> PolicySession:
     """The runtime on its device (arena, graph capture, warm-up) in the settled mode
     (``settle_mode``, run here when the caller has not), the capsule store and the session
     over them (the node's lifecycle ``activate``); episode 1 starts when
@@ -209,16 +222,29 @@ def start_session(prepared: PreparedServing, *, options: Optional[SessionOptions
     says why). ``watch``: the model updates of the capsule directory the session's status
     shows (the node's: ``capsule_ros.updates.watch``). ``warm_up`` False: the caller runs
     ``PolicySession.warm_up`` itself right before stepping starts (the node does, after it
-    settles its heap; twice cost a camera policy two more steps of its start-up)."""
+    settles its heap; twice cost a camera policy two more steps of its start-up).
+    ``check_beside``: the state check may run beside serving where
+    ``runtime.state_check_timing`` says so (``checks_state_while_serving``; the node's
+    choice: a replay or a benchmark checks before its first step)."""
     streams = streams or StreamKeeper()         # one keeper for an auto delay's measurement and the runtime
     prepared = settle_mode(prepared, streams=streams)
     config = prepared.config
-    assert prepared.mode is not None
-    runtime = build_policy_runtime(prepared.policy, config.runtime, mode=prepared.mode, inputs=port_bindings(config),
-                                   identity=prepared.identity, streams=streams)
+    mode = prepared.mode
+    assert mode is not None
+    beside = check_beside and checks_state_while_serving(config, prepared.policy)
+    runtime = build_policy_runtime(prepared.policy, config.runtime, mode=mode, inputs=port_bindings(config),
+                                   identity=prepared.identity, streams=streams, checked_elsewhere=beside)
+    state_check = None
+    if beside:
+        def checking_runtime(policy: StatefulPolicy) -> PolicyRuntime:
+            return build_policy_runtime(policy, config.runtime, mode=mode, inputs=port_bindings(config),
+                                        identity=prepared.identity, streams=StreamKeeper(), stream_role="check")
+        state_check = StateCheckBeside(prepared.policy, checking_runtime,
+                                       lambda: build_policy(config, prepared.weights))
     store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)
     session = PolicySession(runtime, store, config.control, directory=prepared.directory,
-                            ports=config.ports, prefix=config.policy.prefix, watch=watch, options=options)
+                            ports=config.ports, prefix=config.policy.prefix, watch=watch, options=options,
+                            state_check=state_check)
     if config.control.autostart:
         session.verbs.reset()
     if warm_up:

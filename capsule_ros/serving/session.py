@@ -21,7 +21,7 @@ whether it runs under the boundary or outside it. File I/O and a recompute's rep
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from capsule_ros.serving.files import SaveFailed, SaveJob, Source
 from capsule_ros.serving.loop import ControlLoop, Fed, Tick
 from capsule_ros.serving.machine import EpisodeMachine
 from capsule_ros.serving.options import SessionOptions
+from capsule_ros.serving.parts import SessionParts
 from capsule_ros.serving.ports import stamp_ns
 from capsule_ros.serving.recompute import UNRESTORABLE, Recompute
 from capsule_ros.serving.records import (
@@ -51,21 +52,8 @@ from capsule_ros.serving.records import (
     SessionStatus,
     StalePicture,
 )
+from capsule_ros.serving.statecheck import StateVerdict
 from capsule_ros.serving.verbs import check_label, hold_mode_of
-
-
-class SessionParts(NamedTuple):
-    """What a session composes, for tests and tools that look inside. Reading them is safe
-    between steps; changing the live state through them bypasses the boundary."""
-
-    runtime: PolicyRuntime
-    store: CapsuleStore
-    directory: Optional[CapsuleDirectory]
-    boundary: Boundary
-    loop: ControlLoop
-    machine: EpisodeMachine
-    capsules: CapsuleSet
-    recompute: Recompute
 
 
 class PolicySession:
@@ -74,8 +62,10 @@ class PolicySession:
     def __init__(self, runtime: PolicyRuntime, store: CapsuleStore, control: ControlConfig, *,
                  directory: Optional[CapsuleDirectory] = None, ports: Optional[Mapping[str, PortConfig]] = None,
                  prefix: Sequence[int] = (), watch: Optional[DirectoryWatch] = None,
-                 options: Optional[SessionOptions] = None, together_with: Optional[PolicySession] = None):
-        """``together_with``: share its boundary (a fleet's robots: ``ticking_together``)."""
+                 options: Optional[SessionOptions] = None, together_with: Optional[PolicySession] = None,
+                 state_check: Optional[StateVerdict] = None):
+        """``together_with``: share its boundary (a fleet's robots: ``ticking_together``); ``state_check``: the
+        start-up state check beside serving, which restores wait for (``capsule_ros.serving.statecheck``)."""
         options = options or SessionOptions()
         boundary = together_with.parts.boundary if together_with else Boundary(control.service_timeout_ms / 1e3)
         episode = Episode(np.zeros(runtime.policy.action_dim, dtype=np.float32))
@@ -89,7 +79,8 @@ class PolicySession:
         self._watch = watch
         self._options = options
         self._status: Optional[SessionStatus] = None
-        self._verbs = SessionVerbs(self._parts)
+        self._state_check = state_check or StateVerdict()
+        self._verbs = SessionVerbs(self._parts, self._state_check)
         self._loop = SessionLoop(boundary, loop)
 
     @property
@@ -170,8 +161,9 @@ class PolicySession:
             boundary.timeout_s = control.service_timeout_ms / 1e3
 
     def close(self) -> None:
-        """Stop the watchdog thread and a background regeneration (after its capsule in progress)."""
+        """Stop the watchdog thread, a background regeneration (after its capsule in progress) and the state check."""
         self._parts.loop.close()
+        self._state_check.close()
         if self._watch is not None:
             self._watch.close()
 
@@ -258,7 +250,8 @@ class SessionVerbs:
     (named after it; a request's fields are its parameters): each reads files outside the
     boundary and changes the state under it (``EpisodeMachine``)."""
 
-    def __init__(self, parts: SessionParts):
+    def __init__(self, parts: SessionParts, state_check: StateVerdict):
+        self._state_check = state_check
         self._boundary = parts.boundary
         self._store = parts.store
         self._machine = parts.machine
@@ -287,10 +280,12 @@ class SessionVerbs:
     def reset(self, capsule_id: str = "") -> EpisodeStart:
         """Start a new episode from the initial state or from a capsule's state (in memory or read from its file).
         Raises InvalidArgument, NotFound, CorruptCapsule, FingerprintMismatch, PermissionDenied, CapsuleIOError (the
-        capsule), ResourceExhausted (no room for the episode's root capsule) and Busy, with the live state unchanged."""
+        capsule), ResourceExhausted (no room for the episode's root capsule), Busy and WrongState (``StateVerdict``),
+        with the live state unchanged."""
         if not capsule_id:
             with self._boundary.held():
                 return self._machine.start(None)
+        self._state_check.require()
         with self._held_with(check_capsule_id(capsule_id)) as source:
             return self._machine.start(source)
 
@@ -308,14 +303,15 @@ class SessionVerbs:
         """Restore a capsule and resume ("" = the interrupt capsule, or the untouched live state after an interrupt
         without one). A capsule that cannot be restored is rebuilt by the recompute fallback when the input log covers
         it, or else from its file's recipe under this fingerprint (on a replica, outside the boundary: the control loop
-        keeps stepping meanwhile). Raises the capsule's own error (with the reasons there is no fallback), WrongState,
-        ResourceExhausted, Busy.  ``only`` (an ablation, ``capsule-ros replay --ablation``): restore just these buffer
-        kinds of the capsule and keep the rest of the live state."""
+        keeps stepping meanwhile). Raises the capsule's own error (with the reasons there is no fallback), WrongState
+        (also ``StateVerdict``'s), ResourceExhausted, Busy.  ``only`` (an ablation, ``capsule-ros replay --ablation``):
+        restore just these buffer kinds of the capsule and keep the rest of the live state."""
         if only and capsule_id:
             return self._reenter_only(capsule_id, only)
         if not capsule_id:
             with self._boundary.held():
                 return self._machine.resume_interrupted()
+        self._state_check.require()
         try:
             with self._held_with(check_capsule_id(capsule_id)) as source:
                 return self._machine.reenter(source)

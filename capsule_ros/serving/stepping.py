@@ -95,8 +95,11 @@ class GuardedStep:
         byte: counters, the input log and the state stay as they were. Right before stepping
         starts it makes the first step not a cold one: no first touch of the guard copy or
         host buffers, no first launch of the captured graph, the weights back in the CPU
-        caches, the interpreter's specialised code for the Python in between."""
+        caches, the interpreter's specialised code for the Python in between. It runs from
+        where the mode's most common steps run (``ExecutionMode.warm_up_position``: a
+        chunking policy consumes; its plans ran in the state check)."""
         saved = self.runtime.arena.storage.clone()
+        self.runtime.mode.warm_up_position()
         rehearsal = GuardedStep(self.runtime, self.inputs, SessionCounters(), lambda step, row, action: None)
         try:
             for _ in range(runs):
