@@ -54,6 +54,7 @@ import yaml
 
 from capsule_ros.benchmarks.common import config_path, emit, environment, print_table, resolve_device
 from capsule_ros.config import load_params_file
+from capsule_ros.runtime import numerics
 
 BUDGET_S = 1.5
 ROUNDS = 5
@@ -116,12 +117,14 @@ def _case(name: str, tmp: Path, quick: bool) -> Case:
 def time_plain(case: Case, native: bool = False) -> float:
     """Seconds from launching the plain process to its first action (``native``: a torch
     side at this CPU's own vector level rather than the node's)."""
-    args = list(case.plain)
+    args, env = list(case.plain), _env()
     if native:
         args[0] += "-native"
+        for name in numerics.PIN_VARIABLES:         # this process's own pin is in its environment
+            env.pop(name, None)
     start = time.monotonic()
     out = subprocess.run([sys.executable, str(PLAIN), *args], capture_output=True, text=True,
-                         timeout=FIRST_ACTION_TIMEOUT_S, env=_env())
+                         timeout=FIRST_ACTION_TIMEOUT_S, env=env)
     seconds = time.monotonic() - start
     if out.returncode != 0 or "first action" not in out.stdout:
         raise SystemExit(f"the plain {case.name} load failed ({out.returncode}):\n{out.stderr[-2000:]}")
@@ -249,13 +252,22 @@ def log_phases(log: str, launched_wall: float) -> Dict[str, Any]:
     return phases
 
 
-def time_served(case: Case, client: Any, tmp: Path, round_no: int) -> Dict[str, Any]:
+def time_served(case: Case, tmp: Path, round_no: int) -> Dict[str, Any]:
     """Launch policy_node with the case's parameters: seconds to its first action, and the
-    phases of its log."""
+    phases of its log. The publishers are a fresh participant's (a context of their own), as
+    sensor drivers launched with the node are: a participant that had seen the earlier
+    rounds' nodes gave a new one its endpoints up to 2.4 s after it subscribed (Fast DDS;
+    with a fresh one, the first action came about 20 ms after the node was serving)."""
+    import rclpy
+
     from capsule_ros.ros.processes import start_policy_node
+    from capsule_ros.ros.spinning import SpunNode
     namespace = f"/bench_startup_{case.name}_{round_no}"
     params_file = tmp / f"{case.name}-params.yaml"
     params_file.write_text(yaml.safe_dump({"/**": {"ros__parameters": case.params}}))
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    client = SpunNode(rclpy, "bench_startup_client", context=context)
     feeder = Feeder(client.node, namespace, case.params)
     launched_wall, launched = time.time(), time.monotonic()
     proc = start_policy_node(tmp, {}, namespace=namespace, params_file=params_file, tag=f"{case.name}-{round_no}")
@@ -263,6 +275,8 @@ def time_served(case: Case, client: Any, tmp: Path, round_no: int) -> Dict[str, 
         first = feeder.run(launched + FIRST_ACTION_TIMEOUT_S, proc.alive)
     finally:
         code = proc.stop()
+        client.close()
+        context.try_shutdown()
     if first is None:
         raise SystemExit(f"policy_node ({case.name}) gave no action (exit {code}):\n{proc.log()[-3000:]}")
     return {"served_s": first - launched, **log_phases(proc.log(), launched_wall)}
@@ -281,28 +295,19 @@ def run(cases: Sequence[str] = CASES, quick: bool = False, rounds: int = ROUNDS)
 
 
 def _run(cases: Sequence[str], quick: bool, rounds: int, device: Any, tmp: Path) -> dict:
-    import rclpy
-
-    from capsule_ros.ros.spinning import SpunNode
     prepared = [_case(name, tmp, quick) for name in cases]
     load_before = list(os.getloadavg())
     samples: Dict[str, Dict[str, List[float]]] = {c.name: {} for c in prepared}
     torch_import: List[float] = []
-    rclpy.init()
-    client = SpunNode(rclpy, "bench_startup_client")
-    try:
-        for round_no in range(rounds):
-            torch_import.append(time_torch_import())
-            for case in prepared:
-                sides = ["plain", "served"] + (["plain_native"] if case.plain[0] == "torch" else [])
-                for side in sides if round_no % 2 == 0 else reversed(sides):
-                    got = ({f"{side}_s": time_plain(case, native=side == "plain_native")} if side != "served"
-                           else time_served(case, client, tmp, round_no))
-                    for key, value in got.items():
-                        samples[case.name].setdefault(key, []).append(value)
-    finally:
-        client.close()
-        rclpy.try_shutdown()
+    for round_no in range(rounds):
+        torch_import.append(time_torch_import())
+        for case in prepared:
+            sides = ["plain", "served"] + (["plain_native"] if case.plain[0] == "torch" else [])
+            for side in sides if round_no % 2 == 0 else reversed(sides):
+                got = ({f"{side}_s": time_plain(case, native=side == "plain_native")} if side != "served"
+                       else time_served(case, tmp, round_no))
+                for key, value in got.items():
+                    samples[case.name].setdefault(key, []).append(value)
     result: Dict[str, Any] = {"bench": "startup", **environment(device), "quick": quick, "rounds": rounds,
                               "load_average_before": load_before, "load_average_after": list(os.getloadavg()),
                               "budget_s": BUDGET_S, "import_torch_s": _spread(torch_import), "cases": {}}

@@ -52,6 +52,7 @@ from capsule_ros.errors import ConfigError
 NATIVE = "native"
 PORTABLE = "portable"
 ENV_ATEN, ENV_MKL, ENV_ONEDNN = "ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA"
+PIN_VARIABLES = (ENV_ATEN, ENV_MKL, ENV_ONEDNN)        # what ``pin`` sets (children inherit it)
 X86_MACHINES = ("x86_64", "amd64")
 
 
