@@ -116,13 +116,15 @@ class ClientNode:
     """An rclpy node spun in a background thread, with helpers to publish, collect
     messages and call the policy node's services."""
 
-    def __init__(self, rclpy_module, name: str = "capsule_test_client", node_path: str = "/capsule_policy"):
+    def __init__(self, rclpy_module, name: str = "capsule_test_client", node_path: str = "/capsule_policy",
+                 context=None):
+        """``context``: an rclpy context of its own (a DDS participant of its own), default the global one."""
         from capsule_ros.ros.client import CapsuleClient
         from capsule_ros.ros.spinning import SpinThread
         self.rclpy = rclpy_module
-        self.node = rclpy_module.create_node(name)
+        self.node = rclpy_module.create_node(name, context=context)
         self.node_path = node_path
-        self._spin = SpinThread(self.node)
+        self._spin = SpinThread(self.node, context=context)
         # a call's answer may wait on a node still starting (torch's import, the first bag's
         # writer) on a busy 2-core CI machine: no test measures a call's latency with it
         self.capsules = CapsuleClient(self.node, node_path, server_wait_s=30.0, call_timeout_s=30.0)
