@@ -369,3 +369,15 @@ def test_a_failed_state_check_beside_serving_refuses_restores_and_the_policy_kee
             assert fed.record is not None and fed.record.source == ActionSource.POLICY
     finally:
         session.release()
+
+
+def test_a_runtime_the_state_check_refuses_leaves_no_thread_running():
+    """The refill worker of an async chunking policy (a thread on a CPU) is closed with the runtime
+    the check refused: a node whose check ran beside serving keeps serving, and must not keep a
+    second policy's worker alive."""
+    import threading
+    before = set(threading.enumerate())
+    with pytest.raises(PolicyStateError) as refused:      # the error (and what it references) stays alive
+        runtime_of(_ChunkerCounter(), RuntimeConfig(device="cpu"), CHUNK_SCHEDULES["async"])
+    assert "keeps state outside" in str(refused.value)
+    assert [t.name for t in set(threading.enumerate()) - before] == []

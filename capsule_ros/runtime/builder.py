@@ -140,7 +140,11 @@ def build_policy_runtime(policy: StatefulPolicy, config: RuntimeConfig = Runtime
     graphs.prepare(check_runs=not (checks_state or checked_elsewhere))   # the state check runs every program
     bound.prepare()
     if checks_state:
-        check_state_contract(runtime)
+        try:
+            check_state_contract(runtime)
+        except BaseException:
+            runtime.close()         # its mode's worker and its graphs: a refused runtime leaves nothing running
+            raise
     LOG.info("runtime on %s: arena %d bytes in %d buffers, graphs=%s, fingerprint %s",
              runtime.device, runtime.layout.nbytes, len(runtime.layout), graphs.captured, runtime.fingerprint[:12])
     return runtime
