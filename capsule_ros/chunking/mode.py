@@ -299,18 +299,20 @@ class ChunkingMode(ExecutionMode):
         (refill, consume, request, consume while the request is out, adopt)."""
         s = self.schedule
         cursor = s.end if s.timing == RefillTiming.ASYNC else max(0, s.execution_horizon - 1)
-        with on_stream(self.stream):
-            self.arena[CHUNK_CURSOR].fill_(cursor)
-        self.cursor, self.pending = cursor, False
+        self._place(cursor)
         return s.execution_horizon + s.delay + 1 if s.timing == RefillTiming.ASYNC else s.end - cursor + 1
 
     def warm_up_position(self) -> None:
         """A full chunk, nothing requested: the warm-up's steps consume. Plans run in the
         state check; one more would cost a camera policy's CPU start-up seconds."""
+        self._place(0)
+
+    def _place(self, cursor: int) -> None:
+        """The chunk cursor at ``cursor`` with nothing requested, in the arena and the mirror."""
         with on_stream(self.stream):
-            self.arena[CHUNK_CURSOR].fill_(0)
+            self.arena[CHUNK_CURSOR].fill_(cursor)
             self.arena[CHUNK_PENDING].fill_(0)
-        self.cursor, self.pending = 0, False
+        self.cursor, self.pending = cursor, False
 
     def check_outputs(self, outputs: Mapping[str, np.ndarray]) -> None:
         if int(outputs[CHUNK_CURSOR][0]) != self.cursor:

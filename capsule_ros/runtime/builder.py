@@ -136,7 +136,7 @@ def build_policy_runtime(policy: StatefulPolicy, config: RuntimeConfig = Runtime
                             identity=identity or runtime_identity(placed.policy, config, inputs),
                             inputs=dict(inputs or {}), stream=stream, streams=streams)
     runtime.reset(episode=0)
-    checks_state = config.state_check and config.deterministic and not (policy_checked or checked_elsewhere)
+    checks_state = config.runs_state_check and not (policy_checked or checked_elsewhere)
     graphs.prepare(check_runs=not (checks_state or checked_elsewhere))   # the state check runs every program
     bound.prepare()
     if checks_state:

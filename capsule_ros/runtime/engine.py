@@ -81,6 +81,12 @@ class RuntimeConfig(ConfigSection):
     def check(self) -> None:
         numerics.check_threads(self.numerics, self.cpu_threads)
 
+    @property
+    def runs_state_check(self) -> bool:
+        """Whether a runtime of this configuration runs the start-up state check (only where
+        bit-identity is promised)."""
+        return self.state_check and self.deterministic
+
     def compile_enabled(self, device: torch.device) -> bool:
         if self.compile == "auto":
             if device.type != "cuda":

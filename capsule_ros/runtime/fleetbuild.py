@@ -150,7 +150,7 @@ def _batched_fleet(policy: StatefulPolicy, config: RuntimeConfig, slots: int, mo
         refuse_unbatchable(exc, f"{type(placed.policy).__name__}'s step")
         raise
     fleet_mode.prepare()
-    if config.state_check and config.deterministic and not policy_checked:
+    if config.runs_state_check and not policy_checked:
         check_state_contract(fleet.runtime(0))
     _log(fleet, len(arena.layout))
     return fleet

@@ -204,7 +204,7 @@ def checks_state_while_serving(config: ServingConfig, policy: StatefulPolicy) ->
     """Whether ``runtime.state_check_timing`` puts the state check beside serving (``auto``:
     on a CPU, for a chunking policy: ``capsule_ros.serving.statecheck``)."""
     runtime = config.runtime
-    if not (runtime.state_check and runtime.deterministic) or runtime.state_check_timing == "before_serving":
+    if not runtime.runs_state_check or runtime.state_check_timing == "before_serving":
         return False
     if runtime.state_check_timing == "while_serving":
         return True
@@ -232,12 +232,13 @@ def start_session(prepared: PreparedServing, *, options: Optional[SessionOptions
     mode = prepared.mode
     assert mode is not None
     beside = check_beside and checks_state_while_serving(config, prepared.policy)
-    runtime = build_policy_runtime(prepared.policy, config.runtime, mode=mode, inputs=port_bindings(config),
+    bindings = port_bindings(config)
+    runtime = build_policy_runtime(prepared.policy, config.runtime, mode=mode, inputs=bindings,
                                    identity=prepared.identity, streams=streams, checked_elsewhere=beside)
     state_check = None
     if beside:
         def checking_runtime(policy: StatefulPolicy) -> PolicyRuntime:
-            return build_policy_runtime(policy, config.runtime, mode=mode, inputs=port_bindings(config),
+            return build_policy_runtime(policy, config.runtime, mode=mode, inputs=bindings,
                                         identity=prepared.identity, streams=StreamKeeper(), stream_role="check")
         state_check = StateCheckBeside(prepared.policy, checking_runtime,
                                        lambda: build_policy(config, prepared.weights))

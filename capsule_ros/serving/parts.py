@@ -26,4 +26,3 @@ class SessionParts(NamedTuple):
     machine: EpisodeMachine
     capsules: CapsuleSet
     recompute: Recompute
-

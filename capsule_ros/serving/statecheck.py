@@ -72,10 +72,6 @@ class StateCheckBeside(StateVerdict):
         finally:
             self._done.set()
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
     def require(self) -> None:
         """Return once the check has passed (waiting for it while it runs); WrongState with its
         reason when it failed (a restore would not be exact)."""
