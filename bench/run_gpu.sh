@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # Run the CUDA tests and GPU benchmarks on a GPU machine without ROS, from a checkout:
 #   bash bench/run_gpu.sh [OUT_DIR] [TASK ...]
-# TASKs: tests, a benchmark name (snapshot step reenter commits lifecycle chunking ...), step-exported
-# (bench step --policy exported: the example package's module exported, served vs eager) or
-# step-act (bench step --policy act: ACT from a LeRobot checkpoint, graph vs eager, its capsule
-# vs the copy limit), fleet (bench fleet: N robots of one fleet of 16 slots against N separate
-# runtimes, the default policy, ACT and a recurrent actor) or fleet-default / fleet-act /
-# fleet-recurrent (one case of it), profile-fleet (bench/profile_fleet_tick.py: where a 16-robot ACT
-# fleet's tick goes), vla-smolvla / vla-pi0 / vla-pi05 (bench vla: one kind with 1, 2
-# and 3 cameras against LeRobot's eager policy; LeRobot 0.6.1 and its missing dependencies installed
-# as wheels first, docs/benchmarks.md says which) or vla-<kind>-<n>cam (one case of it: a π case
-# takes more than 6 minutes, and the two paced sides take --async-steps / 30 s each, 100 s at the
-# default; `capsule-ros bench vla --sides` runs some of its sides); default:
-# all of them but vla. Writes pytest output and one JSON per benchmark to OUT_DIR (default:
-# bench/results/<date>). Needs torch with CUDA, numpy, pyyaml, rich, safetensors and pytest +
-# hypothesis for the tests, and transformers 5.5.4
-# (with tokenizers 0.22.2 and huggingface_hub 1.33.0: requirements/lock.txt) for the VLA
-# tests; no ROS (CAPSULE_ROS_WITHOUT_ROS=1 proves it). The example policy package
-# (examples/gru_policy) is used from the checkout through PYTHONPATH, like capsule_ros.
+# TASKs: tests, a benchmark name (snapshot step reenter commits lifecycle chunking ...),
+# step-exported (bench step --policy exported: the example package's module exported, served vs
+# eager) or step-act (bench step --policy act: ACT from a LeRobot checkpoint, graph vs eager, its
+# capsule vs the copy limit), fleet (bench fleet: N robots of one fleet of 16 slots against N
+# separate runtimes, the default policy, ACT and a recurrent actor) or fleet-default / fleet-act /
+# fleet-recurrent / fleet-act-async (one case of it; act-async: ACT's refills planned off the tick),
+# profile-fleet (bench/profile_fleet_tick.py: where a 16-robot ACT fleet's tick goes), vla-smolvla /
+# vla-pi0 / vla-pi05 (bench vla: one kind with 1, 2 and 3 cameras against LeRobot's eager policy;
+# LeRobot 0.6.1 and its missing dependencies installed as wheels first, docs/benchmarks.md says
+# which) or vla-<kind>-<n>cam (one case of it: a π case takes more than 6 minutes, and the two paced
+# sides take --async-steps / 30 s each, 100 s at the default; `capsule-ros bench vla --sides` runs
+# some of its sides); default: all of them but vla. Writes pytest output and one JSON per benchmark
+# to OUT_DIR (default: bench/results/<date>). Needs torch with CUDA, numpy, pyyaml, rich,
+# safetensors and pytest + hypothesis for the tests, and transformers 5.5.4 (with tokenizers 0.22.2
+# and huggingface_hub 1.33.0: requirements/lock.txt) for the VLA tests; no ROS
+# (CAPSULE_ROS_WITHOUT_ROS=1 proves it). The example policy package (examples/gru_policy) is used
+# from the checkout through PYTHONPATH, like capsule_ros.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench/results/$(date -u +%Y-%m-%d)}"

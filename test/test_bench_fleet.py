@@ -94,3 +94,17 @@ def test_the_fleet_tick_profile_reports_the_ticks_and_where_they_went(tmp_path):
     assert report.startswith("default, 3 robots, cpu, 12 ticks back to back\ntick ms p10 / p50 / p90 / p99: ")
     assert report.count("fleet/session.py") >= 2 and "(tick)" in report, report[:3000]
     assert "Self CPU time total" in report
+
+
+def test_act_async_case_plans_off_the_tick_on_both_sides_with_a_single_runtimes_bits():
+    """``--cases act-async``: the ACT robots with async chunking (the refill worker plans while
+    the steps go on) measure on the fleet and separate sides, and a fleet robot's actions
+    equal a single runtime's bit for bit, as in sync mode."""
+    done = subprocess.run([*CLI, "--quick", "--device", "cpu", "--json", "--cases", "act-async", "--steps", "30",
+                           "--sides", "fleet,separate"], capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    case = result["cases"]["act-async"]
+    for side in ("fleet", "separate"):
+        _figures_are_numbers(case["sides"][side]["by_n"], result["ns"], roundtrip=False)
+    assert case["identical_to_single"] == {"fleet": True}

@@ -7,6 +7,9 @@ Cases (``--cases``, default all three):
 - ``act``: the ACT benchmark checkpoint (``benchmarks/lerobot_act.py``: LeRobot's default
   architecture, one 480 x 640 camera; ``--quick``: small, 96 x 128), sync chunking, the
   robots' chunks at staggered rows (each robot's refills fall on its own steps);
+- ``act-async``: the same with ``control.chunking: async`` and a delay of ``ASYNC_DELAY``
+  steps (90 of each chunk's 100 rows executed): each refill is planned by the refill worker
+  (a thread on a CPU, a stream on a GPU) while the control steps go on, on both sides;
 - ``recurrent``: an Isaac Lab-style recurrent actor as exported to ONNX (an LSTM of 256
   and an ELU MLP of 512, 256, 128 on 48 observations, 12 actions; ``--quick``: 64, 64/64),
   written in torch (``RecurrentActor``): ONNX Runtime's LSTM cannot be batched by vmap (a
@@ -70,7 +73,8 @@ from capsule_ros.runtime.arena import BufferKind, BufferSpec
 from capsule_ros.runtime.policy import ACTION, RNG, STEP, State, StatefulPolicy, standard_specs
 from capsule_ros.serving.config import ServingConfig
 
-CASES = ("default", "act", "recurrent")
+CASES = ("default", "act", "act-async", "recurrent")
+ASYNC_DELAY = 10                      # act-async: steps between a refill's request and its takeover
 OBS, ACTIONS = 48, 12
 
 
@@ -188,15 +192,18 @@ def make_case(name: str, device: torch.device, quick: bool, workdir: Path, rng: 
         frames = {"joints": rng.normal(size=(8, 4)).astype(np.float32),
                   "goal": rng.normal(size=(8, 2)).astype(np.float32)}
         return Case(name, ServingConfig.from_params(params), None, 0, frames, node_params=lambda: params)
-    if name == "act":
+    if name in ("act", "act-async"):
         from capsule_ros.benchmarks.lerobot_act import serving_params, write_act_checkpoint
-        act = _params(serving_params(write_act_checkpoint(workdir / "act", quick=quick)), device, pools_mb=16.0,
+        act = _params(serving_params(write_act_checkpoint(workdir / name, quick=quick)), device, pools_mb=16.0,
                       input_log_steps=8)
+        horizon = 100                 # the checkpoint's n_action_steps: a chunk lasts 100 steps
+        if name == "act-async":
+            act["control"].update(chunking="async", inference_delay_steps=str(ASYNC_DELAY))
+            horizon -= ASYNC_DELAY    # rows executed per chunk: the rest count as executed while it is planned
         config = ServingConfig.from_params(act)
         shape = config.ports["top_camera"].shape
         frames = {"joints": rng.normal(size=(8, config.ports["joints"].shape[0])).astype(np.float32),
                   "top_camera": rng.integers(0, 256, size=(4, *shape), dtype=np.uint8)}
-        horizon = 100                 # the checkpoint's n_action_steps: a chunk lasts 100 steps
         return Case(name, config, None, max(1, horizon // slots), frames, node_params=lambda: act)
     hidden, mlp = (64, (64, 64)) if quick else (256, (512, 256, 128))
     params = _params(load_params_file(config_path("policy.yaml")), device)
