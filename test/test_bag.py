@@ -337,6 +337,35 @@ def test_a_recording_stopped_mid_step_ends_at_its_last_action(live, tmp_path, ca
 
 
 @pytest.mark.ros
+def test_a_recording_that_ends_trigger_trigger_action_leaves_the_last_step_unrecorded(live, tmp_path, capsys):
+    """A fleet steps a robot's waiting request when its next message comes, so its bag can end
+    with two triggers and then the first one's action (the recording stopped before the
+    second's): the replay compares the first and counts the second as not recorded, not as
+    a step the replay took where the recording did not."""
+    from capsule_ros.bag.reader import SENSOR
+    from capsule_ros.bag.recorder import write_bag
+    bag = Path(live.rollback["bag"])
+    with Recording(bag) as recording:
+        entries = list(recording.entries())
+        trigger = recording.config.control.trigger_port
+        last_action = max(i for i, e in enumerate(entries) if e.kind == ACTION)
+        last_trigger = max(i for i, e in enumerate(entries[:last_action]) if e.kind == SENSOR and e.port == trigger)
+        answered = max(i for i, e in enumerate(entries[:last_trigger]) if e.kind == ACTION)
+        assert entries[answered - 1].kind == SENSOR and entries[answered - 1].port == trigger
+        moved = entries[last_trigger]          # the last trigger, now before the action of the one before it
+        between = (entries[answered - 1].time + entries[answered].time) // 2
+        order = [*entries[:answered], dataclasses.replace(moved, time=between),
+                 *(e for i, e in enumerate(entries[answered:], answered) if i not in (last_trigger, last_action))]
+        cut = tmp_path / "trigger-trigger-action"
+        write_bag(cut, recording.storage, recording.meta, recording.typestore,
+                  ((e.topic, e.msgtype, e.data, e.time) for e in order))
+    assert replay_main([str(cut), "--verify", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["first_divergence"] is None and report["identical"], report["first_divergence"]
+    assert report["steps_unrecorded"] == 1 and report["complete"]
+
+
+@pytest.mark.ros
 def test_a_replay_that_skips_actions_is_not_called_verified(live, tmp_path, capsys):
     """Without the capsule file the rollback's re-entry cannot be reproduced: the actions
     after it are skipped, and --verify says so with its own exit code."""
