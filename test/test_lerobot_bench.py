@@ -140,6 +140,9 @@ def test_bench_chunking_smolvla_against_lerobots_own_loop(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     (case,) = json.loads(result.stdout)["cases"]
     assert case["lerobot"]["ran"] and case["lerobot"]["lerobot"] == "0.6.1"
+    phases = case["lerobot"]["phase_seconds"]               # where LeRobot's process spent its time
+    assert set(phases) == {"imports", "load", "episode"} and min(phases.values()) > 0, phases
+    assert phases["episode"] >= case["lerobot"]["mean_ms"] * 60 / 1e3       # the 60 timed steps are in it
     assert case["actions_equal_lerobot"] is True, case
     assert case["sync"]["refills"] == 2                      # 60 steps, 50 rows per chunk
     assert case["async"]["delay"] >= 1 and case["async"]["consume_p99_ms"] > 0

@@ -192,7 +192,9 @@ def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.nda
     with np.load(out, allow_pickle=False) as data:
         seconds, actions = data["seconds"], data["action"]
         versions = {"lerobot": str(data["lerobot"]), "torch": str(data["torch"]), "numerics": str(data["numerics"]),
-                    "gpu_peak_bytes": int(data["gpu_peak_bytes"])}
+                    "gpu_peak_bytes": int(data["gpu_peak_bytes"]),
+                    "phase_seconds": dict(zip(("imports", "load", "episode"), map(float, data["phase_seconds"]),
+                                              strict=True))}
     refills = _lerobot_refills(checkpoint, len(seconds))
     return {"ran": True, **versions, **summary(seconds, period, actions, refills), "_actions": actions}
 

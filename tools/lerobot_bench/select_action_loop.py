@@ -18,7 +18,9 @@ vla``): the policy and the processors' device step on the GPU, as ``lerobot-eval
 deterministic algorithms, as capsule_ros's runtime sets them (``runtime.deterministic``), so a GPU
 side's kernels are chosen under the same settings as capsule_ros's.
 ``IN.npz``: one array per input feature [steps, ...] and ``seed``; ``OUT.npz``: ``seconds``
-[steps], ``action`` [steps, A] and ``gpu_peak_bytes`` (the weights and the steps; 0 on a CPU).
+[steps], ``action`` [steps, A], ``gpu_peak_bytes`` (the weights and the steps; 0 on a CPU) and
+``phase_seconds`` [imports, load, episode]: where the process's time went (a 3B model's load
+takes minutes on a GPU host, which is what a device call's time limit meets).
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from capsule_ros.runtime import numerics
+STARTED = time.perf_counter()             # the phases' origin: before the imports below
+
+from capsule_ros.runtime import numerics  # noqa: E402
 
 # the CPU numerics level capsule_ros's side runs at (the benchmark passes it), before torch runs
 LEVEL = numerics.pin(os.environ.get("CAPSULE_ROS_NUMERICS", numerics.PORTABLE), cpu_threads=1)
@@ -57,6 +61,7 @@ def main() -> None:
     parser.add_argument("--task", default="", help="a VLA: the task instruction of every step")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     args = parser.parse_args()
+    imported = time.perf_counter()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if os.environ.get("CAPSULE_ROS_DETERMINISTIC") == "1":           # as capsule_ros.runtime.engine.configure_torch
@@ -83,6 +88,7 @@ def main() -> None:
         pre, post = make_pre_post_processors(policy.config, pretrained_path=args.checkpoint,
                                              preprocessor_overrides={"device_processor": {"device": args.device}})
         noise = CounterNoise(policy) if isinstance(policy, DiffusionPolicy) else None
+    loaded = time.perf_counter()
     steps = max(value.shape[0] for value in inputs.values())    # shorter arrays (camera frames) cycle
     seconds, actions = np.zeros(steps), []
     device = torch.device(args.device)
@@ -98,7 +104,9 @@ def main() -> None:
         seconds[t] = time.perf_counter() - start
         actions.append(action.reshape(-1).numpy().copy())
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    np.savez(args.out, seconds=seconds, action=np.stack(actions).astype(np.float32), gpu_peak_bytes=np.asarray(peak),
+    phases = np.asarray([imported - STARTED, loaded - imported, time.perf_counter() - loaded])
+    np.savez(args.out, seconds=seconds, phase_seconds=phases, action=np.stack(actions).astype(np.float32),
+             gpu_peak_bytes=np.asarray(peak),
              lerobot=np.asarray(lerobot.__version__), torch=np.asarray(torch.__version__), numerics=np.asarray(LEVEL))
 
 
