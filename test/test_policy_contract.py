@@ -371,6 +371,52 @@ def test_a_failed_state_check_beside_serving_refuses_restores_and_the_policy_kee
         session.release()
 
 
+def test_closing_a_session_stops_its_state_check_beside_serving_before_the_next_step(tmp_path, monkeypatch):
+    """A node's Ctrl-C must not wait for the rest of a check running beside serving (seconds of
+    plans for a camera policy on a CPU): the session's release stops it after the step in
+    progress. The check's copy of the policy blocks in its first plan until the release has
+    asked the check to stop and waits for it; after that plan the check runs no further step,
+    and no check thread is left."""
+    import threading
+
+    from capsule_ros.serving.factory import start_session
+    from capsule_ros.serving.statecheck import StateCheckBeside
+    prepared = _gru_prepared(tmp_path, "while_serving")
+    policy = prepared.policy
+    checking = "capsule-state-check"
+
+    class _GatedPlans(type(policy)):           # type: ignore[misc]
+        entered = threading.Event()             # class attributes: the check's deep copy shares them
+        go = threading.Event()
+        check_plans: list = []
+
+        def plan(self, state, chunk):
+            if threading.current_thread().name == checking:
+                self.check_plans.append(1)
+                self.entered.set()
+                assert self.go.wait(60), "the test never let the check's plan go on"
+            super().plan(state, chunk)
+
+    policy.__class__ = _GatedPlans
+    original_close = StateCheckBeside.close
+
+    def close(self):                            # the plan goes on once close has set the stop and waits
+        join = self._thread.join
+
+        def go_then_join(*args):
+            _GatedPlans.go.set()
+            join(*args)
+        self._thread.join = go_then_join
+        original_close(self)
+
+    monkeypatch.setattr(StateCheckBeside, "close", close)
+    session = start_session(prepared, check_beside=True)
+    assert _GatedPlans.entered.wait(60)        # the check is in its first plan
+    session.release()
+    assert _GatedPlans.check_plans == [1]       # a full check plans twice (test above)
+    assert not [t for t in threading.enumerate() if t.name == checking]
+
+
 def test_a_runtime_the_state_check_refuses_leaves_no_thread_running():
     """The refill worker of an async chunking policy (a thread on a CPU) is closed with the runtime
     the check refused: a node whose check ran beside serving keeps serving, and must not keep a

@@ -22,6 +22,7 @@ resolves the chunk schedule, measuring an ``auto`` delay, before it calls this).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
@@ -99,7 +100,8 @@ def build_policy_runtime(policy: StatefulPolicy, config: RuntimeConfig = Runtime
                          mode: ModeSetup = EVERY_STEP, inputs: Optional[Mapping[str, object]] = None,
                          identity: Optional[RuntimeIdentity] = None, streams: Optional[StreamKeeper] = None,
                          stream_role: str = "step", policy_checked: bool = False,
-                         checked_elsewhere: bool = False, arena: Optional[StateArena] = None) -> PolicyRuntime:
+                         checked_elsewhere: bool = False, arena: Optional[StateArena] = None,
+                         stop_check: Optional[threading.Event] = None) -> PolicyRuntime:
     """A runtime of ``policy`` run in ``mode`` (see the module docstring for the phases).
 
     ``inputs``: input buffer name -> what fills it (part of the fingerprint; the node
@@ -113,7 +115,8 @@ def build_policy_runtime(policy: StatefulPolicy, config: RuntimeConfig = Runtime
     runtime of a copy of the policy (``capsule_ros.serving.statecheck``), which also runs
     each program first: this one runs neither. ``arena``: the arena to build in, with the
     mode's scratch (a slot of a fleet's arena, ``capsule_ros.runtime.slots``); default a new
-    one."""
+    one. ``stop_check``: set, it stops the state check before its next step
+    (StateCheckStopped; the check beside serving, when its session closes)."""
     placed = place_policy(policy, config)
     streams = streams or StreamKeeper()
     stream = streams.get(placed.device, stream_role)
@@ -141,7 +144,7 @@ def build_policy_runtime(policy: StatefulPolicy, config: RuntimeConfig = Runtime
     bound.prepare()
     if checks_state:
         try:
-            check_state_contract(runtime)
+            check_state_contract(runtime, stop=stop_check)
         except BaseException:
             runtime.close()         # its mode's worker and its graphs: a refused runtime leaves nothing running
             raise

@@ -14,7 +14,9 @@ must match. The repeated steps run every program of the runtime's execution mode
 checked the same way: the mode puts the state where they do (``ExecutionMode.rehearse``;
 the chunking mode's rehearsal is in ``capsule_ros.chunking.mode``). Then the arena gets
 back its bytes from before the check, so the live state is untouched. The runtime's
-builder runs the check (``capsule_ros.runtime.builder``).
+builder runs the check (``capsule_ros.runtime.builder``). A check running beside serving
+(``capsule_ros.serving.statecheck``) can be stopped between two of its steps (``stop``): its
+owner is closing, and a node's Ctrl-C should not wait for seconds of plans nobody needs.
 
 Cost: five steps (seven with a graph; a chunking policy repeats two in sync mode, the
 execution horizon plus the delay plus one in async mode; the step before the snapshot
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Dict, List, Optional
 
@@ -49,6 +52,10 @@ BEFORE_SNAPSHOT = 1    # steps from the initial state before the snapshot (the s
 
 class PolicyStateError(ConfigError):
     """The policy keeps state outside its declared buffers (found at start-up)."""
+
+
+class StateCheckStopped(Exception):
+    """The check was stopped (its ``stop`` event set) before its verdict."""
 
 
 def _random_inputs(runtime: PolicyRuntime, steps: int, seed: int = 0) -> List[Dict[str, torch.Tensor]]:
@@ -84,10 +91,11 @@ def _differing(runtime: PolicyRuntime, now: torch.Tensor, before: torch.Tensor, 
             if not torch.equal(now[slot.offset - start:slot.end - start], before[slot.offset - start:slot.end - start])]
 
 
-def check_state_contract(runtime: PolicyRuntime) -> List[str]:
+def check_state_contract(runtime: PolicyRuntime, stop: Optional[threading.Event] = None) -> List[str]:
     """Raise PolicyStateError when steps repeated from a snapshot differ (see the module
     docstring); the arena keeps its bytes either way. Returns the programs the repeated
-    steps ran, in order (``step`` in the every-step mode)."""
+    steps ran, in order (``step`` in the every-step mode). ``stop`` set: StateCheckStopped
+    before the next step."""
     arena, graphs = runtime.arena, runtime.graphs
     outputs = arena.region(BufferKind.META, BufferKind.OUTPUT)
     outputs_start = runtime.layout.byte_range(BufferKind.META, BufferKind.OUTPUT)[0]
@@ -104,11 +112,11 @@ def check_state_contract(runtime: PolicyRuntime) -> List[str]:
                 runtime.mode.rehearse()
                 rows = _random_inputs(runtime, BEFORE_SNAPSHOT)
                 for row in rows:
-                    _run(runtime, row, outputs)
+                    _run(runtime, row, outputs, stop=stop)
                 repeated = runtime.mode.rehearse()
                 rows = _random_inputs(runtime, repeated, seed=1)
                 snapshot = arena.storage.clone()
-                first = [_run(runtime, row, outputs, programs=programs) for row in rows]
+                first = [_run(runtime, row, outputs, programs=programs, stop=stop) for row in rows]
                 end = arena.storage.clone()
                 passes = [("", False)] + ([(" run eagerly, against the captured graph (capture froze what the step "
                                             "keeps outside its buffers)", True)] if graphs.captured else [])
@@ -116,7 +124,7 @@ def check_state_contract(runtime: PolicyRuntime) -> List[str]:
                 for what, eager in passes:
                     runtime.load_state(snapshot)
                     for i, row in enumerate(rows):
-                        again = _run(runtime, row, outputs, eager=eager)
+                        again = _run(runtime, row, outputs, eager=eager, stop=stop)
                         if not torch.equal(again, first[i]):
                             names = _differing(runtime, again, first[i], outputs_start, BufferKind.META,
                                                BufferKind.OUTPUT)
@@ -127,7 +135,7 @@ def check_state_contract(runtime: PolicyRuntime) -> List[str]:
                     buffers = _differing(runtime, arena.storage, end, 0)
                     if buffers:
                         break
-            except PolicyStepError:
+            except (PolicyStepError, StateCheckStopped):
                 raise
             except Exception as exc:
                 raise step_failure(runtime.layout, STEP_PROGRAM, exc, " during the start-up state check (seeded "
@@ -149,10 +157,13 @@ def check_state_contract(runtime: PolicyRuntime) -> List[str]:
 
 
 def _run(runtime: PolicyRuntime, row: Dict[str, torch.Tensor], outputs: torch.Tensor,
-         eager: bool = False, programs: Optional[List[str]] = None) -> torch.Tensor:
+         eager: bool = False, programs: Optional[List[str]] = None,
+         stop: Optional[threading.Event] = None) -> torch.Tensor:
     """One step on ``row`` (written straight into the arena's inputs) through the runtime's
     mode; a copy of ``outputs`` (meta + outputs) after it. ``programs`` collects which
-    program the step ran."""
+    program the step ran; StateCheckStopped instead of the step once ``stop`` is set."""
+    if stop is not None and stop.is_set():
+        raise StateCheckStopped("the state check was stopped before its verdict")
     for name, value in row.items():
         runtime.arena[name].copy_(value)
     report = runtime.step(eager=eager)

@@ -10,6 +10,7 @@ read back up from a runtime."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -237,9 +238,10 @@ def start_session(prepared: PreparedServing, *, options: Optional[SessionOptions
                                    identity=prepared.identity, streams=streams, checked_elsewhere=beside)
     state_check = None
     if beside:
-        def checking_runtime(policy: StatefulPolicy) -> PolicyRuntime:
+        def checking_runtime(policy: StatefulPolicy, stop: threading.Event) -> PolicyRuntime:
             return build_policy_runtime(policy, config.runtime, mode=mode, inputs=bindings,
-                                        identity=prepared.identity, streams=StreamKeeper(), stream_role="check")
+                                        identity=prepared.identity, streams=StreamKeeper(), stream_role="check",
+                                        stop_check=stop)
         state_check = StateCheckBeside(prepared.policy, checking_runtime,
                                        lambda: build_policy(config, prepared.weights))
     store = CapsuleStore(runtime.layout.nbytes, runtime.fingerprint, runtime.device, config.capsules)

@@ -11,6 +11,8 @@ restore is refused (WRONG_STATE, with the check's reason) while the policy keeps
 with ``runtime.state_check: false``. Capsules taken meanwhile are kept: a passed check
 covers them. The live runtime also skips the programs' first runs (the check's runtime runs
 them): a step that cannot run at all faults at the first step instead of failing activation.
+Closing the session stops the check before its next step (a node's Ctrl-C waits for at most
+the step in progress, not for the rest of the check).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import time
 from typing import Callable, Optional
 
 from capsule_ros.errors import WrongState
+from capsule_ros.runtime.contract import StateCheckStopped
 from capsule_ros.runtime.engine import PolicyRuntime
 from capsule_ros.runtime.policy import StatefulPolicy
 
@@ -42,19 +45,21 @@ class StateCheckBeside(StateVerdict):
     """One state check on a copy of the policy, in a thread started here; its verdict gates
     restores (``require``)."""
 
-    def __init__(self, policy: StatefulPolicy, build: Callable[[StatefulPolicy], PolicyRuntime],
+    def __init__(self, policy: StatefulPolicy, build: Callable[[StatefulPolicy, threading.Event], PolicyRuntime],
                  rebuild_policy: Callable[[], StatefulPolicy]):
         """``build``: a runtime of the given policy that runs the check while it is built (a
-        PolicyStateError when it fails); ``rebuild_policy``: a fresh policy from the
-        configuration, for a policy that cannot be copied (an ONNX Runtime session)."""
+        PolicyStateError when it fails), stopped when the event is set (StateCheckStopped);
+        ``rebuild_policy``: a fresh policy from the configuration, for a policy that cannot be
+        copied (an ONNX Runtime session)."""
         self._done = threading.Event()
+        self._stop = threading.Event()
         self._error: Optional[BaseException] = None
         self._seconds = 0.0
         self._thread = threading.Thread(target=self._run, args=(policy, build, rebuild_policy),
                                         name="capsule-state-check", daemon=True)
         self._thread.start()
 
-    def _run(self, policy: StatefulPolicy, build: Callable[[StatefulPolicy], PolicyRuntime],
+    def _run(self, policy: StatefulPolicy, build: Callable[[StatefulPolicy, threading.Event], PolicyRuntime],
              rebuild_policy: Callable[[], StatefulPolicy]) -> None:
         started = time.perf_counter()
         try:
@@ -62,9 +67,12 @@ class StateCheckBeside(StateVerdict):
                 copied = copy.deepcopy(policy)
             except Exception:  # noqa: BLE001 - not copyable: the same policy built again
                 copied = rebuild_policy()
-            build(copied).close()
+            build(copied, self._stop).close()
             self._seconds = time.perf_counter() - started
             LOG.info("state check passed, beside serving, in %.1f s", self._seconds)
+        except StateCheckStopped as exc:
+            self._error = exc
+            LOG.info("state check stopped before its verdict: the session is closing")
         except BaseException as exc:  # noqa: BLE001 - the verdict: every restore reports it
             self._error = exc
             self._seconds = time.perf_counter() - started
@@ -81,7 +89,9 @@ class StateCheckBeside(StateVerdict):
                              f"({type(self._error).__name__}: {self._error})")
 
     def close(self) -> None:
-        """Wait for the check to end (its runtime is closed by then)."""
+        """Stop the check before its next step and wait for it to end (its runtime is closed
+        by then)."""
+        self._stop.set()
         self._thread.join()
 
 
