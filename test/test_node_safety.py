@@ -151,6 +151,50 @@ def test_a_directory_where_a_capsule_file_should_be(served):
     assert len(inspect.stderr.strip().splitlines()) == 1 and "is a directory" in inspect.stderr.lower()
 
 
+def test_a_client_slow_to_take_its_commit_answer_still_gets_it_while_others_call(tmp_path, rclpy_context):
+    """A service's answers to all its clients travel on one topic and each client's reader
+    keeps the last ``depth`` of them: a client busy elsewhere (its executor not taking) while
+    another client commits 50 times must still find its commit's answer, not lose it to the
+    others' (ROS's default depth of 10 loses it, and a commit asked again commits twice). The
+    slow client is an rclpy client with this package's ``service_qos`` (``CapsuleClient``'s and
+    the behaviour tree's), never spun until the other client is done."""
+    import rclpy
+
+    from capsule_ros import srv
+    from capsule_ros.ros.messages import service_qos
+    ns = unique_ns("slowtake")
+    proc = start_policy_node(tmp_path, {"policy": {"weights": ""}}, namespace=ns, tag="slowtake")
+    other_context = rclpy.Context()
+    rclpy.init(context=other_context)
+    other = ClientNode(rclpy, "slowtake_other", node_path=f"{ns}/capsule_policy", context=other_context)
+    slow_node = rclpy.create_node("slowtake_slow")
+    try:
+        other.capsules.list()                                    # the node serves
+        slow = slow_node.create_client(srv.Commit, f"{ns}/capsule_policy/commit", qos_profile=service_qos())
+        executor = rclpy.executors.SingleThreadedExecutor()
+        executor.add_node(slow_node)
+        deadline = time.monotonic() + 30
+        while not slow.service_is_ready() and time.monotonic() < deadline:
+            executor.spin_once(timeout_sec=0.1)
+        assert slow.service_is_ready()
+        future = slow.call_async(srv.Commit.Request(label="slow"))
+        time.sleep(0.5)                                          # the request is out; nothing takes the answer
+        for _ in range(50):
+            other.capsules.commit(label="other")                 # answers on the same service's topic
+        deadline = time.monotonic() + 10
+        while not future.done() and time.monotonic() < deadline:
+            executor.spin_once(timeout_sec=0.1)
+        assert future.done(), "the commit's answer was lost to the other client's 50 answers"
+        answer = future.result()
+        assert answer.success and answer.capsule.label == "slow", answer.message
+        assert answer.capsule.id in {c.id for c in other.capsules.list().capsules}   # committed once
+    finally:
+        other.close()
+        other_context.try_shutdown()
+        slow_node.destroy_node()
+        proc.stop()
+
+
 def test_status_stays_consistent_under_four_clients_committing_and_dropping(tmp_path, rclpy_context):
     from capsule_ros.msg import RuntimeStatus
     ns = "/stress"

@@ -50,7 +50,7 @@ from py_trees.common import Access, Status
 from capsule_ros import srv
 from capsule_ros.capsules.ids import check_capsule_id
 from capsule_ros.errors import ErrorCode
-from capsule_ros.ros.messages import srv_type
+from capsule_ros.ros.messages import service_qos, srv_type
 from capsule_ros.ros.spinning import SpinThread
 from capsule_ros.serving.verbs import Verb, find_verb
 
@@ -202,7 +202,8 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
             raise KeyError(f"{self.name}: no rclpy node: pass node= to the constructor or to setup()")
         if self._client is None or self._node is not node:
             self._node = node
-            self._client = node.create_client(srv_type(self.verb), f"{self.node_path.rstrip('/')}/{self.service}")
+            self._client = node.create_client(srv_type(self.verb), f"{self.node_path.rstrip('/')}/{self.service}",
+                                              qos_profile=service_qos())
 
     def initialise(self) -> None:
         self._reset_call()

@@ -12,7 +12,7 @@ from rclpy.node import Node
 
 from capsule_ros.errors import CapsuleRosError, ErrorCode
 from capsule_ros.ros.facade import NodeFacade
-from capsule_ros.ros.messages import fill_response, request_fields, srv_type
+from capsule_ros.ros.messages import fill_response, request_fields, service_qos, srv_type
 from capsule_ros.ros.replies import LateReplies
 from capsule_ros.ros.spinning import Offload
 from capsule_ros.serving.files import SaveFailed
@@ -28,7 +28,7 @@ class CapsuleServices:
         self._offload = offload
         replies = LateReplies(facade.logger)          # a just-discovered client's answer is not lost
         self.services: List[Any] = [replies.keep(node.create_service(srv_type(verb), f"~/{verb.service}",
-                                                                     self._callback(verb),
+                                                                     self._callback(verb), qos_profile=service_qos(),
                                                                      callback_group=callback_group))
                                     for verb in VERBS]
 

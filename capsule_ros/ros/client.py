@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 from rclpy.node import Node
 
 from capsule_ros.errors import ErrorCode
-from capsule_ros.ros.messages import srv_type
+from capsule_ros.ros.messages import service_qos, srv_type
 from capsule_ros.serving.verbs import BY_NAME, VERBS, Verb, find_verb
 
 QUERY_RESEND_S = 2.0          # an unanswered idempotent request is sent again after this long
@@ -80,8 +80,9 @@ class LifecycleClient:
         from lifecycle_msgs.srv import ChangeState, GetState
         self.node, self.node_path = node, node_path.rstrip("/")
         self.server_wait_s, self.call_timeout_s = server_wait_s, call_timeout_s
-        self._get: Any = node.create_client(GetState, f"{self.node_path}/get_state")
-        self._change: Any = node.create_client(ChangeState, f"{self.node_path}/change_state")
+        self._get: Any = node.create_client(GetState, f"{self.node_path}/get_state", qos_profile=service_qos())
+        self._change: Any = node.create_client(ChangeState, f"{self.node_path}/change_state",
+                                               qos_profile=service_qos())
 
     def state(self) -> str:
         """The current state's label: unconfigured, inactive, active, finalized..."""
@@ -120,7 +121,8 @@ class CapsuleClient:
         self.node_path = node_path.rstrip("/")
         self.server_wait_s = server_wait_s
         self.call_timeout_s = call_timeout_s
-        self._clients: Dict[str, Any] = {v.name: node.create_client(srv_type(v), f"{self.node_path}/{v.service}")
+        self._clients: Dict[str, Any] = {v.name: node.create_client(srv_type(v), f"{self.node_path}/{v.service}",
+                                                                    qos_profile=service_qos())
                                          for v in VERBS}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:

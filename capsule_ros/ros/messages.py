@@ -6,6 +6,7 @@ import array
 from typing import Any, Dict
 
 from builtin_interfaces.msg import Time
+from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 
 from capsule_ros import srv
 from capsule_ros.capsules.store import Capsule
@@ -62,6 +63,18 @@ def event_message(event: EventRecord, stamp_ns: int) -> CapsuleEvent:
 
 
 # -- the verbs' services (capsule_ros.serving.verbs) --------------------------------------------------
+SERVICE_HISTORY = 100    # answers a client keeps before it takes them (ROS's services default: 10)
+
+
+def service_qos() -> QoSProfile:
+    """The QoS of the capsule services and of this package's clients of them. A service's
+    answers to all its clients travel on one topic, and every client's reader keeps the last
+    ``depth`` of them until it takes its own: with ROS's default of 10, a client that is slow
+    to take (a busy process) while other clients call loses its answer once 10 others have
+    passed, and waits for nothing until its timeout (a commit asked again would commit twice)."""
+    return QoSProfile(depth=SERVICE_HISTORY, reliability=ReliabilityPolicy.RELIABLE, history=HistoryPolicy.KEEP_LAST)
+
+
 def srv_type(verb: Verb) -> Any:
     """The ``capsule_ros/srv`` type of a verb."""
     return getattr(srv, verb.srv)
