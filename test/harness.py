@@ -208,9 +208,10 @@ class GoalRunner:
 
     def __init__(self, client: ClientNode, node_path: str):
         from capsule_ros.action import RunPolicy
+        from capsule_ros.ros.messages import action_services_qos
         from capsule_ros.ros.spinning import SpinSafeActionClient
         self.RunPolicy = RunPolicy
-        self.action = SpinSafeActionClient(client.node, RunPolicy, f"{node_path}/run_policy")
+        self.action = SpinSafeActionClient(client.node, RunPolicy, f"{node_path}/run_policy", **action_services_qos())
         assert self.action.wait_for_server(timeout_sec=60)
         self.feedback: queue.Queue = queue.Queue()
 

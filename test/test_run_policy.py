@@ -92,6 +92,43 @@ def test_feedback_cancel_and_one_goal_at_a_time(timer_node):
     assert status.episode_state == status.INTERRUPTED
 
 
+def test_a_client_slow_to_take_its_goal_answer_still_gets_it_while_others_send_goals(trigger_node, rclpy_context):
+    """The action's goal answers to all its clients travel on one topic (as a service's do,
+    test_node_safety.py): a tree busy elsewhere while another client sends 50 goals (each
+    refused BUSY: one goal at a time) still finds its goal accepted, with this package's
+    ``action_services_qos`` (the py_trees RunPolicy leaf's)."""
+    from rclpy.executors import SingleThreadedExecutor
+
+    from capsule_ros.action import RunPolicy
+    from capsule_ros.ros.messages import action_services_qos
+    from capsule_ros.ros.spinning import SpinSafeActionClient
+    _, _, _, runner, ns = trigger_node
+    slow_node = rclpy_context.create_node("slow_tree")
+    executor = SingleThreadedExecutor()
+    executor.add_node(slow_node)
+    try:
+        slow = SpinSafeActionClient(slow_node, RunPolicy, f"{ns}/capsule_policy/run_policy", **action_services_qos())
+        deadline = time.monotonic() + 30
+        while not slow.server_is_ready() and time.monotonic() < deadline:
+            executor.spin_once(timeout_sec=0.1)
+        future = slow.send_goal_async(RunPolicy.Goal(max_steps=1000))
+        time.sleep(0.5)                                        # the goal is out; nothing takes its answer
+        for _ in range(50):
+            assert runner.send(max_steps=3).accepted           # answered (its run then ends BUSY)
+        deadline = time.monotonic() + 10
+        while not future.done() and time.monotonic() < deadline:
+            executor.spin_once(timeout_sec=0.1)
+        assert future.done(), "the goal's answer was lost to the other client's 50 answers"
+        handle = future.result()
+        assert handle.accepted
+        cancel = handle.cancel_goal_async()
+        while not cancel.done() and time.monotonic() < deadline + 10:
+            executor.spin_once(timeout_sec=0.1)
+    finally:
+        executor.shutdown()
+        slow_node.destroy_node()
+
+
 def test_a_cancel_that_comes_before_its_goal_leaves_nothing_running(trigger_node):
     from action_msgs.msg import GoalInfo
     from action_msgs.srv import CancelGoal

@@ -39,6 +39,7 @@ from capsule_ros.bt.behaviours import (
     InvalidRequest,
     capsule_id_from,
 )
+from capsule_ros.ros.messages import action_services_qos, service_qos
 
 FEEDBACK_KEY = "/capsule/run/feedback"         # the latest RunPolicy feedback
 DEFAULT_GOAL_TIMEOUT_S = 1.0                    # BehaviorTree.ROS2's server_timeout default
@@ -133,8 +134,9 @@ class RunPolicy(py_trees.behaviour.Behaviour):
             raise KeyError(f"{self.name}: no rclpy node: pass node= to the constructor or to setup()")
         if self._action is None or self._node is not node:
             self._node = node
-            self._action = SpinSafeActionClient(node, RunPolicyAction, self.action_name)
-            self._cancel = node.create_client(CancelGoal, f"{self.action_name}/_action/cancel_goal")
+            self._action = SpinSafeActionClient(node, RunPolicyAction, self.action_name, **action_services_qos())
+            self._cancel = node.create_client(CancelGoal, f"{self.action_name}/_action/cancel_goal",
+                                              qos_profile=service_qos())
 
     def initialise(self) -> None:
         from capsule_ros.action import RunPolicy as RunPolicyAction

@@ -75,6 +75,12 @@ def service_qos() -> QoSProfile:
     return QoSProfile(depth=SERVICE_HISTORY, reliability=ReliabilityPolicy.RELIABLE, history=HistoryPolicy.KEEP_LAST)
 
 
+def action_services_qos() -> Dict[str, QoSProfile]:
+    """An action's three services (goal, result, cancel) at ``service_qos``: rclpy's
+    ``ActionServer`` / ``ActionClient`` keyword arguments (``~/run_policy`` and its clients)."""
+    return {f"{name}_service_qos_profile": service_qos() for name in ("goal", "result", "cancel")}
+
+
 def srv_type(verb: Verb) -> Any:
     """The ``capsule_ros/srv`` type of a verb."""
     return getattr(srv, verb.srv)

@@ -39,7 +39,7 @@ from capsule_ros.capsules.store import Capsule
 from capsule_ros.errors import CapsuleRosError, ErrorCode, WrongState
 from capsule_ros.msg import Action
 from capsule_ros.ros.facade import NodeFacade
-from capsule_ros.ros.messages import capsule_info
+from capsule_ros.ros.messages import action_services_qos, capsule_info
 from capsule_ros.ros.spinning import Offload
 from capsule_ros.serving.records import ActionRecord, ActionSource, EpisodeState, HoldMode
 from capsule_ros.serving.session import PolicySession
@@ -131,7 +131,8 @@ class RunPolicyServer:
         self._worker = Offload(node, 1, "capsule-run")
         self.server = CancelAwareActionServer(node, RunPolicy, "~/run_policy", self._execute,
                                               goal_callback=lambda _goal: GoalResponse.ACCEPT,
-                                              cancel_callback=self._on_cancel, callback_group=callback_group)
+                                              cancel_callback=self._on_cancel, callback_group=callback_group,
+                                              **action_services_qos())
 
     # -- called by the node ------------------------------------------------------------------------
     def after_action(self, record: ActionRecord) -> None:
