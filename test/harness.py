@@ -70,6 +70,15 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str
     return wait_until(predicate, timeout, what, interval)
 
 
+def spin_until(executor, predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    """Spin ``executor`` (whose nodes nothing else spins: a client that takes its answers only
+    now) until ``predicate()``; AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} (not within {timeout:.0f} s)"
+        executor.spin_once(timeout_sec=0.1)
+
+
 def ctrl_c(proc: subprocess.Popen, log_path: Path, timeout: float = 30.0) -> int:
     """SIGINT to the process group ``proc`` leads (what a terminal's Ctrl-C does); its exit
     status. Fails the test, after SIGKILL to the group, when it has not exited within

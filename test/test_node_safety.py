@@ -19,6 +19,7 @@ from harness import (
     action_bytes,
     observations,
     set_params_ok,
+    spin_until,
     start_policy_node,
     unique_ns,
     wait_for,
@@ -173,18 +174,12 @@ def test_a_client_slow_to_take_its_commit_answer_still_gets_it_while_others_call
         slow = slow_node.create_client(srv.Commit, f"{ns}/capsule_policy/commit", qos_profile=service_qos())
         executor = rclpy.executors.SingleThreadedExecutor()
         executor.add_node(slow_node)
-        deadline = time.monotonic() + 30
-        while not slow.service_is_ready() and time.monotonic() < deadline:
-            executor.spin_once(timeout_sec=0.1)
-        assert slow.service_is_ready()
+        spin_until(executor, slow.service_is_ready, what="the commit service")
         future = slow.call_async(srv.Commit.Request(label="slow"))
         time.sleep(0.5)                                          # the request is out; nothing takes the answer
         for _ in range(50):
             other.capsules.commit(label="other")                 # answers on the same service's topic
-        deadline = time.monotonic() + 10
-        while not future.done() and time.monotonic() < deadline:
-            executor.spin_once(timeout_sec=0.1)
-        assert future.done(), "the commit's answer was lost to the other client's 50 answers"
+        spin_until(executor, future.done, timeout=10, what="the commit's answer (lost to the other client's 50?)")
         answer = future.result()
         assert answer.success and answer.capsule.label == "slow", answer.message
         assert answer.capsule.id in {c.id for c in other.capsules.list().capsules}   # committed once

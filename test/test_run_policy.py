@@ -7,7 +7,16 @@ import time
 import uuid
 
 import pytest
-from harness import ClientNode, Driver, GoalRunner, observations, start_policy_node, unique_ns, wait_for
+from harness import (
+    ClientNode,
+    Driver,
+    GoalRunner,
+    observations,
+    spin_until,
+    start_policy_node,
+    unique_ns,
+    wait_for,
+)
 
 from capsule_ros.errors import ErrorCode
 
@@ -108,22 +117,15 @@ def test_a_client_slow_to_take_its_goal_answer_still_gets_it_while_others_send_g
     executor.add_node(slow_node)
     try:
         slow = SpinSafeActionClient(slow_node, RunPolicy, f"{ns}/capsule_policy/run_policy", **action_services_qos())
-        deadline = time.monotonic() + 30
-        while not slow.server_is_ready() and time.monotonic() < deadline:
-            executor.spin_once(timeout_sec=0.1)
+        spin_until(executor, slow.server_is_ready, what="~/run_policy")
         future = slow.send_goal_async(RunPolicy.Goal(max_steps=1000))
         time.sleep(0.5)                                        # the goal is out; nothing takes its answer
         for _ in range(50):
             assert runner.send(max_steps=3).accepted           # answered (its run then ends BUSY)
-        deadline = time.monotonic() + 10
-        while not future.done() and time.monotonic() < deadline:
-            executor.spin_once(timeout_sec=0.1)
-        assert future.done(), "the goal's answer was lost to the other client's 50 answers"
+        spin_until(executor, future.done, timeout=10, what="the goal's answer (lost to the other client's 50?)")
         handle = future.result()
         assert handle.accepted
-        cancel = handle.cancel_goal_async()
-        while not cancel.done() and time.monotonic() < deadline + 10:
-            executor.spin_once(timeout_sec=0.1)
+        spin_until(executor, handle.cancel_goal_async().done, what="the cancel's answer")   # nothing left running
     finally:
         executor.shutdown()
         slow_node.destroy_node()

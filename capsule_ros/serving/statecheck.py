@@ -29,6 +29,8 @@ from capsule_ros.runtime.policy import StatefulPolicy
 
 LOG = logging.getLogger(__name__)
 
+CheckingRuntime = Callable[[StatefulPolicy, threading.Event], PolicyRuntime]   # runs the check, stoppable
+
 
 class StateVerdict:
     """What a restore waits for: nothing, where the state check ran before serving (or not
@@ -45,7 +47,7 @@ class StateCheckBeside(StateVerdict):
     """One state check on a copy of the policy, in a thread started here; its verdict gates
     restores (``require``)."""
 
-    def __init__(self, policy: StatefulPolicy, build: Callable[[StatefulPolicy, threading.Event], PolicyRuntime],
+    def __init__(self, policy: StatefulPolicy, build: CheckingRuntime,
                  rebuild_policy: Callable[[], StatefulPolicy]):
         """``build``: a runtime of the given policy that runs the check while it is built (a
         PolicyStateError when it fails), stopped when the event is set (StateCheckStopped);
@@ -59,7 +61,7 @@ class StateCheckBeside(StateVerdict):
                                         name="capsule-state-check", daemon=True)
         self._thread.start()
 
-    def _run(self, policy: StatefulPolicy, build: Callable[[StatefulPolicy, threading.Event], PolicyRuntime],
+    def _run(self, policy: StatefulPolicy, build: CheckingRuntime,
              rebuild_policy: Callable[[], StatefulPolicy]) -> None:
         started = time.perf_counter()
         try:
