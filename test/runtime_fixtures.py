@@ -1,9 +1,11 @@
 """Small policies and drivers for runtime tests (CPU-sized; the same code runs on CUDA)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -166,3 +168,20 @@ class RunningSum(torch.nn.Module):
         total = self.mix(total + self.embed(joints))
         action = self.head(total)
         return action, action[:, None], total
+
+
+@contextlib.contextmanager
+def logged(logger_name: str, level: int = logging.WARNING) -> Iterator[List[logging.LogRecord]]:
+    """The records of ``level`` and above that a library module's logger handles in the block,
+    from a handler on that logger itself: caplog and capsys would depend on what else the
+    process imported (the launch tooling's pytest plugin makes library loggers stop
+    propagating)."""
+    records: List[logging.LogRecord] = []
+    handler = logging.Handler(level)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)

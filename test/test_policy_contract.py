@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from runtime_fixtures import arena_bytes, default_config, gru_config, make_policy
+from runtime_fixtures import arena_bytes, default_config, gru_config, logged, make_policy
 
 from capsule_ros.chunking.mode import mode_for
 from capsule_ros.chunking.reference import chunked_step
@@ -334,7 +334,7 @@ def test_the_state_check_beside_serving_leaves_the_live_policy_unplanned_and_res
         session.release()
 
 
-def test_a_failed_state_check_beside_serving_refuses_restores_and_the_policy_keeps_acting(tmp_path, capsys):
+def test_a_failed_state_check_beside_serving_refuses_restores_and_the_policy_keeps_acting(tmp_path):
     """A chunking policy that counts its plans in a Python attribute, started with the check
     beside serving: activation succeeds, the failure is logged, every restore (reset or
     re-enter from a capsule) is refused with WRONG_STATE naming the check, the live state is
@@ -351,24 +351,26 @@ def test_a_failed_state_check_beside_serving_refuses_restores_and_the_policy_kee
             chunk.add_(float(self.plans_run))
 
     policy.__class__ = _CountingPlans
-    session = start_session(prepared, check_beside=True)
-    try:
-        capsule = session.verbs.commit("home")
-        live = arena_bytes(session.parts.runtime)
-        for restore in (lambda: session.verbs.reenter(capsule.id), lambda: session.verbs.reset(capsule.id)):
-            with pytest.raises(WrongState, match=r"capsule restores are refused: the start-up state check failed "
-                                                 r"\(PolicyStateError: policy .* keeps state outside"):
-                restore()
-            assert arena_bytes(session.parts.runtime) == live
-        assert "state check failed, beside serving: policy gru_chunk keeps state outside" in capsys.readouterr().err
-        session.verbs.commit("still")
-        assert session.verbs.reset().episode_id == 2
-        for stamp in range(1, 4):                      # it acts: the policy's own actions, not safe ones
-            session.loop.feed("goal", _stamped(stamp, point=SimpleNamespace(x=0.3, y=0.4, z=0.0)))
-            fed = session.loop.feed("joints", _stamped(stamp, name=[], position=[0.1, 0.2], velocity=[0.0, 0.0]))
-            assert fed.record is not None and fed.record.source == ActionSource.POLICY
-    finally:
-        session.release()
+    with logged("capsule_ros.serving.statecheck", logging.ERROR) as errors:
+        session = start_session(prepared, check_beside=True)
+        try:
+            capsule = session.verbs.commit("home")
+            live = arena_bytes(session.parts.runtime)
+            for restore in (lambda: session.verbs.reenter(capsule.id), lambda: session.verbs.reset(capsule.id)):
+                with pytest.raises(WrongState, match=r"capsule restores are refused: the start-up state check failed "
+                                                     r"\(PolicyStateError: policy .* keeps state outside"):
+                    restore()
+                assert arena_bytes(session.parts.runtime) == live
+            assert any("state check failed, beside serving: policy gru_chunk keeps state outside" in r.getMessage()
+                       for r in errors), [r.getMessage() for r in errors]
+            session.verbs.commit("still")
+            assert session.verbs.reset().episode_id == 2
+            for stamp in range(1, 4):                      # it acts: the policy's own actions, not safe ones
+                session.loop.feed("goal", _stamped(stamp, point=SimpleNamespace(x=0.3, y=0.4, z=0.0)))
+                fed = session.loop.feed("joints", _stamped(stamp, name=[], position=[0.1, 0.2], velocity=[0.0, 0.0]))
+                assert fed.record is not None and fed.record.source == ActionSource.POLICY
+        finally:
+            session.release()
 
 
 def test_closing_a_session_stops_its_state_check_beside_serving_before_the_next_step(tmp_path, monkeypatch):

@@ -5,12 +5,11 @@ session verb under the boundary."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from types import SimpleNamespace
 
 import pytest
-from runtime_fixtures import default_config
+from runtime_fixtures import default_config, logged
 
 from capsule_ros.errors import Busy, InvalidArgument, WrongState
 from capsule_ros.serving.factory import build_session
@@ -32,15 +31,9 @@ def goal(stamp_s: int, x: float = 0.3, y: float = 0.4):
 
 @pytest.fixture
 def warned():
-    """The session's warnings, as logged (a handler on its control loop's logger: the launch
-    tooling's pytest plugin makes library loggers stop propagating, so caplog would see nothing)."""
-    records: list = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    logger = logging.getLogger("capsule_ros.serving.loop")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
+    """The session's warnings, as its control loop's logger handles them."""
+    with logged("capsule_ros.serving.loop") as records:
+        yield records
 
 
 @pytest.fixture

@@ -146,8 +146,8 @@ def port_message(port: Any, stamp: Any) -> Any:
     """A message that fills ``port`` (a PortConfig) with zeros: its type, its fields
     (sequences sized by its names or shape), joint names, an image of its shape and
     encoding; ``stamp`` in its header."""
-    from rosidl_runtime_py.utilities import get_message
-    msg = get_message(port.type)()
+    from capsule_ros.ros.robot_io import message_class
+    msg = message_class(port.type)()
     if hasattr(msg, "header"):
         msg.header.stamp = stamp
     if port.type.endswith("/Image"):
@@ -176,6 +176,7 @@ class Feeder:
         from rclpy.qos import QoSProfile, ReliabilityPolicy
 
         from capsule_ros.msg import Action
+        from capsule_ros.ros.robot_io import message_class
         from capsule_ros.serving.config import ServingConfig
         config = ServingConfig.from_params(params)
         self.node = node
@@ -183,7 +184,7 @@ class Feeder:
         names = sorted(config.ports, key=lambda name: name == trigger)       # the trigger port last
         qos = QoSProfile(depth=2, reliability=ReliabilityPolicy.RELIABLE)
         self.ports = [(config.ports[name], node.create_publisher(
-            _message_class(config.ports[name].type), _topic(namespace, config.ports[name].topic), qos))
+            message_class(config.ports[name].type), _topic(namespace, config.ports[name].topic), qos))
             for name in names]
         self.first: Optional[float] = None
         self._got = threading.Event()
@@ -212,11 +213,6 @@ class Feeder:
             else:
                 self._got.wait(0.005)
         return self.first
-
-
-def _message_class(type_name: str) -> Any:
-    from rosidl_runtime_py.utilities import get_message
-    return get_message(type_name)
 
 
 def _topic(namespace: str, topic: str) -> str:
