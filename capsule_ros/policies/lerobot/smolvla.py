@@ -454,14 +454,14 @@ class SmolVLAPolicy(VLAPolicy):
         embs: List[torch.Tensor] = []
         pad_masks: List[torch.Tensor] = []
         att: List[int] = []
-        for image in self.prepare_images(state):
+        images = self.side_by_side.map(lambda image: self.embed_image(image) * self.image_scale,
+                                       self.prepare_images(state))
+        for img_emb in images:
             if o.add_image_special_tokens:
                 start = self.embed_tokens(self.image_start_tokens).unsqueeze(0)
                 embs.append(start)
                 pad_masks.append(torch.ones_like(start[:, :, 0], dtype=torch.bool))
                 att += [0] * start.shape[1]
-            img_emb = self.embed_image(image)
-            img_emb = img_emb * self.image_scale
             embs.append(img_emb)
             pad_masks.append(torch.ones(1, img_emb.shape[1], dtype=torch.bool, device=img_emb.device))
             att += [0] * img_emb.shape[1]

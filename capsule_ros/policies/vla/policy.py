@@ -41,6 +41,7 @@ from capsule_ros.policies.lerobot.features import BoundInput
 from capsule_ros.policies.lerobot.policy import LeRobotPolicy
 from capsule_ros.policies.vla.flow import EulerFlow, flow_noise
 from capsule_ros.policies.vla.rtc import RTCGuidance, RTCSettings
+from capsule_ros.policies.vla.side_by_side import SideBySide
 from capsule_ros.policies.vla.tokens import MASK, TOKENS, TaskTokenizer
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
 from capsule_ros.runtime.policy import (
@@ -86,6 +87,7 @@ class VLAPolicy(LeRobotPolicy):
         self.rtc = rtc
         self.guidance = (RTCGuidance(rtc, chunk_size, self.action_dim, max_action_dim, self.flow.times)
                          if rtc.guided else None)
+        self.side_by_side = SideBySide()           # the cameras' vision towers, side by side on a GPU
 
     # -- what a kind writes ---------------------------------------------------------------------
     @abc.abstractmethod

@@ -30,6 +30,7 @@ from torch import nn
 
 from capsule_ros.policies.lerobot.pi.architecture import PiArchitecture
 from capsule_ros.policies.lerobot.pi.gemma import PiGemmaStack, PrefixKV
+from capsule_ros.policies.vla.side_by_side import SideBySide
 
 # LeRobot's lerobot.utils.constants.OPENPI_ATTENTION_MASK_VALUE
 ATTENTION_MASK_VALUE = -2.3819763e38
@@ -257,12 +258,15 @@ class PiModel(nn.Module):
 
     # -- prefix ------------------------------------------------------------------------------------
     def embed_prefix(self, images: Sequence[torch.Tensor], image_masks: Sequence[torch.Tensor],
-                     tokens: torch.Tensor, token_masks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(embeddings [B, P, width], pad masks bool [B, P]): the image tokens of each camera,
-        then the task tokens (their attention pattern is all-to-all: att_masks all 0)."""
+                     tokens: torch.Tensor, token_masks: torch.Tensor,
+                     side_by_side: Optional[SideBySide] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(embeddings [B, P, width], pad masks bool [B, P]): the image tokens of each camera
+        (the towers ``side_by_side`` where given), then the task tokens (their attention
+        pattern is all-to-all: att_masks all 0)."""
         embs, pad_masks = [], []
-        for image, mask in zip(images, image_masks, strict=True):
-            emb = self.paligemma_with_expert.embed_image(image)
+        embed = self.paligemma_with_expert.embed_image
+        embedded = side_by_side.map(embed, images) if side_by_side is not None else [embed(x) for x in images]
+        for emb, mask in zip(embedded, image_masks, strict=True):
             bsize, num = emb.shape[:2]
             embs.append(emb)
             pad_masks.append(mask[:, None].expand(bsize, num))
@@ -273,10 +277,11 @@ class PiModel(nn.Module):
         return torch.cat(embs, dim=1), torch.cat(pad_masks, dim=1)
 
     def encode_prefix(self, images: Sequence[torch.Tensor], image_masks: Sequence[torch.Tensor],
-                      tokens: torch.Tensor, token_masks: torch.Tensor, state: Optional[torch.Tensor]) -> Prefix:
+                      tokens: torch.Tensor, token_masks: torch.Tensor, state: Optional[torch.Tensor],
+                      side_by_side: Optional[SideBySide] = None) -> Prefix:
         """The VLM over the prefix (its keys and values kept) and what every denoising step
         of the chunk reads besides: the suffix masks and π0's padded state."""
-        embs, pad_masks = self.embed_prefix(images, image_masks, tokens, token_masks)
+        embs, pad_masks = self.embed_prefix(images, image_masks, tokens, token_masks, side_by_side)
         position_ids = torch.cumsum(pad_masks, dim=1) - 1
         kv = PrefixKV(self.arch.vlm.depth)
         mask = additive_4d(att_2d_masks(pad_masks, torch.zeros_like(pad_masks)))   # all-to-all, padding masked

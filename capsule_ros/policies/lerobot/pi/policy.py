@@ -135,7 +135,7 @@ class PiPolicy(VLAPolicy):
         if not self.arch.adarms:                       # π0: the state token (LeRobot's pad_vector)
             normalized = self.normalized(self.state_input, state[self.state_input.port.name][None])
             robot_state = F.pad(normalized, (0, self.arch.max_state_dim - normalized.shape[-1]))
-        return self.model.encode_prefix(images, masks, ids, token_masks, robot_state)
+        return self.model.encode_prefix(images, masks, ids, token_masks, robot_state, self.side_by_side)
 
     def velocity(self, prefix: Prefix, x_t: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
         return self.model.velocity(prefix, x_t, time)

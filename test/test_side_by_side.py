@@ -1,0 +1,79 @@
+"""``SideBySide``: a VLA's cameras through one tower, side by side on a GPU, in order on a CPU.
+
+The policy-level check is in test_vla_parity.py and test_lerobot_pi.py (the captured refill,
+its cameras side by side, against the eager plan embedding them in order, bit for bit, on
+CUDA); this file checks the helper itself: the same results in the same order, inside and
+outside a captured graph, and a deep copy with streams of its own.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from capsule_ros.policies.vla.side_by_side import SideBySide
+
+
+def tower(weights: torch.Tensor):
+    """A stand-in vision tower: GEMMs and a nonlinearity, each call allocating temporaries."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for w in weights:
+            x = torch.tanh(x @ w) * 1.5 + x
+        return x.sum(dim=0, keepdim=True) + x
+    return run
+
+
+def inputs(device: str, count: int = 3):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    xs = [torch.randn(256, 384, generator=g).to(device) for _ in range(count)]
+    weights = torch.randn(6, 384, 384, generator=g).to(device) / 20
+    return xs, tower(weights)
+
+
+def test_on_a_cpu_the_calls_run_in_order_and_give_the_functions_results():
+    xs, fn = inputs("cpu")
+    calls = []
+
+    def noted(x):
+        calls.append(len(calls))
+        return fn(x)
+    got = SideBySide().map(noted, xs)
+    assert calls == [0, 1, 2]
+    assert all(torch.equal(a, fn(x)) for a, x in zip(got, xs, strict=True))
+    assert SideBySide().map(fn, []) == []
+
+
+def test_a_deep_copy_has_streams_of_its_own_and_keeps_the_setting():
+    original = SideBySide(enabled=False)
+    original._streams[torch.device("cpu")] = ["a stream"]             # stands for one made on first use
+    copied = copy.deepcopy(original)
+    assert copied.enabled is False and copied._streams == {}
+
+
+@pytest.mark.cuda
+def test_side_by_side_gives_the_sequential_bits_eagerly_and_captured():
+    """Three calls on side streams, eagerly and replayed from a captured graph (whose side
+    streams fork from and join the capture stream), equal the calls in order bit for bit;
+    the outputs keep their values while later work allocates on the current stream."""
+    xs, fn = inputs("cuda")
+    expected = [fn(x) for x in xs]
+    side = SideBySide()
+    eager = side.map(fn, xs)
+    assert all(torch.equal(a, b) for a, b in zip(eager, expected, strict=True))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):                                              # warm-up on the capture stream
+            side.map(fn, xs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = side.map(fn, xs)
+        total = torch.stack(captured).sum(dim=0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, expected, strict=True))
+    assert torch.equal(total, torch.stack(expected).sum(dim=0))
+    assert len(side._streams[xs[0].device]) == 3
