@@ -144,8 +144,12 @@ def load_pi(checkpoint: Path, tokenizer: Path, device: str = "cpu"):
     from lerobot.policies.factory import make_pre_post_processors
     from lerobot.policies.pi0.modeling_pi0 import PI0Policy
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+    from transformers.initialization import no_init_weights
     kind = json.loads((checkpoint / "config.json").read_text())["type"]
-    with scaled_pi(ScaledPi.of_checkpoint(checkpoint)):
+    # the file gives every weight (``check_loaded``): LeRobot's random initialisation first is
+    # skipped, as transformers skips it when it loads a checkpoint (a 3B π's load took LeRobot's
+    # process 115-133 s on a GPU host, its model built with random weights on the CPU first)
+    with scaled_pi(ScaledPi.of_checkpoint(checkpoint)), no_init_weights():
         policy = (PI05Policy if kind == "pi05" else PI0Policy).from_pretrained(checkpoint)
     check_loaded(policy, checkpoint / "model.safetensors")
     policy.config.device = device
@@ -158,13 +162,19 @@ def load_pi(checkpoint: Path, tokenizer: Path, device: str = "cpu"):
 
 
 def check_loaded(policy, weights: Path) -> None:
-    """LeRobot's π0 ``from_pretrained`` prints a warning and keeps its random weights when the
-    file does not load: refuse that here (every tensor of the file must be in the policy)."""
+    """LeRobot's π0 ``from_pretrained`` prints a warning and keeps the weights it started from
+    when the file does not load: refuse that here (every tensor of the file must be in the
+    policy, and every tensor of the policy's state in the file: none is left as it was built)."""
     from safetensors.torch import load_file
     state = policy.state_dict()
-    for name, tensor in load_file(str(weights)).items():
+    loaded = load_file(str(weights))
+    for name, tensor in loaded.items():
         if name not in state or not torch.equal(state[name].to(tensor.dtype), tensor):
             raise RuntimeError(f"LeRobot did not load {weights}: {name} is not the file's (random weights?)")
+    unloaded = sorted(set(state) - set(loaded))
+    if unloaded:
+        raise RuntimeError(f"{weights} does not hold {len(unloaded)} of the policy's tensors ({unloaded[:3]}): "
+                           "they would keep the uninitialised memory they were built with")
 
 
 def build_tokenizer(directory: Path) -> int:
