@@ -9,7 +9,10 @@ Builds the case's checkpoint and session as ``capsule-ros bench vla`` does
 be named by ``CAPSULE_ROS_LEROBOT_PYTHON``), steps once (the episode's first chunk), then
 times ``--runs`` replays of the refill program's graph and as many eager runs of it
 (CUDA events, each waited for), and profiles three eager runs under torch.profiler: the
-number of kernels a chunk launches and the kernels by total GPU time. Writes
+number of kernels a chunk launches and the kernels by total GPU time. Before the profile it
+times the refill captured again with ``SideBySide`` off
+(``capsule_ros/policies/vla/side_by_side.py``: the cameras and the projections one after the
+other), the same way. Writes
 ``OUT/profile_vla_chunk.txt``. The program runs on the live arena: the session is thrown
 away after.
 """
@@ -29,6 +32,7 @@ from capsule_ros.benchmarks import vla
 from capsule_ros.benchmarks.chunking import at, observations, side_session
 from capsule_ros.benchmarks.common import resolve_device, time_calls, write_report
 from capsule_ros.chunking.mode import ChunkProgram
+from capsule_ros.runtime import numerics
 
 TOP = 30
 
@@ -41,6 +45,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--device", default="cuda", help="cuda (a CPU has no graphs: both runs are eager)")
     args = parser.parse_args()
+    numerics.pin(numerics.PORTABLE)             # before torch's first operation, as capsule-ros bench does
     device = resolve_device(args.device)
     case = vla.CASES[args.case]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
@@ -62,6 +67,13 @@ def main() -> int:
                      f"min {graph_s.min() * 1e3:.3f} ms")
         lines.append(f"refill, eager:        p50 {np.percentile(eager_s, 50) * 1e3:.3f} ms, "
                      f"min {eager_s.min() * 1e3:.3f} ms")
+        side_by_side = runtime.policy.side_by_side           # the same refill captured with every call in order
+        side_by_side.enabled = False
+        runtime.graphs.recapture(refill)
+        in_order_s = time_calls(lambda: runtime.graphs.step(refill), args.runs, device, stream=stream)
+        side_by_side.enabled = True
+        lines.append(f"refill, graph replay with no side-by-side branches (cameras, projections in order): p50 "
+                     f"{np.percentile(in_order_s, 50) * 1e3:.3f} ms, min {in_order_s.min() * 1e3:.3f} ms")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):

@@ -228,6 +228,16 @@ class ProgramGraphs:
                     break
                 self._graphs[name] = graph
 
+    def recapture(self, name: str) -> None:
+        """Capture program ``name`` again, replacing its graph (the policy's code path for it
+        changed: ``bench/profile_vla_chunk.py`` times one refill two ways). The arena keeps its
+        bytes; on a CPU, where nothing is captured, nothing changes."""
+        if not self.use_graphs:
+            return
+        graph = self._capture(self.programs[name])
+        if graph is not None:
+            self._graphs[name] = graph
+
     def check_reads(self) -> None:
         """With ``debug_checks``: every program reads only what the runtime owns (``_check_reads``)."""
         if self.debug_checks and self.policy.torch_graph_capture:

@@ -35,6 +35,7 @@ norms of the VLM's prefix pass.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -117,6 +118,18 @@ def rotate(x: torch.Tensor, angles: RopeAngles) -> torch.Tensor:
     x1, x2 = x.split(x.shape[-1] // 2, dim=-1)
     swapped = torch.cat([x2, x1], dim=-1)
     return (x * angles.cos + swapped * angles.sin).to(dtype)
+
+
+def _projected(proj: nn.Module, normed: torch.Tensor, shape: Tuple[int, ...],
+               angles: Optional[RopeAngles]) -> torch.Tensor:
+    """A query, key or value projection viewed as heads, rotated by ``angles`` where given."""
+    state = proj(normed).view(shape)
+    return rotate(state, angles) if angles is not None else state
+
+
+def _gate(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    """``LlamaMLP``'s gate: ``act_fn(gate_proj(x))``."""
+    return mlp.act_fn(mlp.gate_proj(x))
 
 
 def make_att_2d_masks(pad_masks: torch.Tensor, att_masks: torch.Tensor) -> torch.Tensor:
@@ -267,6 +280,11 @@ class SmolVLMWithExpert(nn.Module):
                 layer.self_attn.k_proj = nn.Linear(width, out, bias=expert_config.attention_bias)
                 layer.self_attn.v_proj = nn.Linear(width, out, bias=expert_config.attention_bias)
         self.lm_expert.embed_tokens = None
+        from transformers.models.llama.modeling_llama import LlamaMLP
+        for layer in (*text_model.layers, *self.lm_expert.layers):
+            if type(layer.mlp).forward is not LlamaMLP.forward:          # the decoder layers' MLP is written out
+                raise ConfigError(f"SmolVLA's VLM has MLPs of type {type(layer.mlp).__name__}: capsule_ros writes "
+                                  "out LlamaMLP's forward (a text config of model_type llama, as SmolVLM2's)")
         for i, (selfish, expert) in enumerate(zip(self.plan.self_attention, self.plan.expert_of, strict=True)):
             if expert is not None and selfish == self.cross_projected[expert]:
                 raise ConfigError(
@@ -543,21 +561,24 @@ class SmolVLAPolicy(VLAPolicy):
             normed = layer.input_layernorm(hidden)
             shape = (*normed.shape[:-1], -1, layer.self_attn.head_dim)
             normed = normed.to(dtype=layer.self_attn.q_proj.weight.dtype)
-            key_state = rotate(layer.self_attn.k_proj(normed).view(shape), angles)
-            value_state = layer.self_attn.v_proj(normed).view(shape)
-            keys.append(torch.cat([key_state.transpose(1, 2)], dim=-2))        # DynamicCache: [B, H, P, D]
-            values.append(torch.cat([value_state.transpose(1, 2)], dim=-2))
+            attn = layer.self_attn
+            calls = [functools.partial(_projected, attn.k_proj, normed, shape, angles),
+                     functools.partial(_projected, attn.v_proj, normed, shape, None)]
+            if i != last:     # the last layer's output feeds only the discarded final norm: no query
+                calls.append(functools.partial(_projected, attn.q_proj, normed, shape, angles))
+            states = self.side_by_side.run(calls, normed.device)
+            keys.append(torch.cat([states[0].transpose(1, 2)], dim=-2))        # DynamicCache: [B, H, P, D]
+            values.append(torch.cat([states[1].transpose(1, 2)], dim=-2))
             if i == last:
-                break                 # the last layer's output feeds only the discarded final norm
-            query_state = rotate(layer.self_attn.q_proj(normed).view(shape), angles)
-            att_output = eager_attention(att_2d, vwe.heads, vwe.kv_heads, query_state, keys[i].transpose(1, 2),
+                break
+            att_output = eager_attention(att_2d, vwe.heads, vwe.kv_heads, states[2], keys[i].transpose(1, 2),
                                          values[i].transpose(1, 2))
             hidden = self._layer_output(layer, att_output, hidden)
         return keys, values
 
-    @staticmethod
-    def _layer_output(layer: Any, att_output: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The rest of a decoder layer after attention, as LeRobot's forward writes it."""
+    def _layer_output(self, layer: Any, att_output: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The rest of a decoder layer after attention, as LeRobot's forward writes it (the
+        MLP's gate and up projections side by side on a GPU: ``LlamaMLP.forward``'s operations)."""
         o_proj = layer.self_attn.o_proj
         if att_output.dtype != o_proj.weight.dtype:
             att_output = att_output.to(o_proj.weight.dtype)
@@ -565,7 +586,10 @@ class SmolVLAPolicy(VLAPolicy):
         out_emb += hidden
         after_first_residual = out_emb          # LeRobot clones it; nothing below writes to it
         out_emb = layer.post_attention_layernorm(out_emb)
-        out_emb = layer.mlp(out_emb)
+        mlp = layer.mlp
+        gated, up = self.side_by_side.run([functools.partial(_gate, mlp, out_emb),
+                                           functools.partial(mlp.up_proj, out_emb)], out_emb.device)
+        out_emb = mlp.down_proj(gated * up)
         out_emb += after_first_residual
         return out_emb
 
@@ -608,19 +632,19 @@ class SmolVLAPolicy(VLAPolicy):
             normed = layer.input_layernorm(hidden)
             shape = (*normed.shape[:-1], -1, layer.self_attn.head_dim)
             normed = normed.to(dtype=layer.self_attn.q_proj.weight.dtype)
-            query_state = layer.self_attn.q_proj(normed).view(shape)
+            attn = layer.self_attn
             keys, values = prefix.grouped_kv[i]
             if selfish:         # LeRobot: [prefix; suffix] keys and values, then grouped (exact copies either way)
-                key_state = layer.self_attn.k_proj(normed).view(shape)
-                value_state = layer.self_attn.v_proj(normed).view(shape)
-                query_state = rotate(query_state, prefix.positions)
-                key_state = rotate(key_state, prefix.positions)
+                query_state, key_state, value_state = self.side_by_side.run(
+                    [functools.partial(_projected, proj, normed, shape, rope) for proj, rope in
+                     ((attn.q_proj, prefix.positions), (attn.k_proj, prefix.positions), (attn.v_proj, None))],
+                    normed.device)
                 suffix_keys, suffix_values = grouped_keys_values(key_state, value_state, vwe.heads, vwe.kv_heads)
                 keys = torch.cat([keys, suffix_keys], dim=1)
                 values = torch.cat([values, suffix_values], dim=1)
                 mask = prefix.attention
             else:
-                query_state = rotate(query_state, prefix.expert_positions)
+                query_state = _projected(attn.q_proj, normed, shape, prefix.expert_positions)
                 mask = prefix.attention[:, -hidden.shape[1]:, :keys.shape[1]]
             att_output = attend(mask, query_state, keys, values)
             hidden = self._layer_output(layer, att_output, hidden)

@@ -1,28 +1,33 @@
-"""Independent calls of one function run side by side on the GPU: a VLA's cameras through its vision tower.
+"""Independent calls run side by side on the GPU: a VLA's cameras through its vision tower, a
+layer's query, key and value projections, an MLP's gate and up projections.
 
-A VLA embeds each camera with the same tower, one camera after the other in LeRobot's code. At
-batch 1 a tower's kernels leave most of an H100 idle (SmolVLA's SigLIP at 1,024 patches, π0's
-at 256), so on CUDA each camera's call runs on a side stream of its own, forked from the current
-stream and joined back to it: in a captured graph these are parallel branches. Every kernel is
-the one the sequential code launches, on the same inputs, so the bits are the same (the CUDA
-tests ``test_side_by_side_gives_the_sequential_bits_eagerly_and_captured`` and, for the
-policies, ``test_cuda_graph_programs_equal_the_eager_cuda_plan`` check it); on a CPU the calls
-run in order.
+LeRobot runs such calls one after the other. At batch 1 their kernels leave most of an H100
+idle (SmolVLA's SigLIP at 1,024 patches per camera, π0's at 256, the action expert's 50
+tokens), so on CUDA each call runs on a side stream of its own, forked from the current stream
+and joined back to it: in a captured graph these are parallel branches. Every kernel is the one
+the sequential code launches, on the same inputs, so the bits are the same (the CUDA tests
+``test_side_by_side_gives_the_sequential_bits_eagerly_and_captured`` and, for the policies,
+``test_cuda_graph_programs_equal_the_eager_cuda_plan`` check it); on a CPU the calls run in
+order.
 
-Side streams belong to the instance (one per call, made on first use and kept, so that a
-capture finds the cuBLAS workspaces its warm-up runs made); a deep copy (the start-up check's
-copy of a policy) gets streams of its own.
+Side streams belong to the instance (made on first use and kept, so that a capture finds the
+cuBLAS workspaces its warm-up runs made); a deep copy (the start-up check's copy of a policy)
+gets streams of its own.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+Call = Callable[[], torch.Tensor]
+
 
 class SideBySide:
-    """``map(fn, inputs)``: ``[fn(x) for x in inputs]``, on CUDA with each call on a side stream
-    (module docstring). ``enabled`` False: always in order (the reference the test compares to)."""
+    """``run(calls, device)``: ``[call() for call in calls]``, on CUDA with each call on a side
+    stream (module docstring); ``map(fn, inputs)``: ``fn`` over ``inputs`` the same way.
+    ``enabled`` False: always in order (the reference the tests compare to)."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -34,16 +39,18 @@ class SideBySide:
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor], inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         if not inputs:
             return []
-        device = inputs[0].device
-        if not self.enabled or device.type != "cuda" or len(inputs) == 1:
-            return [fn(x) for x in inputs]
+        return self.run([functools.partial(fn, x) for x in inputs], inputs[0].device)
+
+    def run(self, calls: Sequence[Call], device: torch.device) -> List[torch.Tensor]:
+        if not self.enabled or device.type != "cuda" or len(calls) < 2:
+            return [call() for call in calls]
         current = torch.cuda.current_stream(device)
-        streams = self._side_streams(device, len(inputs))
+        streams = self._side_streams(device, len(calls))
         outputs = []
-        for stream, x in zip(streams, inputs, strict=True):
+        for stream, call in zip(streams, calls, strict=True):
             stream.wait_stream(current)                       # the inputs, made on the current stream
             with torch.cuda.stream(stream):
-                outputs.append(fn(x))
+                outputs.append(call())
         for stream, out in zip(streams, outputs, strict=True):
             current.wait_stream(stream)
             out.record_stream(current)        # not reused for another stream while the current one reads it
