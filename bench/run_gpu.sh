@@ -7,7 +7,9 @@
 # capsule vs the copy limit), fleet (bench fleet: N robots of one fleet of 16 slots against N
 # separate runtimes, the default policy, ACT and a recurrent actor) or fleet-default / fleet-act /
 # fleet-recurrent / fleet-act-async (one case of it; act-async: ACT's refills planned off the tick),
-# profile-fleet (bench/profile_fleet_tick.py: where a 16-robot ACT fleet's tick goes), vla-smolvla /
+# profile-fleet (bench/profile_fleet_tick.py: where a 16-robot ACT fleet's tick goes),
+# profile-vla-<case> (bench/profile_vla_chunk.py: a VLA case's refill, graph against eager and with
+# its side-by-side branches against without, and its kernels; LeRobot writes SmolVLA's), vla-smolvla /
 # vla-pi0 / vla-pi05 (bench vla: one kind with 1, 2 and 3 cameras against LeRobot's eager policy;
 # LeRobot 0.6.1 and its missing dependencies installed as wheels first, docs/benchmarks.md says
 # which) or vla-<kind>-<n>cam (one case of it: a π case takes more than 6 minutes, and the two paced
@@ -29,10 +31,15 @@ export PYTHONPATH="$PWD:$PWD/examples/gru_policy${PYTHONPATH:+:$PYTHONPATH}" PYT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 for task in "${TASKS[@]}"; do
   if [[ "$task" == tests ]]; then
-    python3 -m pytest test/test_runtime.py test/test_store.py test/test_lerobot_parity.py \
+    python3 -m pytest test/test_side_by_side.py test/test_runtime.py test/test_store.py test/test_lerobot_parity.py \
       test/test_policy_contract.py test/test_exported.py test/test_lerobot_bench.py test/test_chunking.py test/test_modes.py \
       test/test_fleet.py test/test_fleet_chunking.py test/test_vla_parity.py test/test_lerobot_pi.py -m cuda -q \
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.txt"
+    continue
+  fi
+  if [[ "$task" == profile-vla-* ]]; then          # e.g. profile-vla-smolvla-1cam: its refill with and without branches
+    python3 bench/profile_vla_chunk.py "$OUT" --case "${task#profile-vla-}" > "$OUT/profile_vla_chunk.log" 2>&1
+    echo "$task: exit $?"; head -4 "$OUT/profile_vla_chunk.txt"
     continue
   fi
   if [[ "$task" == profile-fleet ]]; then
