@@ -17,6 +17,8 @@ model's specifics:
 - ``tokens``: ``TokenizerOptions`` (the checkpoint's tokenizer step), ``load_tokenizer``
   (offline ``AutoTokenizer``), ``TaskTokenizer`` (a task string -> int64 [2, max_length] ids
   and mask, as LeRobot's processor makes them).
+- ``side_by_side``: ``SideBySide`` (independent calls, such as the cameras' vision towers, on
+  CUDA streams of their own: parallel branches of a captured refill, the same bits).
 - ``kind``: ``VLASettings`` (the section a VLA kind extends: ``vlm_files``),
   ``task_and_features`` (the ``task:<port>`` entry of the feature map), ``local_files`` (the
   local directory standing in for the hub), ``files_digest``.
