@@ -7,9 +7,11 @@ Builds a case of ``capsule-ros bench fleet`` as that benchmark does
 (``capsule_ros.benchmarks.fleet.make_case``: the same checkpoint, frames and staggered chunks),
 one fleet of ``--robots`` slots, and ticks every robot back to back, each tick timed after
 each robot's inputs are staged (as the benchmark's fleet side times it). Writes
-``OUT/profile_fleet_tick.txt``: the ticks' wall p10/p50/p90/p99 and mean, the Python
-functions by own and by cumulative time under cProfile, then host ops, CUDA runtime calls and
-device activities under torch.profiler, each over a pass of its own.
+``OUT/profile_fleet_tick.txt``: the ticks' wall p10/p50/p90/p99 and mean; the wall time by part
+of the ticks in which no robot plans (the robots' begin and finish, the fleet step, its
+launches and waits; per tick and per robot); the Python functions by own and by cumulative time
+under cProfile; then host ops, CUDA runtime calls and device activities under torch.profiler;
+each over a pass of its own.
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ import cProfile
 import io
 import pstats
 import tempfile
+import time
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 import numpy as np
 
@@ -57,6 +60,7 @@ def main() -> None:
                         "tick ms p10 / p50 / p90 / p99: " + " / ".join(f"{np.percentile(wall, q):.3f}"
                                                                        for q in (10, 50, 90, 99))
                         + f", mean {wall.mean():.3f}"]
+    lines += parts(fleet, case, names, args.ticks)
     profiler = cProfile.Profile()
     profiler.enable()
     ticks(args.ticks // 2)
@@ -71,6 +75,63 @@ def main() -> None:
     lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
     fleet.release()
     write_report(args.out, "profile_fleet_tick.txt", lines)
+
+
+def parts(fleet, case, names, count: int) -> List[str]:
+    """Wall time by part of the ticks in which no robot plans (every tick for a policy that
+    does not chunk), each part timed by a wrapper around it (no profiler: what cProfile adds
+    per call would swamp parts of a few microseconds), per tick and per robot."""
+    from capsule_ros.benchmarks import fleet as bench
+    from capsule_ros.chunking.mode import ChunkingMode
+    from capsule_ros.fleet import session as fleet_session
+    from capsule_ros.serving.loop import ControlLoop
+
+    runtime = fleet.runtime
+    targets = [(ControlLoop, "begin_tick", "robots' begin_tick"), (runtime, "step", "fleet runtime step"),
+               (runtime.graphs, "step", "  its programs' launches"), (fleet_session, "_finish", "robots' finish"),
+               (runtime, "wait_for_step", "  the wait for the step")]
+    spent: Dict[str, int] = {}
+    saved = [(owner, attr, getattr(owner, attr), attr in vars(owner)) for owner, attr, _ in targets]
+
+    def timed(fn, label):
+        def run(*args, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0) + time.perf_counter_ns() - start
+        return run
+    modes = [fleet.robot(name).session.parts.runtime.mode for name in names]
+    chunking = [mode for mode in modes if isinstance(mode, ChunkingMode)]
+    totals: Dict[str, int] = {}
+    counted = 0
+    try:
+        for owner, attr, label in targets:
+            setattr(owner, attr, timed(getattr(owner, attr), label))
+        for t in range(count):
+            for name in names:
+                bench._stage(fleet.robot(name).loop, case, t)
+            plans = any(mode.plans() for mode in chunking)
+            spent.clear()
+            start = time.perf_counter_ns()
+            fleet.tick(names)
+            spent["fleet tick"] = time.perf_counter_ns() - start
+            if not plans:
+                counted += 1
+                for label, ns in spent.items():
+                    totals[label] = totals.get(label, 0) + ns
+    finally:
+        for owner, attr, fn, own in saved:          # a class's or module's own back; an instance's shadow gone
+            if own:
+                setattr(owner, attr, fn)
+            else:
+                delattr(owner, attr)
+    out = [f"parts of the {counted} ticks in which no robot planned, us per tick / per robot:"]
+    order = ["fleet tick"] + [label for _, _, label in targets]
+    for label in order:
+        us = totals.get(label, 0) / max(counted, 1) / 1e3
+        out.append(f"  {label:28s} {us:9.1f} / {us / len(names):7.2f}")
+    return out
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -84,15 +85,22 @@ def test_sides_is_an_option_of_bench_fleet_and_vla_only_and_names_known_sides():
 
 
 def test_the_fleet_tick_profile_reports_the_ticks_and_where_they_went(tmp_path):
-    """bench/profile_fleet_tick.py on the CPU: the ticks' percentiles, then the fleet's own
-    functions under cProfile (its tick among them) and torch's ops under torch.profiler."""
+    """bench/profile_fleet_tick.py on the CPU: the ticks' percentiles, their time by part (every
+    tick of a policy that does not chunk), then the fleet's own functions under cProfile (its
+    tick among them, the parts' timers gone) and torch's ops under torch.profiler."""
     done = subprocess.run([sys.executable, "bench/profile_fleet_tick.py", str(tmp_path), "--device", "cpu", "--case",
                            "default", "--quick", "--robots", "3", "--ticks", "12"], capture_output=True, text=True,
                           timeout=600, cwd=REPO, env={**os.environ, "CAPSULE_ROS_WITHOUT_ROS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     report = (tmp_path / "profile_fleet_tick.txt").read_text()
     assert report.startswith("default, 3 robots, cpu, 12 ticks back to back\ntick ms p10 / p50 / p90 / p99: ")
+    parts = report.split("parts of the 12 ticks in which no robot planned, us per tick / per robot:\n")[1]
+    for label in ("fleet tick", "robots' begin_tick", "fleet runtime step", "robots' finish"):
+        line = next(row for row in parts.splitlines() if row.strip().startswith(label))
+        per_tick, per_robot = (float(x) for x in line.split()[-3::2])
+        assert per_tick > 0 and abs(per_tick / 3 - per_robot) < 0.1, line
     assert report.count("fleet/session.py") >= 2 and "(tick)" in report, report[:3000]
+    assert not re.search(r"profile_fleet_tick\.py:\d+\(run\)", report), "a part's timer stayed in place"
     assert "Self CPU time total" in report
 
 
