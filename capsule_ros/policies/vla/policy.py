@@ -87,7 +87,7 @@ class VLAPolicy(LeRobotPolicy):
         self.rtc = rtc
         self.guidance = (RTCGuidance(rtc, chunk_size, self.action_dim, max_action_dim, self.flow.times)
                          if rtc.guided else None)
-        self.side_by_side = SideBySide()           # the cameras' vision towers, side by side on a GPU
+        self.side_by_side = SideBySide()           # independent calls (cameras, projections) side by side on a GPU
 
     # -- what a kind writes ---------------------------------------------------------------------
     @abc.abstractmethod

@@ -259,13 +259,12 @@ class PiModel(nn.Module):
     # -- prefix ------------------------------------------------------------------------------------
     def embed_prefix(self, images: Sequence[torch.Tensor], image_masks: Sequence[torch.Tensor],
                      tokens: torch.Tensor, token_masks: torch.Tensor,
-                     side_by_side: Optional[SideBySide] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                     side_by_side: SideBySide) -> Tuple[torch.Tensor, torch.Tensor]:
         """(embeddings [B, P, width], pad masks bool [B, P]): the image tokens of each camera
-        (the towers ``side_by_side`` where given), then the task tokens (their attention
-        pattern is all-to-all: att_masks all 0)."""
+        (the towers ``side_by_side``), then the task tokens (their attention pattern is
+        all-to-all: att_masks all 0)."""
         embs, pad_masks = [], []
-        embed = self.paligemma_with_expert.embed_image
-        embedded = side_by_side.map(embed, images) if side_by_side is not None else [embed(x) for x in images]
+        embedded = side_by_side.map(self.paligemma_with_expert.embed_image, images)
         for emb, mask in zip(embedded, image_masks, strict=True):
             bsize, num = emb.shape[:2]
             embs.append(emb)
@@ -278,7 +277,7 @@ class PiModel(nn.Module):
 
     def encode_prefix(self, images: Sequence[torch.Tensor], image_masks: Sequence[torch.Tensor],
                       tokens: torch.Tensor, token_masks: torch.Tensor, state: Optional[torch.Tensor],
-                      side_by_side: Optional[SideBySide] = None) -> Prefix:
+                      side_by_side: SideBySide) -> Prefix:
         """The VLM over the prefix (its keys and values kept) and what every denoising step
         of the chunk reads besides: the suffix masks and π0's padded state."""
         embs, pad_masks = self.embed_prefix(images, image_masks, tokens, token_masks, side_by_side)
