@@ -239,6 +239,36 @@ def test_trigger_robots_are_gathered_into_one_fleet_step_up_to_the_bounded_wait(
     fleet.release()
 
 
+def test_a_robots_waiting_step_runs_before_its_next_message_is_recorded(tmp_path):
+    """The node records a message inside ``loop.receiving()``: a robot's gathered step that
+    still waits (the others have not asked) runs on entering it, so the robot's bag has that
+    step's action before the next message, and an event published by a verb that comes
+    next lands after both, as in a policy_node's bag. (A fleet_node's bag had trigger,
+    trigger, action: the replay stepped the second trigger before a REENTER that the
+    recorded step followed, and found it DIVERGED.)"""
+    order: List[str] = []
+    fleet = build_fleet(default_config(tmp_path), FleetConfig(robots=("a", "b"), gather_ms=1000.0),
+                        on_action=lambda name, record: order.append(f"action {name} {record.source.name}"))
+    for name in ("a", "b"):
+        fleet.robot(name).loop.write_input("goal", np.zeros(2, dtype=np.float32))
+    loop = fleet.robot("a").loop
+    with loop.receiving():
+        order.append("recorded joints 1")
+        assert not loop.feed("joints", _joint_state(1)).stepped                 # waits for b
+    assert fleet.gather.pending("a") and order == ["recorded joints 1"]
+    with loop.receiving():                                                       # a's next message
+        order.append("recorded joints 2")
+        assert not loop.feed("joints", _joint_state(2)).stepped
+    assert order == ["recorded joints 1", "action a POLICY", "recorded joints 2"]
+    fleet.robot("a").verbs.interrupt(commit=False)                               # the verb: after both
+    fleet.gather.wait_s = 0.0
+    fleet.poll()
+    assert order[-1] == "action a HOLD" and fleet.status().gathers.flushed == 1
+    with fleet.robot("b").loop.receiving():                                      # nothing of b's waits
+        assert order[-1] == "action a HOLD"
+    fleet.release()
+
+
 def _joint_state(stamp_s: int):
     """A sensor_msgs/JointState-shaped message for the default policy's joints port."""
     from types import SimpleNamespace

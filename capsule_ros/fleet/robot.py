@@ -13,8 +13,9 @@ a tick is a fleet step, and every action record of a fleet step goes to the flee
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Protocol
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Protocol
 
 import numpy as np
 
@@ -62,15 +63,25 @@ class RobotLoop:
         control = self.control
         return control.mode == "trigger" and port == control.trigger_port
 
+    @contextlib.contextmanager
+    def receiving(self) -> Iterator[None]:
+        """Held while the node records a message and feeds it: the robot's waiting step, if
+        any, runs first (with the fleet's other waiting robots), so that the robot's bag has
+        that step's action before the message, as a ``policy_node``'s bag has it (the replay
+        steps at each trigger message it reads)."""
+        fleet = self._fleet
+        with fleet.feeding:
+            if fleet.gather.pending(self._name):
+                fleet.step_gathered("flushed")
+            yield
+
     def feed(self, port: str, msg: Any, now_ns: Optional[int] = None, *, stage_only: bool = False,
              late: bool = False) -> Fed:
         """A sensor message: staged (or dropped and counted) after the robot's waiting step,
         if any, ran (its inputs are those of its trigger); on the trigger port in trigger
         mode, a step request, and the fleet step when it completes the gather."""
         fleet = self._fleet
-        with fleet.feeding:
-            if fleet.gather.pending(self._name):
-                fleet.step_gathered("flushed")
+        with self.receiving():
             fed = self._session.loop.feed(port, msg, now_ns, stage_only=True)
             if not fed.accepted or stage_only or not self.triggers(port):
                 return fed
@@ -92,9 +103,7 @@ class RobotLoop:
 
     def write_input(self, name: str, values: np.ndarray) -> None:
         """Stage values for an input directly (no port checks: tests and tools)."""
-        with self._fleet.feeding:
-            if self._fleet.gather.pending(self._name):
-                self._fleet.step_gathered("flushed")
+        with self.receiving():
             self._session.loop.write_input(name, values)
 
     def missing_inputs(self) -> List[str]:

@@ -143,9 +143,10 @@ class RobotIO:
         or the fleet robot's), which stages it (or drops and counts it) and, on the trigger
         port in trigger mode, steps or asks for a step."""
         topic = self._port_subscriptions[name].topic_name
-        now = loop.observe_clock(now_ns)            # a jump it finds goes first in a bag
-        self.recording.received(topic, msgtype, msg)
-        fed = loop.feed(name, msg, now)
+        with loop.receiving():                      # a fleet robot's waiting step first: its action before the message
+            now = loop.observe_clock(now_ns)        # a jump it finds goes first in a bag
+            self.recording.received(topic, msgtype, msg)
+            fed = loop.feed(name, msg, now)
         if fed.accepted:
             self.recording.accepted(name, topic, msgtype, msg)
         return fed

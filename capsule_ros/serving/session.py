@@ -21,7 +21,7 @@ whether it runs under the boundary or outside it. File I/O and a recompute's rep
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -200,6 +200,10 @@ class SessionLoop:
     def control(self) -> ControlConfig:
         """The control settings in effect (``PolicySession.reconfigure`` changes them)."""
         return self._loop.control
+
+    def receiving(self) -> ContextManager[None]:
+        """Held while a driver records and feeds a message (a fleet robot's: ``RobotLoop.receiving``)."""
+        return contextlib.nullcontext()
 
     def feed(self, port: str, msg: Any, now_ns: Optional[int] = None, *, stage_only: bool = False,
              late: bool = False) -> Fed:
