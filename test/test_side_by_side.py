@@ -76,4 +76,34 @@ def test_side_by_side_gives_the_sequential_bits_eagerly_and_captured():
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(captured, expected, strict=True))
     assert torch.equal(total, torch.stack(expected).sum(dim=0))
-    assert len(side._streams[xs[0].device]) == 3
+    assert len(side._streams[(stream.device, stream.cuda_stream)]) == 3
+
+
+@pytest.mark.cuda
+def test_nested_calls_fork_from_streams_of_their_own_and_give_the_sequential_bits():
+    """A call that itself runs calls side by side (a camera's tower and its layers'
+    projections) gives the sequential bits, eagerly and captured, and its inner calls run on
+    side streams of the outer call's stream, none of them an outer branch's."""
+    xs, fn = inputs("cuda")
+    side = SideBySide()
+
+    def nested(x):
+        halves = side.run([lambda: fn(x), lambda: fn(x * 0.5)], x.device)
+        return halves[0] - halves[1]
+    expected = [fn(x) - fn(x * 0.5) for x in xs]
+    assert all(torch.equal(a, b) for a, b in zip(side.map(nested, xs), expected, strict=True))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        side.map(nested, xs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = side.map(nested, xs)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, expected, strict=True))
+    outer = side._streams[(stream.device, stream.cuda_stream)]
+    inner = [s for branch in outer for s in side._streams[(branch.device, branch.cuda_stream)]]
+    assert len(outer) == 3 and len(inner) == 6
+    assert len({s.cuda_stream for s in (*outer, *inner)}) == 9

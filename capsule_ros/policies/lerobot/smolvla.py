@@ -41,7 +41,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -54,7 +53,7 @@ from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
 from capsule_ros.policies.lerobot.features import BoundInput
 from capsule_ros.policies.vla.policy import VLAPolicy
 from capsule_ros.policies.vla.rtc import RTCSettings
-from capsule_ros.policies.vla.side_by_side import SideBySide
+from capsule_ros.policies.vla.side_by_side import check_encoder_layers, encoder_layer
 from capsule_ros.policies.vla.tokens import TaskTokenizer
 from capsule_ros.runtime.arena import BufferSpec
 from capsule_ros.runtime.policy import State
@@ -136,31 +135,6 @@ def _projected(proj: nn.Module, normed: torch.Tensor, shape: Tuple[int, ...],
 def _gate(mlp: Any, x: torch.Tensor) -> torch.Tensor:
     """``LlamaMLP``'s gate: ``act_fn(gate_proj(x))``."""
     return mlp.act_fn(mlp.gate_proj(x))
-
-
-def _heads(proj: nn.Module, x: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
-    """A vision attention's query, key or value: ``proj(x).view(shape).transpose(1, 2)``."""
-    return proj(x).view(shape).transpose(1, 2)
-
-
-def vision_layer(layer: Any, hidden: torch.Tensor, mask: Optional[torch.Tensor],
-                 side_by_side: SideBySide) -> torch.Tensor:
-    """``SmolVLMEncoderLayer.forward`` (with ``SmolVLMVisionAttention.forward`` and its MLP's)
-    written out, the query, key and value projections side by side on a GPU: the same
-    operations on the same inputs, through the attention function the config names."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    attn = layer.self_attn
-    residual = hidden
-    normed = layer.layer_norm1(hidden)
-    shape = (*normed.shape[:-1], -1, attn.head_dim)
-    queries, keys, values = side_by_side.run([functools.partial(_heads, proj, normed, shape)
-                                              for proj in (attn.q_proj, attn.k_proj, attn.v_proj)], normed.device)
-    attend_with = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                        sys.modules[type(attn).__module__].eager_attention_forward)
-    out, _ = attend_with(attn, queries, keys, values, mask, is_causal=attn.is_causal, scaling=attn.scale,
-                         dropout=0.0)
-    hidden = residual + attn.out_proj(out.reshape(*normed.shape[:-1], -1).contiguous())
-    return hidden + layer.mlp(layer.layer_norm2(hidden))
 
 
 def make_att_2d_masks(pad_masks: torch.Tensor, att_masks: torch.Tensor) -> torch.Tensor:
@@ -317,10 +291,8 @@ class SmolVLMWithExpert(nn.Module):
                 raise ConfigError(f"SmolVLA's VLM has MLPs of type {type(layer.mlp).__name__}: capsule_ros writes "
                                   "out LlamaMLP's forward (a text config of model_type llama, as SmolVLM2's)")
         from transformers.models.smolvlm.modeling_smolvlm import SmolVLMEncoderLayer
-        for layer in self.vlm.model.vision_model.encoder.layers:
-            if type(layer).forward is not SmolVLMEncoderLayer.forward:     # the vision layers are written out
-                raise ConfigError(f"SmolVLA's vision tower has layers of type {type(layer).__name__}: capsule_ros "
-                                  "writes out SmolVLMEncoderLayer's forward (a SmolVLM vision config, as SmolVLM2's)")
+        check_encoder_layers(self.vlm.model.vision_model.encoder.layers, [SmolVLMEncoderLayer],
+                             "SmolVLA's vision tower")
         for i, (selfish, expert) in enumerate(zip(self.plan.self_attention, self.plan.expert_of, strict=True)):
             if expert is not None and selfish == self.cross_projected[expert]:
                 raise ConfigError(
@@ -494,7 +466,7 @@ class SmolVLAPolicy(VLAPolicy):
         patches = vision.embeddings.patch_embedding(pixels).flatten(2).transpose(1, 2)
         hidden = patches + vision.embeddings.position_embedding(self.patch_positions)
         for layer in vision.encoder.layers:
-            hidden = vision_layer(layer, hidden, self.vision_mask, self.side_by_side)
+            hidden = encoder_layer(layer, hidden, self.vision_mask, self.side_by_side)
         hidden = vision.post_layernorm(hidden)
         return self.model.vlm_with_expert.vlm.model.connector(hidden)
 

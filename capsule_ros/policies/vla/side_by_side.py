@@ -1,5 +1,6 @@
 """Independent calls run side by side on the GPU: a VLA's cameras through its vision tower, a
-layer's query, key and value projections, an MLP's gate and up projections.
+layer's query, key and value projections, an MLP's gate and up projections
+(``encoder_layer``: a SigLIP-style vision layer written out with its projections side by side).
 
 LeRobot runs such calls one after the other. At batch 1 their kernels leave most of an H100
 idle (SmolVLA's SigLIP at 1,024 patches per camera, π0's at 256, the action expert's 50
@@ -12,12 +13,15 @@ order.
 
 Side streams belong to the instance (made on first use and kept, so that a capture finds the
 cuBLAS workspaces its warm-up runs made); a deep copy (the start-up check's copy of a policy)
-gets streams of its own.
+gets streams of its own. Calls nest (a camera's tower, on a side stream, runs its layers'
+projections side by side): each stream has side streams of its own, so one branch's
+projections never queue behind another branch's work.
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, List, Optional, Sequence
+import sys
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,7 +35,7 @@ class SideBySide:
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self._streams: Dict[torch.device, List[torch.cuda.Stream]] = {}
+        self._streams: Dict[Tuple[torch.device, int], List[torch.cuda.Stream]] = {}   # by the stream they fork from
 
     def __deepcopy__(self, memo: Optional[dict] = None) -> SideBySide:
         return SideBySide(self.enabled)
@@ -45,7 +49,7 @@ class SideBySide:
         if not self.enabled or device.type != "cuda" or len(calls) < 2:
             return [call() for call in calls]
         current = torch.cuda.current_stream(device)
-        streams = self._side_streams(device, len(calls))
+        streams = self._side_streams(current, len(calls))
         outputs = []
         for stream, call in zip(streams, calls, strict=True):
             stream.wait_stream(current)                       # the inputs, made on the current stream
@@ -56,8 +60,50 @@ class SideBySide:
             out.record_stream(current)        # not reused for another stream while the current one reads it
         return outputs
 
-    def _side_streams(self, device: torch.device, count: int) -> List[torch.cuda.Stream]:
-        streams = self._streams.setdefault(device, [])
+    def _side_streams(self, current: torch.cuda.Stream, count: int) -> List[torch.cuda.Stream]:
+        """``count`` side streams of ``current`` (its own: module docstring)."""
+        streams = self._streams.setdefault((current.device, current.cuda_stream), [])
         while len(streams) < count:
-            streams.append(torch.cuda.Stream(device))
+            streams.append(torch.cuda.Stream(current.device))
         return streams[:count]
+
+
+def _heads(proj: torch.nn.Module, x: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
+    """An attention's query, key or value: ``proj(x).view(shape).transpose(1, 2)``."""
+    return proj(x).view(shape).transpose(1, 2)
+
+
+def encoder_layer(layer: Any, hidden: torch.Tensor, mask: Optional[torch.Tensor],
+                  side_by_side: SideBySide) -> torch.Tensor:
+    """transformers' SigLIP-style vision encoder layer (``SiglipEncoderLayer.forward``, with
+    ``SiglipAttention.forward``; SmolVLM's are the same code) written out, its query, key and
+    value projections ``side_by_side``: the same operations on the same inputs, through the
+    attention function its config names. ``check_encoder_layers`` first."""
+    attn = layer.self_attn
+    residual = hidden
+    normed = layer.layer_norm1(hidden)
+    shape = (*normed.shape[:-1], -1, attn.head_dim)
+    queries, keys, values = side_by_side.run([functools.partial(_heads, proj, normed, shape)
+                                              for proj in (attn.q_proj, attn.k_proj, attn.v_proj)], normed.device)
+    attend_with = _attention_functions().get_interface(attn.config._attn_implementation,
+                                                       sys.modules[type(attn).__module__].eager_attention_forward)
+    out, _ = attend_with(attn, queries, keys, values, mask, is_causal=attn.is_causal, scaling=attn.scale,
+                         dropout=0.0)
+    hidden = residual + attn.out_proj(out.reshape(*normed.shape[:-1], -1).contiguous())
+    return hidden + layer.mlp(layer.layer_norm2(hidden))
+
+
+def check_encoder_layers(layers: Iterable[Any], written_out: Sequence[Any], where: str) -> None:
+    """ConfigError unless every layer's forward is one of ``written_out``'s (the classes whose
+    forward ``encoder_layer`` writes out)."""
+    from capsule_ros.errors import ConfigError
+    forwards = {cls.forward for cls in written_out}
+    for layer in layers:
+        if type(layer).forward not in forwards:
+            raise ConfigError(f"{where} has layers of type {type(layer).__name__}: capsule_ros writes out the "
+                              f"forward of {', '.join(cls.__name__ for cls in written_out)} only")
+
+
+def _attention_functions():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    return ALL_ATTENTION_FUNCTIONS

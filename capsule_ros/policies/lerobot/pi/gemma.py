@@ -6,7 +6,10 @@ LeRobot 0.6.1's ``lerobot/policies/pi_gemma.py`` builds each decoder layer from 
 gate), the gated residual and the stack's forward (``PiGemmaModel.forward``). This module
 builds the same layers from the same transformers classes (so their kernels and their
 numbers are transformers' own) and reimplements only those hand-written parts, operation
-for operation. Parameter names are LeRobot's.
+for operation. Parameter names are LeRobot's. ``GemmaAttention.forward`` and
+``GemmaMLP.forward`` are written out too, with their modules and operations, so that their
+independent projections (query, key and value; gate and up) run side by side on a GPU
+(``SideBySide``).
 
 Keys and values. At inference LeRobot runs the VLM once over the prefix with a
 ``DynamicCache`` and then, per denoising step, the expert over the suffix attending to a
@@ -14,14 +17,17 @@ clone of it (``DynamicLayer.update``: the prefix keys concatenated with the step
 ``PrefixKV`` is that cache reduced to what inference uses, with fixed shapes: it records
 each layer's prefix keys/values once and hands ``cat(prefix, step)`` to every expert
 step. It is a plan's scratch, made and dropped inside one ``plan`` call (never capsule
-state). transformers' ``GemmaAttention.forward`` calls only its ``update``.
+state). The attention calls only its ``update``.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, cast
+import functools
+from typing import Any, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
+
+from capsule_ros.policies.vla.side_by_side import SideBySide
 
 
 def _transformers_gemma():
@@ -58,6 +64,16 @@ class PiGemmaRMSNorm(nn.Module):
         scale, shift, gate = modulation.chunk(3, dim=-1)
         normed = normed * (1 + scale.float()) + shift.float()
         return normed.to(dtype), gate.to(dtype)
+
+
+def _heads(proj: nn.Module, x: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
+    """An attention's query, key or value: ``proj(x).view(shape).transpose(1, 2)``."""
+    return proj(x).view(shape).transpose(1, 2)
+
+
+def _gate(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    """``GemmaMLP``'s gate: ``act_fn(gate_proj(x))``."""
+    return mlp.act_fn(mlp.gate_proj(x))
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
@@ -102,16 +118,36 @@ class PiGemmaDecoderLayer(nn.Module):
         return self.self_attn.q_proj.weight.dtype == torch.bfloat16
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor, position_embeddings, kv: PrefixKV,
-                adarms_cond: Optional[torch.Tensor]) -> torch.Tensor:
+                adarms_cond: Optional[torch.Tensor], side_by_side: SideBySide) -> torch.Tensor:
         residual = hidden
         hidden, gate = self.input_layernorm(hidden, cond=adarms_cond)
-        hidden, _ = self.self_attn(hidden, position_embeddings=position_embeddings, attention_mask=mask,
-                                   past_key_values=kv)
+        hidden = self.attention(hidden, position_embeddings, mask, kv, side_by_side)
         hidden = gated_residual(residual, hidden, gate)
         residual = hidden
         hidden, gate = self.post_attention_layernorm(hidden, cond=adarms_cond)
-        hidden = self.mlp(hidden)
-        return gated_residual(residual, hidden, gate)
+        mlp = self.mlp
+        gated, up = side_by_side.run([functools.partial(_gate, mlp, hidden), functools.partial(mlp.up_proj, hidden)],
+                                     hidden.device)
+        return gated_residual(residual, mlp.down_proj(gated * up), gate)
+
+    def attention(self, hidden: torch.Tensor, position_embeddings, mask: torch.Tensor, kv: PrefixKV,
+                  side_by_side: SideBySide) -> torch.Tensor:
+        """``GemmaAttention.forward`` written out, its query, key and value projections side by
+        side on a GPU: the same operations on the same inputs, through the attention function
+        the config names."""
+        gemma = _transformers_gemma()
+        attn = self.self_attn
+        input_shape = hidden.shape[:-1]
+        shape = (*input_shape, -1, attn.head_dim)
+        queries, keys, values = side_by_side.run([functools.partial(_heads, proj, hidden, shape)
+                                                  for proj in (attn.q_proj, attn.k_proj, attn.v_proj)], hidden.device)
+        cos, sin = position_embeddings
+        queries, keys = gemma.apply_rotary_pos_emb(queries, keys, cos, sin)
+        keys, values = kv.update(keys, values, attn.layer_idx)
+        attend_with = gemma.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                                  gemma.eager_attention_forward)
+        out, _ = attend_with(attn, queries, keys, values, mask, dropout=0.0, scaling=attn.scaling)
+        return attn.o_proj(out.reshape(*input_shape, -1).contiguous())
 
 
 class PiGemmaStack(nn.Module):
@@ -133,7 +169,8 @@ class PiGemmaStack(nn.Module):
         self.rotary_emb = gemma.GemmaRotaryEmbedding(config=config)
 
     def forward(self, inputs_embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, kv: PrefixKV,
-                adarms_cond: Optional[torch.Tensor] = None, final_norm: bool = True) -> torch.Tensor:
+                side_by_side: SideBySide, adarms_cond: Optional[torch.Tensor] = None,
+                final_norm: bool = True) -> torch.Tensor:
         """``PiGemmaModel.forward``: [B, S, width] -> [B, S, width]; ``mask`` the additive
         4D mask, used as given. ``final_norm``: False when only the keys/values matter
         (the prefix pass, whose hidden states inference never reads)."""
@@ -142,7 +179,7 @@ class PiGemmaStack(nn.Module):
             hidden = hidden.to(torch.bfloat16)
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:
-            hidden = layer(hidden, mask, position_embeddings, kv, adarms_cond)
+            hidden = layer(hidden, mask, position_embeddings, kv, adarms_cond, side_by_side)
         if not final_norm:
             return hidden
         hidden, _ = self.norm(hidden, adarms_cond)

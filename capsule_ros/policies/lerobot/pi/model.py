@@ -2,7 +2,8 @@
 
 Built, like LeRobot's ``PaliGemmaWithExpertModel``, from transformers' classes: the SigLIP
 tower (``AutoModel.from_config`` of PaliGemma's vision config, SDPA attention as LeRobot's
-build resolves it), ``PaliGemmaMultiModalProjector``, and Gemma attention / MLP / rotary /
+build resolves it; its forward written out, each layer's projections side by side on a
+GPU), ``PaliGemmaMultiModalProjector``, and Gemma attention / MLP / rotary /
 scaled embedding inside ``gemma.PiGemmaStack``; the configs are made exactly as LeRobot
 makes them (``CONFIG_MAPPING["paligemma"]()`` and its overrides). Written by hand, because
 LeRobot writes them by hand: the prefix and suffix embeddings, the masks, the
@@ -20,6 +21,7 @@ task tokens); S suffix tokens (π0: state + chunk, π0.5: chunk); A = max_action
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
@@ -28,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from capsule_ros.errors import ConfigError
 from capsule_ros.policies.lerobot.pi.architecture import PiArchitecture
 from capsule_ros.policies.lerobot.pi.gemma import PiGemmaStack, PrefixKV
-from capsule_ros.policies.vla.side_by_side import SideBySide
+from capsule_ros.policies.vla.side_by_side import SideBySide, check_encoder_layers, encoder_layer
 
 # LeRobot's lerobot.utils.constants.OPENPI_ATTENTION_MASK_VALUE
 ATTENTION_MASK_VALUE = -2.3819763e38
@@ -111,6 +114,12 @@ class PaliGemmaWithExpert(nn.Module):
             PaliGemmaMultiModalProjector(paligemma_config),
             PiGemmaStack(paligemma_config.text_config, with_embeddings=True)))
         self.gemma_expert = _Expert(PiGemmaStack(expert_config, with_embeddings=False))
+        from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer
+        tower: Any = self.paligemma.model.vision_tower
+        if tower.vision_model.use_head:
+            raise ConfigError("π's vision config asks for SigLIP's pooling head: PaliGemma's tower has none "
+                              "(vision_use_head false)")
+        check_encoder_layers(tower.vision_model.encoder.layers, [SiglipEncoderLayer], "π's vision tower")
         self.dtype_name = arch.dtype
         self._cast(arch.dtype)
 
@@ -153,13 +162,19 @@ class PaliGemmaWithExpert(nn.Module):
     def expert(self) -> PiGemmaStack:
         return self.gemma_expert.model
 
-    def embed_image(self, image: torch.Tensor) -> torch.Tensor:
-        """[B, 3, H, W] in [-1, 1] -> [B, image tokens, width] (the tower stays float32)."""
+    def embed_image(self, image: torch.Tensor, side_by_side: SideBySide) -> torch.Tensor:
+        """[B, 3, H, W] in [-1, 1] -> [B, image tokens, width] (the tower stays float32): the
+        tower's ``SiglipVisionTransformer.forward`` written out, each layer's projections
+        ``side_by_side`` (``encoder_layer``)."""
         out_dtype = image.dtype
         if image.dtype != torch.float32:
             image = image.to(torch.float32)
         inner = self.paligemma.model
-        features = inner.multi_modal_projector(inner.vision_tower(image).last_hidden_state)
+        tower: Any = inner.vision_tower.vision_model            # transformers' SiglipVisionTransformer
+        hidden = tower.embeddings(image, interpolate_pos_encoding=False)
+        for layer in tower.encoder.layers:
+            hidden = encoder_layer(layer, hidden, None, side_by_side)
+        features = inner.multi_modal_projector(tower.post_layernorm(hidden))
         return features.to(out_dtype) if features.dtype != out_dtype else features
 
 
@@ -264,7 +279,8 @@ class PiModel(nn.Module):
         (the towers ``side_by_side``), then the task tokens (their attention pattern is
         all-to-all: att_masks all 0)."""
         embs, pad_masks = [], []
-        embedded = side_by_side.map(self.paligemma_with_expert.embed_image, images)
+        embedded = side_by_side.map(functools.partial(self.paligemma_with_expert.embed_image,
+                                                      side_by_side=side_by_side), images)
         for emb, mask in zip(embedded, image_masks, strict=True):
             bsize, num = emb.shape[:2]
             embs.append(emb)
@@ -284,7 +300,7 @@ class PiModel(nn.Module):
         position_ids = torch.cumsum(pad_masks, dim=1) - 1
         kv = PrefixKV(self.arch.vlm.depth)
         mask = additive_4d(att_2d_masks(pad_masks, torch.zeros_like(pad_masks)))   # all-to-all, padding masked
-        self.paligemma_with_expert.language_model(embs, mask, position_ids, kv, final_norm=False)
+        self.paligemma_with_expert.language_model(embs, mask, position_ids, kv, side_by_side, final_norm=False)
         kv.recording = False
         suffix_mask, suffix_positions = self.suffix_masks(pad_masks)
         return Prefix(kv, suffix_mask, suffix_positions, state)
@@ -328,10 +344,12 @@ class PiModel(nn.Module):
         position_ids = torch.sum(prefix_pad, dim=-1)[:, None] + torch.cumsum(suffix_pad, dim=1) - 1
         return additive_4d(full), position_ids
 
-    def velocity(self, prefix: Prefix, x_t: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+    def velocity(self, prefix: Prefix, x_t: torch.Tensor, timestep: torch.Tensor,
+                 side_by_side: SideBySide) -> torch.Tensor:
         """``denoise_step``: the expert over the suffix, attending to the prefix: v_t [B, chunk, A]
-        at ``x_t`` [B, chunk, A] and ``timestep`` float32 [B]."""
+        at ``x_t`` [B, chunk, A] and ``timestep`` float32 [B] (its projections ``side_by_side``)."""
         embs, cond = self.embed_suffix(prefix.state, x_t, timestep)
-        out = self.paligemma_with_expert.expert(embs, prefix.mask, prefix.position_ids, prefix.kv, adarms_cond=cond)
+        out = self.paligemma_with_expert.expert(embs, prefix.mask, prefix.position_ids, prefix.kv, side_by_side,
+                                                adarms_cond=cond)
         out = out[:, -self.arch.chunk_size:].to(dtype=torch.float32)
         return self.action_out_proj(out)

@@ -138,7 +138,7 @@ class PiPolicy(VLAPolicy):
         return self.model.encode_prefix(images, masks, ids, token_masks, robot_state, self.side_by_side)
 
     def velocity(self, prefix: Prefix, x_t: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
-        return self.model.velocity(prefix, x_t, time)
+        return self.model.velocity(prefix, x_t, time, self.side_by_side)
 
     def architecture(self) -> dict:
         out = super().architecture()
