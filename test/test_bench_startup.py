@@ -30,3 +30,17 @@ def test_bench_startup_times_both_sides_and_a_chunking_policy_checks_its_state_b
     assert (report["cases"]["default"]["state_check_beside"], report["cases"]["act"]["state_check_beside"]) == \
         (False, True)
     assert report["met"] == all(row["met"] for row in report["cases"].values())
+
+
+def test_a_state_check_is_settled_by_its_verdict_or_by_running_before_serving():
+    """The benchmark stops a node only once its state check has a verdict in the log (a check
+    beside serving stopped early logs none, and the round would read as checked before)."""
+    from capsule_ros.benchmarks.startup import state_check_settled
+    check = "[1.0] [policy_node]: [runtime.contract] state check: 5 steps (repeated: True) in 3.0 ms\n"
+    serving = "[2.0] [policy_node]: serving on cpu\n"
+    assert state_check_settled(check + serving)
+    assert not state_check_settled(serving)
+    assert not state_check_settled(serving + check)
+    for verdict in ("passed, beside serving, in 1.0 s", "failed, beside serving: boom; capsule restores are refused"):
+        line = f"[3.0] [policy_node]: [serving.statecheck] state check {verdict}\n"
+        assert state_check_settled(serving + check + line)

@@ -61,6 +61,7 @@ ROUNDS = 5
 CASES = ("default", "onnx", "act", "diffusion")
 PLAIN = Path(__file__).with_name("startup_plain.py")
 FIRST_ACTION_TIMEOUT_S = 600.0
+STATE_CHECK_WAIT_S = 120.0           # after the first action: a check beside serving logs its verdict
 PUBLISH_PERIOD_S = 0.05
 
 
@@ -269,6 +270,10 @@ def time_served(case: Case, tmp: Path, round_no: int) -> Dict[str, Any]:
     proc = start_policy_node(tmp, {}, namespace=namespace, params_file=params_file, tag=f"{case.name}-{round_no}")
     try:
         first = feeder.run(launched + FIRST_ACTION_TIMEOUT_S, proc.alive)
+        deadline = time.monotonic() + STATE_CHECK_WAIT_S
+        while first is not None and proc.alive() and not state_check_settled(proc.log()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)            # stopped before its verdict, a check beside serving would log none
     finally:
         code = proc.stop()
         client.close()
@@ -276,6 +281,15 @@ def time_served(case: Case, tmp: Path, round_no: int) -> Dict[str, Any]:
     if first is None:
         raise SystemExit(f"policy_node ({case.name}) gave no action (exit {code}):\n{proc.log()[-3000:]}")
     return {"served_s": first - launched, **log_phases(proc.log(), launched_wall)}
+
+
+def state_check_settled(log: str) -> bool:
+    """Whether a node's log holds its start-up state check's verdict: passed or failed beside
+    serving, or the check's own line before the node was serving (checked before serving)."""
+    if re.search(r"state check (passed|failed), beside serving", log):
+        return True
+    check, serving = re.search(r"state check: \d+ steps", log), re.search(r"\]: serving on", log)
+    return check is not None and serving is not None and check.start() < serving.start()
 
 
 # -- the run ----------------------------------------------------------------------------------------
