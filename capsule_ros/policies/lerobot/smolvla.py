@@ -53,7 +53,7 @@ from capsule_ros.policies.lerobot.checkpoint import Checkpoint, Normalization
 from capsule_ros.policies.lerobot.features import BoundInput
 from capsule_ros.policies.vla.policy import VLAPolicy
 from capsule_ros.policies.vla.rtc import RTCSettings
-from capsule_ros.policies.vla.side_by_side import check_encoder_layers, encoder_layer
+from capsule_ros.policies.vla.side_by_side import check_encoder_layers, encoder_layer, gated_mlp
 from capsule_ros.policies.vla.tokens import TaskTokenizer
 from capsule_ros.runtime.arena import BufferSpec
 from capsule_ros.runtime.policy import State
@@ -130,11 +130,6 @@ def _projected(proj: nn.Module, normed: torch.Tensor, shape: Tuple[int, ...],
     """A query, key or value projection viewed as heads, rotated by ``angles`` where given."""
     state = proj(normed).view(shape)
     return rotate(state, angles) if angles is not None else state
-
-
-def _gate(mlp: Any, x: torch.Tensor) -> torch.Tensor:
-    """``LlamaMLP``'s gate: ``act_fn(gate_proj(x))``."""
-    return mlp.act_fn(mlp.gate_proj(x))
 
 
 def make_att_2d_masks(pad_masks: torch.Tensor, att_masks: torch.Tensor) -> torch.Tensor:
@@ -594,10 +589,7 @@ class SmolVLAPolicy(VLAPolicy):
         out_emb += hidden
         after_first_residual = out_emb          # LeRobot clones it; nothing below writes to it
         out_emb = layer.post_attention_layernorm(out_emb)
-        mlp = layer.mlp
-        gated, up = self.side_by_side.run([functools.partial(_gate, mlp, out_emb),
-                                           functools.partial(mlp.up_proj, out_emb)], out_emb.device)
-        out_emb = mlp.down_proj(gated * up)
+        out_emb = gated_mlp(layer.mlp, out_emb, self.side_by_side)
         out_emb += after_first_residual
         return out_emb
 

@@ -1,6 +1,7 @@
 """Independent calls run side by side on the GPU: a VLA's cameras through its vision tower, a
 layer's query, key and value projections, an MLP's gate and up projections
-(``encoder_layer``: a SigLIP-style vision layer written out with its projections side by side).
+(``encoder_layer``: a SigLIP-style vision layer written out with its projections side by side;
+``gated_mlp``: a Llama / Gemma MLP with its gate and up projections side by side).
 
 LeRobot runs such calls one after the other. At batch 1 their kernels leave most of an H100
 idle (SmolVLA's SigLIP at 1,024 patches per camera, π0's at 256, the action expert's 50
@@ -68,9 +69,22 @@ class SideBySide:
         return streams[:count]
 
 
-def _heads(proj: torch.nn.Module, x: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
-    """An attention's query, key or value: ``proj(x).view(shape).transpose(1, 2)``."""
+def heads(proj: torch.nn.Module, x: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
+    """An attention's query, key or value as transformers makes them:
+    ``proj(x).view(shape).transpose(1, 2)``."""
     return proj(x).view(shape).transpose(1, 2)
+
+
+def gated_mlp(mlp: Any, x: torch.Tensor, side_by_side: SideBySide) -> torch.Tensor:
+    """transformers' gated MLP (``LlamaMLP.forward``, ``GemmaMLP.forward``: the same code)
+    written out, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, its gate and up
+    projections ``side_by_side``."""
+    gated, up = side_by_side.run([functools.partial(_gate, mlp, x), functools.partial(mlp.up_proj, x)], x.device)
+    return mlp.down_proj(gated * up)
+
+
+def _gate(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    return mlp.act_fn(mlp.gate_proj(x))
 
 
 def encoder_layer(layer: Any, hidden: torch.Tensor, mask: Optional[torch.Tensor],
@@ -83,7 +97,7 @@ def encoder_layer(layer: Any, hidden: torch.Tensor, mask: Optional[torch.Tensor]
     residual = hidden
     normed = layer.layer_norm1(hidden)
     shape = (*normed.shape[:-1], -1, attn.head_dim)
-    queries, keys, values = side_by_side.run([functools.partial(_heads, proj, normed, shape)
+    queries, keys, values = side_by_side.run([functools.partial(heads, proj, normed, shape)
                                               for proj in (attn.q_proj, attn.k_proj, attn.v_proj)], normed.device)
     attend_with = _attention_functions().get_interface(attn.config._attn_implementation,
                                                        sys.modules[type(attn).__module__].eager_attention_forward)

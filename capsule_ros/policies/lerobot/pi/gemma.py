@@ -22,12 +22,12 @@ state). The attention calls only its ``update``.
 from __future__ import annotations
 
 import functools
-from typing import Any, List, Optional, Tuple, cast
+from typing import List, Optional, Tuple, cast
 
 import torch
 from torch import nn
 
-from capsule_ros.policies.vla.side_by_side import SideBySide
+from capsule_ros.policies.vla.side_by_side import SideBySide, gated_mlp, heads
 
 
 def _transformers_gemma():
@@ -64,16 +64,6 @@ class PiGemmaRMSNorm(nn.Module):
         scale, shift, gate = modulation.chunk(3, dim=-1)
         normed = normed * (1 + scale.float()) + shift.float()
         return normed.to(dtype), gate.to(dtype)
-
-
-def _heads(proj: nn.Module, x: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
-    """An attention's query, key or value: ``proj(x).view(shape).transpose(1, 2)``."""
-    return proj(x).view(shape).transpose(1, 2)
-
-
-def _gate(mlp: Any, x: torch.Tensor) -> torch.Tensor:
-    """``GemmaMLP``'s gate: ``act_fn(gate_proj(x))``."""
-    return mlp.act_fn(mlp.gate_proj(x))
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
@@ -125,10 +115,7 @@ class PiGemmaDecoderLayer(nn.Module):
         hidden = gated_residual(residual, hidden, gate)
         residual = hidden
         hidden, gate = self.post_attention_layernorm(hidden, cond=adarms_cond)
-        mlp = self.mlp
-        gated, up = side_by_side.run([functools.partial(_gate, mlp, hidden), functools.partial(mlp.up_proj, hidden)],
-                                     hidden.device)
-        return gated_residual(residual, mlp.down_proj(gated * up), gate)
+        return gated_residual(residual, gated_mlp(self.mlp, hidden, side_by_side), gate)
 
     def attention(self, hidden: torch.Tensor, position_embeddings, mask: torch.Tensor, kv: PrefixKV,
                   side_by_side: SideBySide) -> torch.Tensor:
@@ -139,7 +126,7 @@ class PiGemmaDecoderLayer(nn.Module):
         attn = self.self_attn
         input_shape = hidden.shape[:-1]
         shape = (*input_shape, -1, attn.head_dim)
-        queries, keys, values = side_by_side.run([functools.partial(_heads, proj, hidden, shape)
+        queries, keys, values = side_by_side.run([functools.partial(heads, proj, hidden, shape)
                                                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj)], hidden.device)
         cos, sin = position_embeddings
         queries, keys = gemma.apply_rotary_pos_emb(queries, keys, cos, sin)
