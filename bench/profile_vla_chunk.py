@@ -2,7 +2,7 @@
 against the same program run eagerly, and the kernels inside it.
 
     CAPSULE_ROS_WITHOUT_ROS=1 PYTHONPATH=.:examples/gru_policy python3 bench/profile_vla_chunk.py OUT
-        [--case smolvla-1cam] [--quick] [--runs 10] [--device cuda]
+        [--case smolvla-1cam] [--quick] [--runs 10] [--device cuda] [--float32-matmul high]
 
 Builds the case's checkpoint and session as ``capsule-ros bench vla`` does
 (``capsule_ros.benchmarks.vla``: SmolVLA's is written by LeRobot, which must import here or
@@ -22,6 +22,7 @@ import argparse
 import collections
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -44,17 +45,20 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the tiny sizes")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--device", default="cuda", help="cuda (a CPU has no graphs: both runs are eager)")
+    parser.add_argument("--float32-matmul", choices=("highest", "high"), default="highest",
+                        help="runtime.float32_matmul (high: TensorFloat-32)")
     args = parser.parse_args()
     numerics.pin(numerics.PORTABLE)             # before torch's first operation, as capsule-ros bench does
     device = resolve_device(args.device)
     case = vla.CASES[args.case]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
-    lines = [f"{args.case} on {where}, torch {torch.__version__}"]
+    lines = [f"{args.case} on {where}, torch {torch.__version__}, float32_matmul {args.float32_matmul}"]
     with tempfile.TemporaryDirectory() as tmp:
         written = vla.write_case(case, Path(tmp) / case.name, args.quick, device, vla.lerobot_python(None), None)
         joints = int(written.config.ports[written.ports_of[vla.lerobot_pi.STATE]].shape[0])
         obs = observations(4, written.camera, joints=joints, cameras=written.camera_keys)
-        session = side_session(written.config, device, "sync", vla.ASYNC_RATE_HZ, paced=False, steps=4)
+        config = replace(written.config, runtime=replace(written.config.runtime, float32_matmul=args.float32_matmul))
+        session = side_session(config, device, "sync", vla.ASYNC_RATE_HZ, paced=False, steps=4)
         for key, value in obs.items():
             session.loop.write_input(written.ports_of[key], at(value, 0))
         session.loop.tick()                                   # the first chunk: inputs staged, state not initial

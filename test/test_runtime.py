@@ -18,10 +18,11 @@ from runtime_fixtures import (
 )
 
 from capsule_ros.capsules.store import Tier
-from capsule_ros.errors import FingerprintMismatch, InvalidArgument
+from capsule_ros.errors import ConfigError, FingerprintMismatch, InvalidArgument
 from capsule_ros.policies.hybrid import chunked_scan
 from capsule_ros.runtime.arena import KIND_ORDER, ArenaLayout, BufferKind, BufferSpec
 from capsule_ros.runtime.builder import replica_of
+from capsule_ros.runtime.engine import RuntimeConfig
 from capsule_ros.runtime.graphs import GraphAddressError
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -220,6 +221,39 @@ def test_cuda_graph_replay_matches_the_eager_plan():
     eager = make_runtime(device="cuda", cuda_graphs=False, compile="off")
     obs = observations(50, 18)
     assert first_divergence(run(graph, obs), run(eager, obs)) is None
+
+
+def test_float32_matmul_names_torchs_precisions_and_leaves_a_cpus_products_and_fingerprint_alone():
+    """``runtime.float32_matmul``: an unknown precision is refused with the choices; on a
+    CPU ``high`` changes neither the actions (TensorFloat-32 is a GPU's) nor the fingerprint,
+    and leaves torch's CUDA flag as it was."""
+    with pytest.raises(ConfigError, match=r"runtime.float32_matmul = 'medium': must be one of \['highest', 'high'\]"):
+        RuntimeConfig(float32_matmul="medium")
+    before = torch.backends.cuda.matmul.allow_tf32
+    highest, high = make_runtime(), make_runtime(float32_matmul="high")
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    assert high.fingerprint == highest.fingerprint and high.identity.parts.kernel == "cpu"
+    obs = observations(20, 21)
+    assert first_divergence(run(high, obs), run(highest, obs)) is None
+
+
+@pytest.mark.cuda
+def test_tf32_on_a_gpu_is_its_own_kernel_kind_and_its_graphs_equal_its_eager_plan():
+    """``float32_matmul: high`` on a GPU: the captured step equals the eager TF32 plan bit for
+    bit, the actions differ from full float32's (TF32 is really on), and the fingerprint's
+    kernel part says so, so a capsule of one is refused by the other (cause: kernel)."""
+    obs = observations(50, 22)
+    graph = make_runtime(device="cuda", compile="off", float32_matmul="high")
+    eager = make_runtime(device="cuda", cuda_graphs=False, compile="off", float32_matmul="high")
+    assert torch.backends.cuda.matmul.allow_tf32
+    tf32 = run(graph, obs)
+    assert first_divergence(tf32, run(eager, obs)) is None
+    assert graph.identity.parts.kernel.endswith("+tf32")
+    full = make_runtime(device="cuda", compile="off")
+    assert not torch.backends.cuda.matmul.allow_tf32
+    assert first_divergence(run(full, obs), tf32) is not None
+    assert full.fingerprint != graph.fingerprint
+    assert full.identity.parts.causes(graph.identity.parts) == ("kernel",)
 
 
 @pytest.mark.parametrize("device", DEVICES)

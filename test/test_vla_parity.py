@@ -303,18 +303,22 @@ def test_a_capsule_at_every_cursor_restores_byte_exactly_and_replays_bit_identic
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("mode, delay, guided", [("sync", 0, False), ("async", 3, True)])
-def test_cuda_graphs_equal_the_eager_cuda_plan_and_stay_close_to_lerobot(fixtures, name, mode, delay, guided):
+@pytest.mark.parametrize("mode, delay, guided, float32_matmul", [("sync", 0, False, "highest"),
+                                                                   ("async", 3, True, "highest"),
+                                                                   ("sync", 0, False, "high")])
+def test_cuda_graphs_equal_the_eager_cuda_plan_and_stay_close_to_lerobot(fixtures, name, mode, delay, guided,
+                                                                         float32_matmul):
     """Every program captured as a CUDA graph (async: the refill on its own stream, RTC
     guidance inside it; two cameras: their vision towers side by side, on streams of their
     own) gives the eager CUDA plan's actions bit for bit, the eager plan embedding the cameras
-    one after the other as LeRobot does; against LeRobot's CPU actions the difference is the
-    GPU's kernels' (reported, bounded loosely: issue 31 measures it against LeRobot on the
-    same GPU)."""
+    one after the other as LeRobot does, with float32 products in full precision and on
+    TensorFloat-32 alike (``runtime.float32_matmul``); against LeRobot's CPU actions the
+    difference is the GPU's kernels' (reported, bounded loosely: issue 31 measures it against
+    LeRobot on the same GPU)."""
     fx = fixtures[name]
     rtc = next((r for r in fx.async_cases() if r[1] == delay and r[2].guided), None) if guided else None
     settings = rtc[2] if rtc is not None else RTCSettings()
-    kw = dict(device="cuda")
+    kw = dict(device="cuda", float32_matmul=float32_matmul)
     graphed = fx.runtime(mode, delay, settings, **kw)
     eager = fx.runtime(mode, delay, settings, worker="inline", cuda_graphs=False, **kw)
     eager.policy.side_by_side.enabled = False

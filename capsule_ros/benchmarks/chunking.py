@@ -167,11 +167,12 @@ def summary(seconds: Union[Sequence[float], np.ndarray], period: float, actions:
 
 def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.ndarray], period: float,
                  tmp: Path, level: str, extra: Sequence[str] = (), device: str = "cpu",
-                 deterministic: bool = False) -> Dict[str, Any]:
+                 deterministic: bool = False, float32_matmul: str = "highest") -> Dict[str, Any]:
     """LeRobot's loop in its own environment, or why it did not run (``extra``: more
     arguments of the loop's script, a SmolVLA's VLM files and task; ``deterministic``:
     under the determinism settings capsule_ros's runtime sets, cuBLAS's fixed workspace
-    and torch's deterministic algorithms, which choose a GPU's kernels)."""
+    and torch's deterministic algorithms, which choose a GPU's kernels; ``float32_matmul``:
+    ``high`` turns TensorFloat-32 on for its float32 products, as ``runtime.float32_matmul``)."""
     if python is None or not python.exists():
         return {"ran": False, "reason": f"no LeRobot environment at {python} (run tools/lerobot_bench/setup.sh or "
                                         "pass --lerobot-python)"}
@@ -184,6 +185,7 @@ def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.nda
         env["OMP_NUM_THREADS"] = "1"
     if deterministic:
         env.update(CAPSULE_ROS_DETERMINISTIC="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    env["CAPSULE_ROS_FLOAT32_MATMUL"] = float32_matmul
     done = subprocess.run([str(python), str(LEROBOT_SCRIPT), "--checkpoint", str(checkpoint), "--observations",
                            str(inputs), "--out", str(out), "--device", device, "--threads", "1" if on_cpu else "0",
                            *extra], env=env, capture_output=True, text=True)

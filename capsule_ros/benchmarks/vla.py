@@ -38,7 +38,9 @@ On a GPU LeRobot's loop runs twice: ``lerobot`` with torch's defaults (the timin
 a user runs it) and ``lerobot_deterministic`` under the settings capsule_ros's runtime makes
 (``runtime.deterministic``: cuBLAS's fixed workspace, torch's deterministic algorithms), which
 choose which GPU kernels run: the two show how far LeRobot's own bits move with the kernels a
-GPU picks, beside how far capsule_ros's are from each.
+GPU picks, beside how far capsule_ros's are from each. ``--float32-matmul high``: every side's
+float32 matrix products on TensorFloat-32 (capsule_ros's ``runtime.float32_matmul: high``, and
+LeRobot's process the same, as a user who turns it on there): other bits, compared alike.
 
 Figures: ``chunk_p50_ms`` / ``chunk_p99_ms``: the steps that plan a chunk, after the
 episode's first (a cold first call is reported alone as ``first_step_ms``; on the async side
@@ -167,8 +169,12 @@ def graph_side(written: Written, obs: Dict[str, np.ndarray], device: torch.devic
 
 
 def run_case(case: Case, written: Written, device: torch.device, steps: int, async_steps: int,
-             python: Optional[Path], tmp: Path, chosen_sides: Sequence[str] = SIDES) -> Dict[str, Any]:
-    """The case's ``chosen_sides`` (the others are reported as not chosen), then its verdicts."""
+             python: Optional[Path], tmp: Path, chosen_sides: Sequence[str] = SIDES,
+             float32_matmul: str = "highest") -> Dict[str, Any]:
+    """The case's ``chosen_sides`` (the others are reported as not chosen), then its verdicts
+    (``float32_matmul``: ``runtime.float32_matmul`` of the graph sides, and LeRobot's the same)."""
+    written = replace(written, config=replace(written.config,
+                                              runtime=replace(written.config.runtime, float32_matmul=float32_matmul)))
     joints = int(written.config.ports[written.ports_of[lerobot_pi.STATE]].shape[0])
     obs = observations(steps, written.camera, joints=joints, cameras=written.camera_keys)
     period = 1.0 / ASYNC_RATE_HZ
@@ -191,11 +197,13 @@ def run_case(case: Case, written: Written, device: torch.device, steps: int, asy
 
     if python is not None:
         lerobot = side("lerobot", lambda: lerobot_side(python, written.checkpoint, obs, period, tmp, level,
-                                                       written.extra, device=str(device)))
+                                                       written.extra, device=str(device),
+                                                       float32_matmul=float32_matmul))
         if device.type == "cuda" and written.config.runtime.deterministic:
             pinned = side("lerobot_deterministic",
                           lambda: lerobot_side(python, written.checkpoint, obs, period, tmp, level, written.extra,
-                                               device=str(device), deterministic=True))
+                                               device=str(device), deterministic=True,
+                                               float32_matmul=float32_matmul))
     graph = side("graph", lambda: graph_side(written, obs, device, "sync", ASYNC_RATE_HZ, paced=False))
     # the two paced sides run the same episode, as long: a GPU's clocks after minutes of
     # paced steps are not those of the first seconds after a busy start
@@ -269,7 +277,7 @@ def headline(result: Dict[str, Any]) -> Dict[str, Any]:
 
 def run(device_name: str = "auto", quick: bool = False, steps: Optional[int] = None,
         cases: Sequence[str] = tuple(CASES), named_python: Optional[str] = None,
-        async_steps: Optional[int] = None, sides: Sequence[str] = SIDES) -> dict:
+        async_steps: Optional[int] = None, sides: Sequence[str] = SIDES, float32_matmul: str = "highest") -> dict:
     device = resolve_device(device_name)
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
@@ -292,8 +300,10 @@ def run(device_name: str = "auto", quick: bool = False, steps: Optional[int] = N
                     continue
                 if case.kind != "smolvla":
                     weights_from = weights_from or written.checkpoint
-                results.append(run_case(case, written, device, steps, async_steps, python, root, sides))
+                results.append(run_case(case, written, device, steps, async_steps, python, root, sides,
+                                        float32_matmul))
     return {"bench": "vla", **environment(device), "quick": quick, "targets": TARGETS, "sides": list(sides),
+            "float32_matmul": float32_matmul,
             "lerobot_python": str(python) if python else None, "cases": results}
 
 
@@ -321,5 +331,5 @@ def main(args) -> int:
     cases = tuple(args.cases.split(",")) if getattr(args, "cases", None) else tuple(CASES)
     sides = chosen(getattr(args, "sides", None), SIDES, "sides", "vla")
     emit(run(args.device, args.quick, getattr(args, "steps", None), cases, getattr(args, "lerobot_python", None),
-             getattr(args, "async_steps", None), sides), args.json, table)
+             getattr(args, "async_steps", None), sides, getattr(args, "float32_matmul", "highest")), args.json, table)
     return 0

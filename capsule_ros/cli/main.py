@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU numerics level of the policies (runtime.numerics: portable, native, baseline, avx2, "
                             "avx512; default: %(default)s, the node's); step takes several, measured side by side in "
                             "child processes (the cost of a pin: --numerics native,avx2)")
+    bench.add_argument("--float32-matmul", choices=("highest", "high"), default="highest",
+                       help="vla: float32 matrix products on the GPU, both sides (capsule_ros's "
+                            "runtime.float32_matmul; LeRobot's process the same): highest (default) or high "
+                            "(TensorFloat-32)")
     bench.add_argument("--cpu-hog", action="store_true",
                        help="services: a busy loop on every core for the whole run (a loaded robot computer)")
     bench.set_defaults(func=_bench)

@@ -31,7 +31,7 @@ import torch
 from capsule_ros.runtime.arena import ArenaLayout, StateArena
 from capsule_ros.runtime.contract import check_state_contract
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig, StepGuard, configure_torch
-from capsule_ros.runtime.fingerprint import RuntimeIdentity, device_kind, weights_digest
+from capsule_ros.runtime.fingerprint import RuntimeIdentity, weights_digest
 from capsule_ros.runtime.graphs import ProgramGraphs
 from capsule_ros.runtime.mode import EVERY_STEP, ModeContext, ModeSetup, Program
 from capsule_ros.runtime.policy import StatefulPolicy
@@ -73,7 +73,7 @@ def runtime_identity(policy: StatefulPolicy, config: RuntimeConfig,
     arena, no device memory: the node's ``configure`` knows it before ``activate``), from
     one pass over the weights."""
     return RuntimeIdentity.of(policy.architecture(), ArenaLayout(policy.state_spec()), weights_digest(policy),
-                              device_kind(config.resolve_device()), dict(inputs or {}))
+                              config.kernel_kind(), dict(inputs or {}))
 
 
 def compose_programs(programs: Mapping[str, Program], guard: Optional[StepGuard], transfer: HostTransfer,

@@ -35,13 +35,17 @@ from capsule_ros.config import CONFIGURE, ConfigSection, setting
 from capsule_ros.errors import InvalidArgument
 from capsule_ros.runtime import numerics
 from capsule_ros.runtime.arena import STATE_KINDS, BufferKind, StateArena
-from capsule_ros.runtime.fingerprint import FingerprintParts, RuntimeIdentity
+from capsule_ros.runtime.fingerprint import FingerprintParts, RuntimeIdentity, device_kind
 from capsule_ros.runtime.graphs import StepPrograms
 from capsule_ros.runtime.marks import ModeMark
 from capsule_ros.runtime.mode import ExecutionMode, MarkBytes, StepReport
 from capsule_ros.runtime.policy import ACTION, CHUNK, EPISODE, POSITION, STEP, StatefulPolicy
 from capsule_ros.runtime.streams import StreamKeeper, on_stream
 from capsule_ros.runtime.transfer import HostTransfer
+
+# runtime.float32_matmul: torch.set_float32_matmul_precision's names for the two a GPU tells apart
+FLOAT32_MATMUL_HIGHEST, FLOAT32_MATMUL_HIGH = "highest", "high"
+FLOAT32_MATMUL_CHOICES = (FLOAT32_MATMUL_HIGHEST, FLOAT32_MATMUL_HIGH)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,11 @@ class RuntimeConfig(ConfigSection):
     compile: str = setting("auto", "torch.compile the policy's kernels: auto (on CUDA when Triton is present), "
                            "on, off", choices=("auto", "on", "off"), read_only=True)
     deterministic: bool = setting(True, "torch deterministic algorithms (bit-identical replays)", read_only=True)
+    float32_matmul: str = setting(
+        FLOAT32_MATMUL_HIGHEST, "float32 matrix products on a GPU: highest (full float32, the bits of the policy's "
+        "own code, LeRobot's) or high (TensorFloat-32 tensor cores, torch.set_float32_matmul_precision's 'high': "
+        "faster, other bits; part of the fingerprint, so capsules and bags keep to it) (docs/vla.md#tf32)",
+        choices=FLOAT32_MATMUL_CHOICES, read_only=True)
     debug_checks: bool = setting(False, "check buffer addresses before every graph replay", applies=CONFIGURE)
     cpu_threads: int = setting(1, "torch intra-op threads on CPU (0 = torch's default: the core count, only with "
                                "numerics native)", low=0, high=1024,
@@ -86,6 +95,15 @@ class RuntimeConfig(ConfigSection):
         """Whether a runtime of this configuration runs the start-up state check (only where
         bit-identity is promised)."""
         return self.state_check and self.deterministic
+
+    def kernel_kind(self) -> str:
+        """The device kind the fingerprint binds to (``fingerprint.device_kind``), with
+        ``+tf32`` on a GPU whose float32 products run on TensorFloat-32: other kernels,
+        other bits."""
+        kind = device_kind(self.resolve_device())
+        if kind.startswith("cuda") and self.float32_matmul == FLOAT32_MATMUL_HIGH:
+            return kind + "+tf32"
+        return kind
 
     def compile_enabled(self, device: torch.device) -> bool:
         if self.compile == "auto":
@@ -125,6 +143,10 @@ def configure_torch(config: RuntimeConfig, device: torch.device) -> str:
         # Deterministic mode also fills every new temporary with NaN to expose reads of
         # uninitialised memory: a debugging aid that costs one kernel per temporary.
         torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    if device.type == "cuda":
+        # process-wide, like the deterministic switch: each runtime built sets the value its
+        # configuration names (CUDA only; a CPU's float32 products stay at the pinned numerics)
+        torch.backends.cuda.matmul.allow_tf32 = config.float32_matmul == FLOAT32_MATMUL_HIGH
     if device.type == "cpu" and config.cpu_threads:
         torch.set_num_threads(config.cpu_threads)
     return numerics.recorded_level(config.numerics)

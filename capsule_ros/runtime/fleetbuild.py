@@ -32,7 +32,7 @@ from capsule_ros.runtime.batching import CORE_MASKS, SlotMasks, no_fallback, ref
 from capsule_ros.runtime.builder import build_policy_runtime, place_policy, runtime_identity
 from capsule_ros.runtime.contract import check_state_contract
 from capsule_ros.runtime.engine import PolicyRuntime, RuntimeConfig, StepGuard
-from capsule_ros.runtime.fingerprint import RuntimeIdentity, device_kind, weights_digest
+from capsule_ros.runtime.fingerprint import RuntimeIdentity, weights_digest
 from capsule_ros.runtime.fleet import (
     BATCHINGS,
     BatchedFleet,
@@ -80,7 +80,7 @@ def fleet_identity(policy: StatefulPolicy, config: RuntimeConfig, inputs: Option
     if policy.cadence() is not None:          # a chunking fleet plans each robot's chunk at batch 1
         architecture["fleet_plan_batch"] = 1
     return RuntimeIdentity.of(architecture, ArenaLayout(policy.state_spec()), weights_digest(policy),
-                              device_kind(config.resolve_device()), dict(inputs or {}))
+                              config.kernel_kind(), dict(inputs or {}))
 
 
 def build_fleet_runtime(policy: StatefulPolicy, config: RuntimeConfig = RuntimeConfig(), *,  # noqa: B008 - frozen

@@ -16,7 +16,8 @@ their actions can be compared bit for bit, at the CPU numerics level ``CAPSULE_R
 vla``): the policy and the processors' device step on the GPU, as ``lerobot-eval`` puts them.
 ``CAPSULE_ROS_DETERMINISTIC=1`` (with ``CUBLAS_WORKSPACE_CONFIG`` in the environment): torch's
 deterministic algorithms, as capsule_ros's runtime sets them (``runtime.deterministic``), so a GPU
-side's kernels are chosen under the same settings as capsule_ros's.
+side's kernels are chosen under the same settings as capsule_ros's. ``CAPSULE_ROS_FLOAT32_MATMUL=high``:
+TensorFloat-32 for float32 matrix products on a GPU, as capsule_ros's ``runtime.float32_matmul: high``.
 ``IN.npz``: one array per input feature [steps, ...] and ``seed``; ``OUT.npz``: ``seconds``
 [steps], ``action`` [steps, A], ``gpu_peak_bytes`` (the weights and the steps; 0 on a CPU) and
 ``phase_seconds`` [imports, load, episode]: where the process's time went (a 3B model's load
@@ -67,6 +68,7 @@ def main() -> None:
     if os.environ.get("CAPSULE_ROS_DETERMINISTIC") == "1":           # as capsule_ros.runtime.engine.configure_torch
         torch._C._set_deterministic_algorithms(True, warn_only=False)
         torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.backends.cuda.matmul.allow_tf32 = os.environ.get("CAPSULE_ROS_FLOAT32_MATMUL") == "high"
     with np.load(args.observations, allow_pickle=False) as data:
         inputs = {k: data[k] for k in data.files}
     seed = int(inputs.pop("seed"))
