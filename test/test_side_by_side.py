@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from capsule_ros.policies.vla.side_by_side import SideBySide
+from capsule_ros.runtime.streams import StreamKeeper
 
 
 def tower(weights: torch.Tensor):
@@ -107,3 +108,28 @@ def test_nested_calls_fork_from_streams_of_their_own_and_give_the_sequential_bit
     inner = [s for branch in outer for s in side._streams[(branch.device, branch.cuda_stream)]]
     assert len(outer) == 3 and len(inner) == 6
     assert len({s.cuda_stream for s in (*outer, *inner)}) == 9
+
+
+@pytest.mark.cuda
+def test_the_steps_branches_and_a_refills_never_share_a_cuda_stream_however_many_streams_were_made():
+    """torch hands out streams round-robin from a pool of 32 per priority, and cuBLAS keeps a
+    workspace per stream that a captured graph keeps using: side streams take their parent's
+    priority, so the control step's branches (and their branches) and a refill's come from
+    different pools and never are the same CUDA stream, after any number of streams."""
+    device = torch.device("cuda")
+    keeper = StreamKeeper()
+    step, refill = keeper.get(device, "step"), keeper.get(device, "refill")
+    assert step is not None and refill is not None and step.priority < refill.priority
+    of_step, of_refill = [], []
+    for _ in range(12):                         # one policy's SideBySide after another: the pools wrap
+        side = SideBySide()
+        for parent, found in ((step, of_step), (refill, of_refill)):
+            branches = side._side_streams(parent, 3)
+            nested = [s for branch in branches for s in side._side_streams(branch, 3)]
+            assert all(s.priority == parent.priority for s in (*branches, *nested))
+            found.extend((*branches, *nested))
+        torch.cuda.Stream()                     # other streams of the process
+    step_side = {s.cuda_stream for s in (step, *of_step)}
+    refill_side = {s.cuda_stream for s in (refill, *of_refill)}
+    assert len(of_step) == len(of_refill) == 12 * 12
+    assert step_side.isdisjoint(refill_side)

@@ -14,7 +14,13 @@ order.
 
 Side streams belong to the instance (made on first use and kept, so that a capture finds the
 cuBLAS workspaces its warm-up runs made); a deep copy (the start-up check's copy of a policy)
-gets streams of its own. Calls nest (a camera's tower, on a side stream, runs its layers'
+gets streams of its own. A side stream has the priority of the stream it forks from: torch
+hands out streams round-robin from a pool of 32 per priority, so a process that made more
+than 32 gets old ones again, and cuBLAS keeps one workspace per stream, which a captured graph
+keeps using. The control step's graphs (on the step's high-priority stream) and a refill's
+(on its low-priority stream, ``capsule_ros.runtime.streams``) replay at the same time; with
+their branches drawn from their own priority's pool, no branch of one is a stream of the
+other, so the two never share a cuBLAS workspace. Calls nest (a camera's tower, on a side stream, runs its layers'
 projections side by side): each stream has side streams of its own, so one branch's
 projections never queue behind another branch's work.
 """
@@ -62,10 +68,10 @@ class SideBySide:
         return outputs
 
     def _side_streams(self, current: torch.cuda.Stream, count: int) -> List[torch.cuda.Stream]:
-        """``count`` side streams of ``current`` (its own: module docstring)."""
+        """``count`` side streams of ``current`` (its own, at its priority: module docstring)."""
         streams = self._streams.setdefault((current.device, current.cuda_stream), [])
         while len(streams) < count:
-            streams.append(torch.cuda.Stream(current.device))
+            streams.append(torch.cuda.Stream(current.device, priority=current.priority))
         return streams[:count]
 
 
