@@ -22,7 +22,6 @@ import argparse
 import collections
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +33,7 @@ from capsule_ros.benchmarks.chunking import at, observations, side_session
 from capsule_ros.benchmarks.common import resolve_device, time_calls, write_report
 from capsule_ros.chunking.mode import ChunkProgram
 from capsule_ros.runtime import numerics
+from capsule_ros.runtime.numerics import FLOAT32_MATMUL_CHOICES, FLOAT32_MATMUL_HIGHEST
 
 TOP = 30
 
@@ -45,7 +45,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the tiny sizes")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--device", default="cuda", help="cuda (a CPU has no graphs: both runs are eager)")
-    parser.add_argument("--float32-matmul", choices=("highest", "high"), default="highest",
+    parser.add_argument("--float32-matmul", choices=FLOAT32_MATMUL_CHOICES, default=FLOAT32_MATMUL_HIGHEST,
                         help="runtime.float32_matmul (high: TensorFloat-32)")
     args = parser.parse_args()
     numerics.pin(numerics.PORTABLE)             # before torch's first operation, as capsule-ros bench does
@@ -57,8 +57,8 @@ def main() -> int:
         written = vla.write_case(case, Path(tmp) / case.name, args.quick, device, vla.lerobot_python(None), None)
         joints = int(written.config.ports[written.ports_of[vla.lerobot_pi.STATE]].shape[0])
         obs = observations(4, written.camera, joints=joints, cameras=written.camera_keys)
-        config = replace(written.config, runtime=replace(written.config.runtime, float32_matmul=args.float32_matmul))
-        session = side_session(config, device, "sync", vla.ASYNC_RATE_HZ, paced=False, steps=4)
+        written = vla.at_float32_matmul(written, args.float32_matmul)
+        session = side_session(written.config, device, "sync", vla.ASYNC_RATE_HZ, paced=False, steps=4)
         for key, value in obs.items():
             session.loop.write_input(written.ports_of[key], at(value, 0))
         session.loop.tick()                                   # the first chunk: inputs staged, state not initial

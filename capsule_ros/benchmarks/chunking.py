@@ -74,6 +74,7 @@ from capsule_ros.benchmarks.lerobot_act import CAMERA, PORTS, STATE, serving_con
 from capsule_ros.benchmarks.lerobot_diffusion import write_diffusion_checkpoint
 from capsule_ros.chunking.mode import TAKEOVERS, ChunkingMode, ChunkProgram
 from capsule_ros.errors import ConfigError
+from capsule_ros.runtime.numerics import FLOAT32_MATMUL_HIGHEST
 from capsule_ros.serving.config import ServingConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,7 +168,7 @@ def summary(seconds: Union[Sequence[float], np.ndarray], period: float, actions:
 
 def lerobot_side(python: Optional[Path], checkpoint: Path, obs: Dict[str, np.ndarray], period: float,
                  tmp: Path, level: str, extra: Sequence[str] = (), device: str = "cpu",
-                 deterministic: bool = False, float32_matmul: str = "highest") -> Dict[str, Any]:
+                 deterministic: bool = False, float32_matmul: str = FLOAT32_MATMUL_HIGHEST) -> Dict[str, Any]:
     """LeRobot's loop in its own environment, or why it did not run (``extra``: more
     arguments of the loop's script, a SmolVLA's VLM files and task; ``deterministic``:
     under the determinism settings capsule_ros's runtime sets, cuBLAS's fixed workspace

@@ -79,6 +79,7 @@ from capsule_ros.benchmarks.chunking import (
 )
 from capsule_ros.benchmarks.common import chosen, emit, environment, print_table, resolve_device
 from capsule_ros.errors import ConfigError
+from capsule_ros.runtime.numerics import FLOAT32_MATMUL_HIGHEST
 from capsule_ros.serving.config import ServingConfig
 
 KINDS = ("smolvla", "pi0", "pi05")
@@ -147,6 +148,12 @@ def write_case(case: Case, root: Path, quick: bool, device: torch.device, python
                    spec.camera_shape, ("--vlm", str(tokenizer), "--task", lerobot_pi.BENCH_TASK))
 
 
+def at_float32_matmul(written: Written, float32_matmul: str) -> Written:
+    """``written`` with its config's ``runtime.float32_matmul`` set (what ``--float32-matmul`` names)."""
+    return replace(written, config=replace(written.config,
+                                           runtime=replace(written.config.runtime, float32_matmul=float32_matmul)))
+
+
 def lerobot_python(named: Optional[str]) -> Optional[Path]:
     """LeRobot's interpreter (see the module docstring), or None where there is none."""
     for candidate in (named, os.environ.get("CAPSULE_ROS_LEROBOT_PYTHON"), str(DEFAULT_LEROBOT_PYTHON)):
@@ -170,11 +177,10 @@ def graph_side(written: Written, obs: Dict[str, np.ndarray], device: torch.devic
 
 def run_case(case: Case, written: Written, device: torch.device, steps: int, async_steps: int,
              python: Optional[Path], tmp: Path, chosen_sides: Sequence[str] = SIDES,
-             float32_matmul: str = "highest") -> Dict[str, Any]:
+             float32_matmul: str = FLOAT32_MATMUL_HIGHEST) -> Dict[str, Any]:
     """The case's ``chosen_sides`` (the others are reported as not chosen), then its verdicts
     (``float32_matmul``: ``runtime.float32_matmul`` of the graph sides, and LeRobot's the same)."""
-    written = replace(written, config=replace(written.config,
-                                              runtime=replace(written.config.runtime, float32_matmul=float32_matmul)))
+    written = at_float32_matmul(written, float32_matmul)
     joints = int(written.config.ports[written.ports_of[lerobot_pi.STATE]].shape[0])
     obs = observations(steps, written.camera, joints=joints, cameras=written.camera_keys)
     period = 1.0 / ASYNC_RATE_HZ
@@ -277,7 +283,8 @@ def headline(result: Dict[str, Any]) -> Dict[str, Any]:
 
 def run(device_name: str = "auto", quick: bool = False, steps: Optional[int] = None,
         cases: Sequence[str] = tuple(CASES), named_python: Optional[str] = None,
-        async_steps: Optional[int] = None, sides: Sequence[str] = SIDES, float32_matmul: str = "highest") -> dict:
+        async_steps: Optional[int] = None, sides: Sequence[str] = SIDES,
+        float32_matmul: str = FLOAT32_MATMUL_HIGHEST) -> dict:
     device = resolve_device(device_name)
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
@@ -331,5 +338,6 @@ def main(args) -> int:
     cases = tuple(args.cases.split(",")) if getattr(args, "cases", None) else tuple(CASES)
     sides = chosen(getattr(args, "sides", None), SIDES, "sides", "vla")
     emit(run(args.device, args.quick, getattr(args, "steps", None), cases, getattr(args, "lerobot_python", None),
-             getattr(args, "async_steps", None), sides, getattr(args, "float32_matmul", "highest")), args.json, table)
+             getattr(args, "async_steps", None), sides, getattr(args, "float32_matmul", FLOAT32_MATMUL_HIGHEST)),
+         args.json, table)
     return 0

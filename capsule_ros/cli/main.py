@@ -14,6 +14,7 @@ from typing import List, Optional
 
 from capsule_ros.cli.command import COMMANDS
 from capsule_ros.errors import InvalidArgument, path_error
+from capsule_ros.runtime.numerics import FLOAT32_MATMUL_CHOICES, FLOAT32_MATMUL_HIGHEST
 
 
 def _bench(args) -> int:
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU numerics level of the policies (runtime.numerics: portable, native, baseline, avx2, "
                             "avx512; default: %(default)s, the node's); step takes several, measured side by side in "
                             "child processes (the cost of a pin: --numerics native,avx2)")
-    bench.add_argument("--float32-matmul", choices=("highest", "high"), default="highest",
+    bench.add_argument("--float32-matmul", choices=FLOAT32_MATMUL_CHOICES, default=FLOAT32_MATMUL_HIGHEST,
                        help="vla: float32 matrix products on the GPU, both sides (capsule_ros's "
                             "runtime.float32_matmul; LeRobot's process the same): highest (default) or high "
                             "(TensorFloat-32)")

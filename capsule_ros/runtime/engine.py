@@ -39,13 +39,10 @@ from capsule_ros.runtime.fingerprint import FingerprintParts, RuntimeIdentity, d
 from capsule_ros.runtime.graphs import StepPrograms
 from capsule_ros.runtime.marks import ModeMark
 from capsule_ros.runtime.mode import ExecutionMode, MarkBytes, StepReport
+from capsule_ros.runtime.numerics import FLOAT32_MATMUL_CHOICES, FLOAT32_MATMUL_HIGH, FLOAT32_MATMUL_HIGHEST
 from capsule_ros.runtime.policy import ACTION, CHUNK, EPISODE, POSITION, STEP, StatefulPolicy
 from capsule_ros.runtime.streams import StreamKeeper, on_stream
 from capsule_ros.runtime.transfer import HostTransfer
-
-# runtime.float32_matmul: torch.set_float32_matmul_precision's names for the two a GPU tells apart
-FLOAT32_MATMUL_HIGHEST, FLOAT32_MATMUL_HIGH = "highest", "high"
-FLOAT32_MATMUL_CHOICES = (FLOAT32_MATMUL_HIGHEST, FLOAT32_MATMUL_HIGH)
 
 
 @dataclass(frozen=True)

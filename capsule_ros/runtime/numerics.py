@@ -54,6 +54,10 @@ PORTABLE = "portable"
 ENV_ATEN, ENV_MKL, ENV_ONEDNN = "ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA"
 PIN_VARIABLES = (ENV_ATEN, ENV_MKL, ENV_ONEDNN)        # what ``pin`` sets (children inherit it)
 X86_MACHINES = ("x86_64", "amd64")
+# runtime.float32_matmul, a GPU's float32 products (engine.configure_torch sets them):
+# torch.set_float32_matmul_precision's names for the two a GPU tells apart
+FLOAT32_MATMUL_HIGHEST, FLOAT32_MATMUL_HIGH = "highest", "high"
+FLOAT32_MATMUL_CHOICES = (FLOAT32_MATMUL_HIGHEST, FLOAT32_MATMUL_HIGH)
 
 
 class NumericsUnavailable(ConfigError):

@@ -14,15 +14,17 @@ order.
 
 Side streams belong to the instance (made on first use and kept, so that a capture finds the
 cuBLAS workspaces its warm-up runs made); a deep copy (the start-up check's copy of a policy)
-gets streams of its own. A side stream has the priority of the stream it forks from: torch
-hands out streams round-robin from a pool of 32 per priority, so a process that made more
-than 32 gets old ones again, and cuBLAS keeps one workspace per stream, which a captured graph
-keeps using. The control step's graphs (on the step's high-priority stream) and a refill's
-(on its low-priority stream, ``capsule_ros.runtime.streams``) replay at the same time; with
-their branches drawn from their own priority's pool, no branch of one is a stream of the
-other, so the two never share a cuBLAS workspace. Calls nest (a camera's tower, on a side stream, runs its layers'
+gets streams of its own. Calls nest (a camera's tower, on a side stream, runs its layers'
 projections side by side): each stream has side streams of its own, so one branch's
 projections never queue behind another branch's work.
+
+A side stream has the priority of the stream it forks from. torch hands out streams
+round-robin from a pool of 32 per priority, so a process that made more than 32 gets old ones
+again, and cuBLAS keeps one workspace per stream, which a captured graph keeps using. The
+control step's graphs (on the step's high-priority stream) and a refill's (on its
+low-priority stream, ``capsule_ros.runtime.streams``) replay at the same time; with their
+branches drawn from their own priority's pool, no branch of one is a stream of the other, so
+the two never share a cuBLAS workspace.
 """
 from __future__ import annotations
 
