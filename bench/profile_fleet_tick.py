@@ -1,7 +1,7 @@
 """Where a fleet's tick spends its time on the host: cProfile, then torch.profiler.
 
     CAPSULE_ROS_WITHOUT_ROS=1 PYTHONPATH=.:examples/gru_policy python3 bench/profile_fleet_tick.py OUT
-        [--device auto|cpu|cuda] [--case act|default|recurrent] [--robots 16] [--ticks 400] [--quick]
+        [--device auto|cpu|cuda] [--case act|act-async|default|recurrent] [--robots 16] [--ticks 400] [--quick]
 
 Builds a case of ``capsule-ros bench fleet`` as that benchmark does
 (``capsule_ros.benchmarks.fleet.make_case``: the same checkpoint, frames and staggered chunks),
@@ -35,7 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--case", default="act", choices=("act", "default", "recurrent"))
+    parser.add_argument("--case", default="act", choices=("act", "act-async", "default", "recurrent"))
     parser.add_argument("--robots", type=int, default=16)
     parser.add_argument("--ticks", type=int, default=400)
     parser.add_argument("--quick", action="store_true", help="the benchmark's small sizes")

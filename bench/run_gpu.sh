@@ -7,7 +7,8 @@
 # capsule vs the copy limit), fleet (bench fleet: N robots of one fleet of 16 slots against N
 # separate runtimes, the default policy, ACT and a recurrent actor) or fleet-default / fleet-act /
 # fleet-recurrent / fleet-act-async (one case of it; act-async: ACT's refills planned off the tick),
-# profile-fleet (bench/profile_fleet_tick.py: where a 16-robot ACT fleet's tick goes),
+# profile-fleet (bench/profile_fleet_tick.py: where a 16-robot ACT fleet's tick goes; profile-fleet-act-async
+# for ACT with its refills off the tick),
 # profile-vla-<case> (bench/profile_vla_chunk.py: a VLA case's refill, graph against eager and with
 # its side-by-side branches against without, and its kernels; LeRobot writes SmolVLA's), vla-smolvla /
 # vla-pi0 / vla-pi05 (bench vla: one kind with 1, 2 and 3 cameras against LeRobot's eager policy;
@@ -42,8 +43,9 @@ for task in "${TASKS[@]}"; do
     echo "$task: exit $?"; head -4 "$OUT/profile_vla_chunk.txt"
     continue
   fi
-  if [[ "$task" == profile-fleet ]]; then
-    python3 bench/profile_fleet_tick.py "$OUT" --device cuda --case act > "$OUT/profile_fleet_tick.log" 2>&1
+  if [[ "$task" == profile-fleet* ]]; then         # profile-fleet (ACT) or profile-fleet-<case>, e.g. -act-async
+    fleet_case="${task#profile-fleet}"; fleet_case="${fleet_case#-}"
+    python3 bench/profile_fleet_tick.py "$OUT" --device cuda --case "${fleet_case:-act}" > "$OUT/profile_fleet_tick.log" 2>&1
     echo "profile-fleet: exit $?"; head -2 "$OUT/profile_fleet_tick.txt"
     continue
   fi

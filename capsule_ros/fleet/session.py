@@ -130,18 +130,20 @@ class FleetSession:
         one fleet step, then each tick finished (safe action, undo, counters: each robot's
         own); records to ``on_action`` after the boundary is left."""
         ordered = sorted(requests, key=lambda name: self.robot(name).slot)
+        slots = [self._robots[name].slot for name in ordered]
         started = time.perf_counter()
         with ticking_together([(self._robots[n].session, requests[n].stamp_ns, requests[n].late)
                                for n in ordered]) as ticks:
-            stepping = [self._robots[name].slot for name, tick in zip(ordered, ticks, strict=True) if tick.needs_step]
+            stepping = [slot for slot, tick in zip(slots, ticks, strict=True) if tick.needs_step]
             outcomes: Dict[int, StepOutcome] = {}
             if stepping:
                 try:
                     outcomes = self.runtime.step(stepping)
                 except Exception as exc:  # noqa: BLE001 - each stepping robot counts it, gets its safe action
                     outcomes = dict.fromkeys(stepping, exc)
-            records = {name: _finish(tick, outcomes.get(self._robots[name].slot))
-                       for name, tick in zip(ordered, ticks, strict=True)}
+            finite = self.runtime.outputs_finite() if stepping else None
+            records = {name: _finish(tick, outcomes.get(slot), None if finite is None else bool(finite[slot]))
+                       for name, slot, tick in zip(ordered, slots, ticks, strict=True)}
         if stepping:
             self._latency.record(time.perf_counter() - started)
             self._fleet_steps += 1
@@ -191,8 +193,9 @@ class FleetSession:
         self.gather.expect(name for name, robot in self._robots.items() if robot.loop.control.mode == "trigger")
 
 
-def _finish(tick: Tick, outcome: Optional[StepOutcome]) -> Optional[ActionRecord]:
-    """A robot's tick finished with its slot's outcome (a report, an error, or none: it did not step)."""
+def _finish(tick: Tick, outcome: Optional[StepOutcome], finite: Optional[bool]) -> Optional[ActionRecord]:
+    """A robot's tick finished with its slot's outcome (a report, an error, or none: it did not
+    step) and the fleet's check of its outputs."""
     if isinstance(outcome, Exception):
         return tick.finish(None, outcome)
-    return tick.finish(outcome)
+    return tick.finish(outcome, None, finite)

@@ -35,6 +35,7 @@ import abc
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
+import numpy as np
 import torch
 
 from capsule_ros.errors import InvalidArgument
@@ -44,6 +45,7 @@ from capsule_ros.runtime.fingerprint import RuntimeIdentity
 from capsule_ros.runtime.fleetmode import FleetMode, FleetProgram
 from capsule_ros.runtime.graphs import ProgramGraphs
 from capsule_ros.runtime.mode import STEP_PROGRAM, ModeSetup, Program, StepReport
+from capsule_ros.runtime.policy import ACTION, CHUNK
 from capsule_ros.runtime.schema import ALIGNMENT, STATE_KINDS, BufferKind
 from capsule_ros.runtime.slots import FleetArena
 from capsule_ros.runtime.streams import on_stream
@@ -90,6 +92,12 @@ class FleetRuntime(abc.ABC):
         exception its step raised (its caller undoes it: its guard's copy is this step's).
         Asynchronous on CUDA: read each slot's outputs with its runtime's
         ``read_step_outputs``. ``eager``: the captured programs' Python."""
+
+    def outputs_finite(self) -> Optional[np.ndarray]:
+        """After ``step``: whether each slot's action and chunk are finite (bool ``[S]``),
+        checked for every slot at once, waiting for the step; None where each slot's runtime
+        checks its own (its session's ``GuardedStep``)."""
+        return None
 
     @property
     @abc.abstractmethod
@@ -172,6 +180,18 @@ class FleetHost:
                     self.staging_device[start:end].copy_(self.staging[start:end], non_blocking=True)
                 inputs[start:end].copy_(self.staging_device[start:end, :self.input_bytes])
 
+    def float_views(self, slot_outputs: Mapping[str, np.ndarray], names: Sequence[str]) -> Tuple[np.ndarray, ...]:
+        """``[S, n]`` views of every slot's host outputs ``names``, from slot 0's own views
+        (``slot_outputs``, ``HostTransfer.outputs``: each at the same offset in every row)."""
+        base = self.outputs[0].data_ptr()
+        out = []
+        for name in names:
+            one = slot_outputs[name]
+            start = one.__array_interface__["data"][0] - base
+            rows = self.outputs[:, start:start + one.nbytes].numpy()
+            out.append(rows.view(one.dtype))
+        return tuple(out)
+
     def staging_row(self, slot: int) -> torch.Tensor:
         """Slot ``slot``'s input staging (host), without the padding."""
         return self.staging[slot, :self.input_bytes]
@@ -238,6 +258,7 @@ class BatchedFleet(FleetRuntime):
         self._inputs = arena.rows_of(BufferKind.INPUT)          # every slot's inputs: the uploads' target
         self._uploads: Set[int] = set()
         self._launched: Optional[torch.cuda.Event] = None
+        self._float_outputs: Optional[Tuple[np.ndarray, ...]] = None      # made at the first check
 
     @property
     def captured(self) -> bool:
@@ -269,6 +290,18 @@ class BatchedFleet(FleetRuntime):
         outcomes.update((slot, _slot(self.runtime(slot)).stepped(program, eager)) for slot, program in chosen.items())
         self.fleet_mode.after_fleet_step(chosen, eager)
         return outcomes
+
+    def outputs_finite(self) -> np.ndarray:
+        """See ``FleetRuntime.outputs_finite``: over the host rows every slot's outputs come
+        back in (one check for all robots, where a check per robot cost each robot about as
+        much as the rest of its output handling)."""
+        self.wait_for_step()
+        if self._float_outputs is None:
+            self._float_outputs = self.host.float_views(self.runtimes[0].transfer.outputs, (ACTION, CHUNK))
+        finite = np.ones(self.slots, dtype=bool)
+        for view in self._float_outputs:
+            finite &= np.isfinite(view).all(axis=1)
+        return finite
 
     def wait_for_step(self) -> None:
         """Block until the last launched step is done. Once per step: its robots read their

@@ -44,7 +44,7 @@ then owns it until ``close``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -62,11 +62,10 @@ Program = Callable[[], None]
 MarkBytes = Callable[[], torch.Tensor]    # a capsule's bytes, read only when asked (reading may wait for them)
 
 
-@dataclass(frozen=True)
-class StepReport:
+class StepReport(NamedTuple):
     """What a step ran: the program, and whether it waited for work its mode had started
     off the control loop that was not done by then (a chunking mode's late refill: a
-    deadline event, its state exact all the same)."""
+    deadline event, its state exact all the same). A named tuple: one is made per step."""
 
     program: str = STEP_PROGRAM
     late: bool = False

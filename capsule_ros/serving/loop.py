@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -94,17 +94,32 @@ class Tick:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """A block that ends before its driver finished the tick: the step counts as failed
-        (undone with the guard), so the inputs' lock and the watchdog are let go."""
-        self.finish(None, RuntimeError("the tick's block ended before its step was finished"))
+        self.close()
 
-    def finish(self, report: Optional[StepReport], error: Optional[BaseException] = None) -> Optional[ActionRecord]:
+    def close(self) -> None:
+        """A tick whose block ends before its driver finished it: the step counts as failed
+        (undone with the guard), so the inputs' lock and the watchdog are let go; nothing
+        for a finished tick."""
+        if self.pending is not None:
+            self.finish(None, RuntimeError("the tick's block ended before its step was finished"))
+
+    def finish(self, report: Optional[StepReport], error: Optional[BaseException] = None,
+               finite: Optional[bool] = None) -> Optional[ActionRecord]:
         """After its driver stepped the runtime (``report``) or the step raised (``error``);
-        a no-op returning the record when nothing is pending."""
+        a no-op returning the record when nothing is pending. ``finite``: the driver's
+        check of the outputs (``GuardedStep.finish``)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self.record = self._loop.finish_tick(self, self._loop.stepper.finish(pending, report, error))
+            self.record = self._loop.finish_tick(self, self._loop.stepper.finish(pending, report, error, finite))
         return self.record
+
+
+class Ticks(List[Tick]):
+    """Ticks begun together (a fleet step's); ``close``: each one's ``Tick.close``."""
+
+    def close(self) -> None:
+        for tick in self:
+            tick.close()
 
 
 class ControlLoop:

@@ -243,8 +243,10 @@ class PortAdapter:
 
     def is_stale(self, now_ns: Optional[int] = None) -> bool:
         limit = self.config.staleness_ms
+        if limit <= 0:
+            return False
         age = self.age_ms(now_ns)
-        return limit > 0 and (age < 0 or age > limit)
+        return age < 0 or age > limit
 
     def _named_joints(self, msg: Any) -> np.ndarray:
         names = list(getattr(msg, "name", []))

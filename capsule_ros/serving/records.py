@@ -66,9 +66,8 @@ class StepFault(str, enum.Enum):
     NONFINITE = "nonfinite"    # the step's outputs held NaN or Inf (the state is put back)
 
 
-@dataclass(frozen=True)
-class ActionRecord:
-    """One tick's command."""
+class ActionRecord(NamedTuple):
+    """One tick's command (a named tuple: one is made per robot per tick)."""
 
     values: np.ndarray
     chunk: Optional[np.ndarray]        # [H, A] for policy actions, None for safe actions

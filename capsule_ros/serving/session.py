@@ -36,7 +36,7 @@ from capsule_ros.serving.capsule_set import CapsuleSet, DirectoryWatch
 from capsule_ros.serving.config import ControlConfig, PortConfig
 from capsule_ros.serving.episode import Episode, Events
 from capsule_ros.serving.files import SaveFailed, SaveJob, Source
-from capsule_ros.serving.loop import ControlLoop, Fed, Tick
+from capsule_ros.serving.loop import ControlLoop, Fed, Tick, Ticks
 from capsule_ros.serving.machine import EpisodeMachine
 from capsule_ros.serving.options import SessionOptions
 from capsule_ros.serving.parts import SessionParts
@@ -428,15 +428,15 @@ class SessionVerbs:
                 self._store.drop(live.id)
 
 
-
 @contextlib.contextmanager
 def ticking_together(ticks: Sequence[Tuple[PolicySession, Optional[int], bool]]) -> Iterator[List[Tick]]:
     """Ticks (session, stamp, late) of sessions sharing one boundary (a fleet's robots), begun at one
     boundary held for the block: the driver steps them in one fleet step, then ``Tick.finish``es each."""
     nows = [session.loop.observe_clock(session._parts.loop.now()) for session, _, _ in ticks]
-    with ticks[0][0]._parts.boundary.blocking(), contextlib.ExitStack() as stack:
-        yield [stack.enter_context(session._parts.loop.begin_tick(now, stamp, late))
-               for (session, stamp, late), now in zip(ticks, nows, strict=True)]
+    with ticks[0][0]._parts.boundary.blocking(), contextlib.closing(Ticks()) as begun:
+        begun.extend(session._parts.loop.begin_tick(now, stamp, late)
+                     for (session, stamp, late), now in zip(ticks, nows, strict=True))
+        yield begun
 
 
 def release_together(sessions: Sequence[PolicySession], timeout_s: float = 30.0) -> None:

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -55,8 +55,7 @@ class PendingStep:
     error: Optional[BaseException] = None      # the upload raised: the step must not run
 
 
-@dataclass(frozen=True)
-class StepResult:
+class StepResult(NamedTuple):
     outputs: Optional[StepOutputs]     # None when the step raised
     fault: StepFault
     step: int                          # the state's step counter after the tick
@@ -143,23 +142,25 @@ class GuardedStep:
         return self.finish(pending, report, error)
 
     def finish(self, pending: PendingStep, report: Optional[StepReport],
-               error: Optional[BaseException] = None) -> StepResult:
+               error: Optional[BaseException] = None, finite: Optional[bool] = None) -> StepResult:
         """The second half: the step ran (``report``) or raised (``error``); its outputs
-        read and judged, the step logged or undone, the lock released, the fault counted."""
+        read and judged, the step logged or undone, the lock released, the fault counted.
+        ``finite``: whether the outputs are finite, when the driver checked that already
+        (a fleet checks every slot's at once)."""
         try:
-            return self._finish(pending, report, error)
+            return self._finish(pending, report, error, finite)
         finally:
             self.idle.set()
 
-    def _finish(self, pending: PendingStep, report: Optional[StepReport],
-                error: Optional[BaseException]) -> StepResult:
+    def _finish(self, pending: PendingStep, report: Optional[StepReport], error: Optional[BaseException],
+                finite: Optional[bool]) -> StepResult:
         fault, out, from_step, deadline_s = StepFault.NONE, None, pending.from_step, pending.deadline_s
         error = error if error is not None else pending.error
         try:
             if error is not None or report is None:
                 raise error if error is not None else RuntimeError("the step did not run")
             out = self.runtime.read_step_outputs()
-            if not (np.isfinite(out.action).all() and np.isfinite(out.chunk).all()):
+            if not (finite if finite is not None else np.isfinite(out.action).all() and np.isfinite(out.chunk).all()):
                 fault = StepFault.NONFINITE
         except Exception as exc:
             fault = StepFault.ERROR
