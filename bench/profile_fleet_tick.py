@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the benchmark's small sizes")
     args = parser.parse_args()
     numerics.pin("avx2")                       # before torch's first operation, as capsule-ros bench does
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from capsule_ros.benchmarks import fleet as bench
@@ -70,9 +71,16 @@ def main() -> None:
         pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(TOP)
         lines.append(text.getvalue())
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    profiled = args.ticks // 4
     with profile(activities=activities) as prof:
-        ticks(args.ticks // 4)
-    lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+        ticks(profiled)
+    averages = prof.key_averages()
+    if device.type == "cuda":                   # the GPU's busy time: a ceiling on the fleet's rate (run 31)
+        busy_us = sum(e.self_device_time_total for e in averages       # the device's own events, as torch's
+                      if e.device_type != DeviceType.CPU and not e.is_user_annotation)   # table totals them
+        lines.append(f"GPU busy {busy_us / 1e3:.1f} ms over {profiled} ticks: {busy_us / profiled:.1f} us per tick "
+                     f"(kernels and copies of the ticks' programs and of the refills planned meanwhile)")
+    lines.append(averages.table(sort_by="self_cpu_time_total", row_limit=40))
     fleet.release()
     write_report(args.out, "profile_fleet_tick.txt", lines)
 
