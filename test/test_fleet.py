@@ -460,3 +460,22 @@ def test_a_fleet_step_that_raises_leaves_every_other_slot_and_the_failed_ones_st
     assert torch.equal(fleet.arena.rows[0][start:end], before.view(3, -1)[0][start:end])
     if batching == "loop":           # the others of the step step on; batched, the one program failed for all
         assert not isinstance(outcomes[2], Exception)
+
+
+@pytest.mark.parametrize("where", ["action", "chunk"])
+def test_the_fleets_one_check_of_every_slots_outputs_flags_exactly_the_slots_whose_own_outputs_are_not_finite(where):
+    fleet = build_fleet_runtime(make_policy(SMALL), RuntimeConfig(), slots=4, batching="vmap")
+    for slot in range(4):
+        fleet.runtime(slot).staging["joints"][:] = np.random.default_rng(slot).normal(size=4)
+        fleet.runtime(slot).staging["goal"][:] = [0.5, 0.25]
+        fleet.runtime(slot).load_inputs()
+    fleet.step(range(4))
+    assert fleet.outputs_finite().tolist() == [True] * 4
+    for slot, value in ((1, np.nan), (3, -np.inf)):     # in each slot's own host view, as its runtime reads them
+        fleet.runtime(slot).transfer.outputs[where].reshape(-1)[-1] = value
+    fleet.runtime(2).transfer.outputs[where].reshape(-1)[0] = np.finfo(np.float32).max      # finite, at the limit
+    assert fleet.outputs_finite().tolist() == [True, False, True, False]
+    own = [bool(np.isfinite(fleet.runtime(s).transfer.outputs["action"]).all()
+                and np.isfinite(fleet.runtime(s).transfer.outputs["chunk"]).all()) for s in range(4)]
+    assert own == [True, False, True, False]
+    fleet.close()

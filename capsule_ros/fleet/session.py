@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Mapping, Optional
 
+import numpy as np
+
 from capsule_ros.capsules.store import Capsule, CapsuleStore
 from capsule_ros.errors import InvalidArgument
 from capsule_ros.fleet.gather import GatherCounters, TickGather, TickRequest
@@ -141,7 +143,7 @@ class FleetSession:
                     outcomes = self.runtime.step(stepping)
                 except Exception as exc:  # noqa: BLE001 - each stepping robot counts it, gets its safe action
                     outcomes = dict.fromkeys(stepping, exc)
-            finite = self.runtime.outputs_finite() if stepping else None
+            finite = self._outputs_finite() if stepping else None
             records = {name: _finish(tick, outcomes.get(slot), None if finite is None else bool(finite[slot]))
                        for name, slot, tick in zip(ordered, slots, ticks, strict=True)}
         if stepping:
@@ -153,6 +155,14 @@ class FleetSession:
                 if record is not None:
                     self._on_action(name, record)
         return records
+
+    def _outputs_finite(self) -> Optional[np.ndarray]:
+        """The fleet's check of every slot's outputs; None when it could not read them (each
+        robot's own read then raises and counts the step's error, as it would alone)."""
+        try:
+            return self.runtime.outputs_finite()
+        except Exception:  # noqa: BLE001 - each stepping robot's finish meets and counts it
+            return None
 
     # -- status and the lifecycle ----------------------------------------------------------------
     def status(self) -> FleetStatus:
