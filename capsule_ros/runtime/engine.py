@@ -186,6 +186,9 @@ class StepGuard:
             self.state.copy_(self.copy, non_blocking=True)
 
 
+CHECKED_OUTPUTS = (ACTION, CHUNK)      # the outputs a step's action may reach the robot only if finite
+
+
 class StepOutputs:
     """Host copies of one step's outputs (the caller owns them)."""
 
@@ -194,6 +197,10 @@ class StepOutputs:
     def __init__(self, action: np.ndarray, chunk: np.ndarray, step: int, position: int, episode: int):
         self.action, self.chunk = action, chunk
         self.step, self.position, self.episode = step, position, episode
+
+    def finite(self) -> bool:
+        """Whether every value of ``CHECKED_OUTPUTS`` is finite."""
+        return bool(np.isfinite(self.action).all() and np.isfinite(self.chunk).all())
 
 
 class PolicyRuntime:

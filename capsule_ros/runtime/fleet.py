@@ -40,12 +40,11 @@ import torch
 
 from capsule_ros.errors import InvalidArgument
 from capsule_ros.runtime.batching import READY, SlotMasks, keep_where
-from capsule_ros.runtime.engine import PolicyRuntime
+from capsule_ros.runtime.engine import CHECKED_OUTPUTS, PolicyRuntime
 from capsule_ros.runtime.fingerprint import RuntimeIdentity
 from capsule_ros.runtime.fleetmode import FleetMode, FleetProgram
 from capsule_ros.runtime.graphs import ProgramGraphs
 from capsule_ros.runtime.mode import STEP_PROGRAM, ModeSetup, Program, StepReport
-from capsule_ros.runtime.policy import ACTION, CHUNK
 from capsule_ros.runtime.schema import ALIGNMENT, STATE_KINDS, BufferKind
 from capsule_ros.runtime.slots import FleetArena
 from capsule_ros.runtime.streams import on_stream
@@ -94,7 +93,7 @@ class FleetRuntime(abc.ABC):
         ``read_step_outputs``. ``eager``: the captured programs' Python."""
 
     def outputs_finite(self) -> Optional[np.ndarray]:
-        """After ``step``: whether each slot's action and chunk are finite (bool ``[S]``),
+        """After ``step``: whether each slot's ``CHECKED_OUTPUTS`` are finite (bool ``[S]``),
         checked for every slot at once, waiting for the step; None where each slot's runtime
         checks its own (its session's ``GuardedStep``)."""
         return None
@@ -297,7 +296,7 @@ class BatchedFleet(FleetRuntime):
         much as the rest of its output handling)."""
         self.wait_for_step()
         if self._float_outputs is None:
-            self._float_outputs = self.host.float_views(self.runtimes[0].transfer.outputs, (ACTION, CHUNK))
+            self._float_outputs = self.host.float_views(self.runtimes[0].transfer.outputs, CHECKED_OUTPUTS)
         finite = np.ones(self.slots, dtype=bool)
         for view in self._float_outputs:
             finite &= np.isfinite(view).all(axis=1)

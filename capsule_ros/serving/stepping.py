@@ -160,7 +160,7 @@ class GuardedStep:
             if error is not None or report is None:
                 raise error if error is not None else RuntimeError("the step did not run")
             out = self.runtime.read_step_outputs()
-            if not (finite if finite is not None else np.isfinite(out.action).all() and np.isfinite(out.chunk).all()):
+            if not (finite if finite is not None else out.finite()):
                 fault = StepFault.NONFINITE
         except Exception as exc:
             fault = StepFault.ERROR
