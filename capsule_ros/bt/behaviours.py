@@ -17,7 +17,10 @@ Lifecycle of one execution of a leaf (``initialise`` then ``update`` on each tic
 3. Once the server is there the request is sent with ``call_async`` and the leaf stays
    RUNNING until the response arrives. No response within ``call_timeout_s`` of sending:
    the pending request is dropped (a late answer is ignored) and the leaf fails with
-   ``SERVICE_TIMEOUT``.
+   ``SERVICE_TIMEOUT``. The leaf's first call to a server, and its first after it found
+   the server gone, waits at least ``discovery_grace_s`` (5 s): a just-started node may
+   not have discovered the tree's process yet and answers once it has
+   (``capsule_ros.ros.discovery``).
 4. A response with ``success=false`` fails the leaf with ``SERVICE_ABORTED``; the server's
    ``error_code`` and ``message`` are kept. ``success=true``: the leaf writes its results
    (e.g. the committed capsule id) to the blackboard and succeeds.
@@ -50,6 +53,7 @@ from py_trees.common import Access, Status
 from capsule_ros import srv
 from capsule_ros.capsules.ids import check_capsule_id
 from capsule_ros.errors import ErrorCode
+from capsule_ros.ros.discovery import DISCOVERY_GRACE_S, DiscoveryGrace
 from capsule_ros.ros.messages import service_qos, srv_type
 from capsule_ros.ros.spinning import SpinThread
 from capsule_ros.serving.verbs import Verb, find_verb
@@ -80,7 +84,7 @@ class FailureKind(str, enum.Enum):
     """Why a leaf failed: BehaviorTree.ROS2's ``BT::ServiceNodeErrorCode`` names."""
 
     SERVICE_UNREACHABLE = "SERVICE_UNREACHABLE"   # server not discovered within server_wait_s
-    SERVICE_TIMEOUT = "SERVICE_TIMEOUT"           # no response within call_timeout_s of sending
+    SERVICE_TIMEOUT = "SERVICE_TIMEOUT"           # no response within the call's timeout of sending
     INVALID_REQUEST = "INVALID_REQUEST"           # the request could not be built; nothing sent
     SERVICE_ABORTED = "SERVICE_ABORTED"           # the server answered success=false (see error_code)
 
@@ -143,13 +147,15 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
             ``/capsule/outcome/<service>``; "" for nowhere).
         server_wait_s: how long to wait for the server to be discovered (SERVICE_UNREACHABLE).
         call_timeout_s: how long to wait for the response once sent (SERVICE_TIMEOUT).
+        discovery_grace_s: the least a first call to a just-discovered server waits.
         node: the rclpy node to create clients on (or give it to ``setup(node=...)``).
     """
 
     def __init__(self, name: str, service: str, request: Any = None, *, node_path: str = DEFAULT_NODE,
                  reads: Iterable[str] = (), results: Optional[Mapping[str, ResultWriter]] = None,
                  outcome_key: Optional[str] = None, server_wait_s: float = DEFAULT_SERVER_WAIT_S,
-                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, node=None):
+                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, discovery_grace_s: float = DISCOVERY_GRACE_S,
+                 node=None):
         super().__init__(name=name)
         try:
             self.verb: Verb = find_verb(service)
@@ -163,6 +169,7 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
         self.service_name = f"{self.node_path}/{service}"
         self.server_wait_s = float(server_wait_s)
         self.call_timeout_s = float(call_timeout_s)
+        self.discovery = DiscoveryGrace(discovery_grace_s)
         self._factory: RequestFactory = self._as_factory(request, srv_type(self.verb))
         self.results: Dict[str, ResultWriter] = dict(results or {})
         self.outcome_key = f"{OUTCOME_PREFIX}/{service}" if outcome_key is None else outcome_key
@@ -192,6 +199,7 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
         self._future: Any = None
         self._started = time.monotonic()
         self._sent_at: Optional[float] = None
+        self._timeout_s = self.call_timeout_s
 
     # -- py_trees lifecycle ------------------------------------------------------------------------
     def setup(self, **kwargs: Any) -> None:
@@ -204,6 +212,7 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
             self._node = node
             self._client = node.create_client(srv_type(self.verb), f"{self.node_path.rstrip('/')}/{self.service}",
                                               qos_profile=service_qos())
+            self.discovery.on_server_gone()            # a new client: the server has not seen it yet
 
     def initialise(self) -> None:
         self._reset_call()
@@ -226,8 +235,10 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
             if self._client.service_is_ready():
                 self._future = self._client.call_async(self._request)
                 self._sent_at = now
+                self._timeout_s = self.discovery.timeout_s(self.call_timeout_s)
                 self.feedback_message = f"called {self.service_name}"
                 return Status.RUNNING
+            self.discovery.on_server_gone()
             waited = now - self._started
             if waited >= self.server_wait_s:
                 return self._finish(FailureKind.SERVICE_UNREACHABLE, None,
@@ -237,11 +248,12 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
         if self._future.done():
             return self._on_done()
         waited = now - (self._sent_at if self._sent_at is not None else now)
-        if waited > self.call_timeout_s:
+        if waited > self._timeout_s:
             self._drop_pending()
             return self._finish(FailureKind.SERVICE_TIMEOUT, None,
-                                f"no response within {self.call_timeout_s * 1e3:.0f} ms "
-                                f"(waited {waited * 1e3:.0f} ms)")
+                                f"no response within {self._timeout_s * 1e3:.0f} ms "
+                                f"(waited {waited * 1e3:.0f} ms)"
+                                f"{DiscoveryGrace.note(self._timeout_s, self.call_timeout_s)}")
         return Status.RUNNING
 
     def terminate(self, new_status: Status) -> None:
@@ -254,6 +266,8 @@ class CapsuleServiceCall(py_trees.behaviour.Behaviour):
         future, self._future = self._future, None
         exc = future.exception() if not future.cancelled() else None
         response = None if future.cancelled() or exc is not None else future.result()
+        if response is not None:
+            self.discovery.on_answer()
         if response is None:
             reason = "cancelled" if future.cancelled() else f"the call raised {exc!r}" if exc else "empty response"
             return self._finish(FailureKind.SERVICE_ABORTED, None, reason)

@@ -8,6 +8,8 @@ Lifecycle of one execution (``initialise`` then ``update`` on each tick):
 2. Server not discovered within ``server_wait_s``: ``SERVER_UNREACHABLE``.
 3. No goal response within ``goal_timeout_s``: ``SEND_GOAL_TIMEOUT``; the goal is canceled
    by its id, so if the node gets it late it rejects it instead of running it unwatched.
+   The leaf's first goal to a server, and its first after it found the server gone, waits
+   at least ``discovery_grace_s`` (``capsule_ros.ros.discovery``, as the service leaves).
 4. Goal rejected: ``GOAL_REJECTED_BY_SERVER``. Accepted: RUNNING; the latest feedback is
    written to ``feedback_key`` on each tick.
 5. The result: SUCCEEDED -> SUCCESS, with the committed boundary capsule's id written to
@@ -39,6 +41,7 @@ from capsule_ros.bt.behaviours import (
     InvalidRequest,
     capsule_id_from,
 )
+from capsule_ros.ros.discovery import DISCOVERY_GRACE_S, DiscoveryGrace
 from capsule_ros.ros.messages import action_services_qos, service_qos
 
 FEEDBACK_KEY = "/capsule/run/feedback"         # the latest RunPolicy feedback
@@ -83,6 +86,7 @@ class RunPolicy(py_trees.behaviour.Behaviour):
         capsule_key: where the run's boundary capsule id goes on success ("" or None: nowhere).
         server_wait_s: how long to wait for the action server (SERVER_UNREACHABLE).
         goal_timeout_s: how long to wait for the goal to be accepted (SEND_GOAL_TIMEOUT).
+        discovery_grace_s: the least a first goal to a just-discovered server waits.
     """
 
     def __init__(self, name: str = "RunPolicy", *, max_steps: int = 0, timeout_s: float = 0.0, reset: bool = False,
@@ -91,13 +95,14 @@ class RunPolicy(py_trees.behaviour.Behaviour):
                  feedback_key: Optional[str] = FEEDBACK_KEY,
                  outcome_key: Optional[str] = f"{OUTCOME_PREFIX}/run_policy", node_path: str = DEFAULT_NODE,
                  server_wait_s: float = DEFAULT_SERVER_WAIT_S, goal_timeout_s: float = DEFAULT_GOAL_TIMEOUT_S,
-                 node=None):
+                 discovery_grace_s: float = DISCOVERY_GRACE_S, node=None):
         super().__init__(name=name)
         self.goal_fields = {"max_steps": int(max_steps), "timeout_s": float(timeout_s), "reset": bool(reset),
                             "hold_mode": int(hold_mode)}
         self.start_capsule_id, self.start_capsule_key = start_capsule_id, start_capsule_key
         self.action_name = f"{node_path.rstrip('/')}/run_policy"
         self.server_wait_s, self.goal_timeout_s = float(server_wait_s), float(goal_timeout_s)
+        self.discovery = DiscoveryGrace(discovery_grace_s)
         self.capsule_key, self.feedback_key, self.outcome_key = capsule_key, feedback_key, outcome_key
         self.blackboard = self.attach_blackboard_client(name=name)
         if start_capsule_id is None and start_capsule_key:
@@ -120,6 +125,7 @@ class RunPolicy(py_trees.behaviour.Behaviour):
         self._result_future = None
         self._latest_feedback = None
         self._started = self._sent_at = time.monotonic()
+        self._timeout_s = self.goal_timeout_s
 
     # -- py_trees lifecycle ------------------------------------------------------------------------
     def setup(self, **kwargs: Any) -> None:
@@ -135,6 +141,7 @@ class RunPolicy(py_trees.behaviour.Behaviour):
         if self._action is None or self._node is not node:
             self._node = node
             self._action = SpinSafeActionClient(node, RunPolicyAction, self.action_name, **action_services_qos())
+            self.discovery.on_server_gone()            # a new client: the server has not seen it yet
             self._cancel = node.create_client(CancelGoal, f"{self.action_name}/_action/cancel_goal",
                                               qos_profile=service_qos())
 
@@ -162,12 +169,14 @@ class RunPolicy(py_trees.behaviour.Behaviour):
             return self._send(now)
         if self._handle is None:
             if not self._goal_future.done():
-                if now - self._sent_at > self.goal_timeout_s:
+                if now - self._sent_at > self._timeout_s:
                     self._cancel_pending()
                     return self._finish(ActionFailure.SEND_GOAL_TIMEOUT,
-                                        f"no goal response within {self.goal_timeout_s * 1e3:.0f} ms")
+                                        f"no goal response within {self._timeout_s * 1e3:.0f} ms"
+                                        f"{DiscoveryGrace.note(self._timeout_s, self.goal_timeout_s)}")
                 return Status.RUNNING
             self._handle = self._goal_future.result()
+            self.discovery.on_answer()
             if not self._handle.accepted:
                 return self._finish(ActionFailure.GOAL_REJECTED_BY_SERVER, "the goal was rejected")
             self._result_future = self._handle.get_result_async()
@@ -190,6 +199,7 @@ class RunPolicy(py_trees.behaviour.Behaviour):
     def _send(self, now: float) -> Status:
         from unique_identifier_msgs.msg import UUID
         if not self._action.server_is_ready():
+            self.discovery.on_server_gone()
             if now - self._started >= self.server_wait_s:
                 return self._finish(ActionFailure.SERVER_UNREACHABLE,
                                     f"{self.action_name} not available after {(now - self._started) * 1e3:.0f} ms")
@@ -199,6 +209,7 @@ class RunPolicy(py_trees.behaviour.Behaviour):
         self._goal_future = self._action.send_goal_async(self._goal, feedback_callback=self._on_feedback,
                                                          goal_uuid=UUID(uuid=list(self._goal_id)))
         self._sent_at = now
+        self._timeout_s = self.discovery.timeout_s(self.goal_timeout_s)
         self.feedback_message = f"sent a goal to {self.action_name}"
         return Status.RUNNING
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 from rclpy.node import Node
 
 from capsule_ros.errors import ErrorCode
+from capsule_ros.ros.discovery import DiscoveryGrace
 from capsule_ros.ros.messages import service_qos, srv_type
 from capsule_ros.serving.verbs import BY_NAME, VERBS, Verb, find_verb
 
@@ -49,26 +50,34 @@ class ServiceRefused(ServiceError):
 
 
 def call_service(client: Any, request: Any, server_wait_s: float, call_timeout_s: float, *,
-                 resend_s: Optional[float] = None) -> Any:
+                 resend_s: Optional[float] = None, discovery: Optional[DiscoveryGrace] = None) -> Any:
     """Call ``client`` and wait for its response: ServiceUnavailable when the server is not
-    there within ``server_wait_s``, ServiceTimeout (the request dropped) after ``call_timeout_s``.
+    there within ``server_wait_s``, ServiceTimeout (the request dropped) after ``call_timeout_s``
+    (at least ``discovery``'s grace until the server has answered this client:
+    ``capsule_ros.ros.discovery``).
 
     ``resend_s`` (idempotent queries only): send the request again when no response came
     within that long. A server that has only just been discovered can miss a request (its
     reply path to this client not yet matched); a query may safely ask twice."""
-    if not client.service_is_ready() and not client.wait_for_service(timeout_sec=server_wait_s):
-        raise ServiceUnavailable(f"{client.srv_name} not available after {server_wait_s:.1f} s")
-    deadline = time.monotonic() + call_timeout_s
+    discovery = discovery if discovery is not None else DiscoveryGrace(0.0)
+    if not client.service_is_ready():
+        discovery.on_server_gone()
+        if not client.wait_for_service(timeout_sec=server_wait_s):
+            raise ServiceUnavailable(f"{client.srv_name} not available after {server_wait_s:.1f} s")
+    timeout_s = discovery.timeout_s(call_timeout_s)
+    deadline = time.monotonic() + timeout_s
     while True:
         done = threading.Event()
         future = client.call_async(request)
         future.add_done_callback(lambda _f, done=done: done.set())
         left = deadline - time.monotonic()
         if done.wait(left if resend_s is None else min(resend_s, max(left, 0.0))):
+            discovery.on_answer()
             return future.result()
         client.remove_pending_request(future)
         if time.monotonic() >= deadline:
-            raise ServiceTimeout(f"{client.srv_name}: no response within {call_timeout_s * 1e3:.0f} ms")
+            raise ServiceTimeout(f"{client.srv_name}: no response within {timeout_s * 1e3:.0f} ms"
+                                 f"{DiscoveryGrace.note(timeout_s, call_timeout_s)}")
 
 
 class LifecycleClient:
@@ -124,6 +133,7 @@ class CapsuleClient:
         self._clients: Dict[str, Any] = {v.name: node.create_client(srv_type(v), f"{self.node_path}/{v.service}",
                                                                     qos_profile=service_qos())
                                          for v in VERBS}
+        self._discovery = {name: DiscoveryGrace() for name in self._clients}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         """``client.<verb>(...)`` (see the class docstring)."""
@@ -168,7 +178,8 @@ class CapsuleClient:
         response = call_service(client, request if request is not None else srv_type(found).Request(),
                                 self.server_wait_s if server_wait_s is None else server_wait_s,
                                 self.call_timeout_s if call_timeout_s is None else call_timeout_s,
-                                resend_s=QUERY_RESEND_S if found.idempotent else None)
+                                resend_s=QUERY_RESEND_S if found.idempotent else None,
+                                discovery=self._discovery[found.name])
         if check and not response.success:
             raise ServiceRefused(client.srv_name, response.error_code, response.message)
         return response
