@@ -61,15 +61,19 @@ def test_act_process_sides_drive_camera_frames_over_topics():
 
 
 def test_without_ros_the_process_sides_are_skipped_with_the_reason():
-    """As on the GPU machine: rclpy unimportable, the in-process sides still run."""
+    """As on the GPU machine: rclpy unimportable, the in-process sides still run (here with
+    ``--float32-matmul high``, recorded with the figures: a CPU's products stay as they are)."""
     env = {**os.environ, "CAPSULE_ROS_WITHOUT_ROS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "test"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", "import conftest, sys; from capsule_ros.cli.main import main; "
                            "sys.exit(main(sys.argv[1:]))", "bench", "fleet", "--quick", "--device", "cpu", "--json",
-                           "--cases", "default", "--steps", "5", "--sides", "separate,nodes,fleet_node"],
+                           "--cases", "default", "--steps", "5", "--sides", "separate,nodes,fleet_node",
+                           "--float32-matmul", "high"],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    sides = json.loads(done.stdout)["cases"]["default"]["sides"]
+    result = json.loads(done.stdout)
+    assert result["float32_matmul"] == "high"
+    sides = result["cases"]["default"]["sides"]
     _figures_are_numbers(sides["separate"]["by_n"], [1, 2, 4], roundtrip=False)
     for side in ("nodes", "fleet_node"):
         assert "ROS 2 is not importable here" in sides[side]["skipped"], sides[side]
@@ -82,6 +86,12 @@ def test_sides_is_an_option_of_bench_fleet_and_vla_only_and_names_known_sides():
     done = subprocess.run([*CLI, "--quick", "--sides", "nodes,robots"], capture_output=True, text=True, timeout=300,
                           cwd=REPO)
     assert done.returncode != 0 and "--sides ['robots']" in done.stderr
+
+
+def test_float32_matmul_is_an_option_of_bench_fleet_and_vla_only():
+    done = subprocess.run([*CLI[:-1], "step", "--float32-matmul", "high"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.returncode != 0 and "--float32-matmul is an option of bench fleet and vla only" in done.stderr
 
 
 def test_the_fleet_tick_profile_reports_the_ticks_and_where_they_went(tmp_path):

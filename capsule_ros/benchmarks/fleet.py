@@ -45,6 +45,8 @@ the same actor (same weights) as a ``torch.export`` program (``policy.kind: expo
 ``fleet.batching: loop``.
 
 ``--steps``: control periods per side and N (default 200; ``--quick``: 50, and S = 4).
+``--float32-matmul high``: every side's float32 matrix products on TensorFloat-32 on a GPU
+(``runtime.float32_matmul``; a batch-1 refill is where a GPU-bound fleet spends most).
 
 Figures per side and N: robot-steps/s (N x ticks / wall time), the time of a control
 period for all N robots (p50 / p99 ms) and, for ``separate``, one robot's step; for the
@@ -70,6 +72,7 @@ from torch import nn
 from capsule_ros.benchmarks.common import chosen, config_path, emit, environment, pct, print_table, resolve_device
 from capsule_ros.config import load_params_file
 from capsule_ros.runtime.arena import BufferKind, BufferSpec
+from capsule_ros.runtime.numerics import FLOAT32_MATMUL_HIGHEST
 from capsule_ros.runtime.policy import ACTION, RNG, STEP, State, StatefulPolicy, standard_specs
 from capsule_ros.serving.config import ServingConfig
 
@@ -170,13 +173,13 @@ class Case:
     node_batching: str = "vmap"       # fleet_node's fleet.batching for it
 
 
-def _params(params: Dict[str, Any], device: torch.device, *, pools_mb: float = 8.0,
+def _params(params: Dict[str, Any], device: torch.device, float32_matmul: str, *, pools_mb: float = 8.0,
             input_log_steps: int = 64) -> Dict[str, Any]:
-    """``params`` (a node's parameters) on ``device``, without a capsule directory, deadlines
-    or port staleness (the in-process sides stage inputs directly, as no message arrives),
-    and small capsule pools (a commit at a time; the pools are allocated up front, per
-    session); the process sides' nodes serve the same parameters."""
-    params["runtime"]["device"] = str(device)
+    """``params`` (a node's parameters) on ``device`` with ``runtime.float32_matmul``, without
+    a capsule directory, deadlines or port staleness (the in-process sides stage inputs
+    directly, as no message arrives), and small capsule pools (a commit at a time; the pools
+    are allocated up front, per session); every side serves the same parameters."""
+    params["runtime"].update(device=str(device), float32_matmul=float32_matmul)
     params["capsules"].update(directory="", device_budget_mb=pools_mb, host_budget_mb=pools_mb)
     params["control"].update(deadline_ms=0.0, input_log_steps=input_log_steps)
     for port in params["ports"]["names"]:
@@ -185,17 +188,17 @@ def _params(params: Dict[str, Any], device: torch.device, *, pools_mb: float = 8
 
 
 def make_case(name: str, device: torch.device, quick: bool, workdir: Path, rng: np.random.Generator,
-              slots: int) -> Case:
+              slots: int, float32_matmul: str = FLOAT32_MATMUL_HIGHEST) -> Case:
     frames: Dict[str, Any]
     if name == "default":
-        params = _params(load_params_file(config_path("policy.yaml")), device)
+        params = _params(load_params_file(config_path("policy.yaml")), device, float32_matmul)
         frames = {"joints": rng.normal(size=(8, 4)).astype(np.float32),
                   "goal": rng.normal(size=(8, 2)).astype(np.float32)}
         return Case(name, ServingConfig.from_params(params), None, 0, frames, node_params=lambda: params)
     if name in ("act", "act-async"):
         from capsule_ros.benchmarks.lerobot_act import serving_params, write_act_checkpoint
-        act = _params(serving_params(write_act_checkpoint(workdir / name, quick=quick)), device, pools_mb=16.0,
-                      input_log_steps=8)
+        act = _params(serving_params(write_act_checkpoint(workdir / name, quick=quick)), device, float32_matmul,
+                      pools_mb=16.0, input_log_steps=8)
         horizon = 100                 # the checkpoint's n_action_steps: a chunk lasts 100 steps
         if name == "act-async":
             act["control"].update(chunking="async", inference_delay_steps=str(ASYNC_DELAY))
@@ -206,7 +209,7 @@ def make_case(name: str, device: torch.device, quick: bool, workdir: Path, rng: 
                   "top_camera": rng.integers(0, 256, size=(4, *shape), dtype=np.uint8)}
         return Case(name, config, None, max(1, horizon // slots), frames, node_params=lambda: act)
     hidden, mlp = (64, (64, 64)) if quick else (256, (512, 256, 128))
-    params = _params(load_params_file(config_path("policy.yaml")), device)
+    params = _params(load_params_file(config_path("policy.yaml")), device, float32_matmul)
     params["ports"] = {"names": ["obs"], "obs": {"topic": "observation", "type": "std_msgs/msg/Float32MultiArray",
                                                   "fields": ["data"], "shape": [OBS], "dtype": "float32"}}
     params["control"]["trigger_port"] = "obs"
@@ -395,18 +398,19 @@ def run_case(case: Case, slots: int, ns: Sequence[int], ticks: int, sides: Seque
 
 
 def run(device: torch.device, quick: bool, cases: Sequence[str], ticks: Optional[int] = None,
-        sides: Optional[Sequence[Side]] = None) -> Dict[str, Any]:
-    """``sides``: default the in-process ones (the command line adds the process sides)."""
+        sides: Optional[Sequence[Side]] = None, float32_matmul: str = FLOAT32_MATMUL_HIGHEST) -> Dict[str, Any]:
+    """``sides``: default the in-process ones (the command line adds the process sides);
+    ``float32_matmul``: every side's ``runtime.float32_matmul``."""
     sides = tuple(sides) if sides is not None else in_process_sides()
     slots = 4 if quick else 16
     ns = [n for n in (1, 2, 4, 8, 16) if n <= slots]
     ticks = ticks or (50 if quick else 200)
     rng = np.random.default_rng(0)
     result: Dict[str, Any] = {"environment": environment(device), "slots": slots, "ns": ns, "ticks": ticks,
-                              "sides": [side.name for side in sides], "cases": {}}
+                              "sides": [side.name for side in sides], "float32_matmul": float32_matmul, "cases": {}}
     with tempfile.TemporaryDirectory(prefix="capsule_bench_fleet_") as workdir:
         for name in cases:
-            case = make_case(name, device, quick, Path(workdir), rng, slots)
+            case = make_case(name, device, quick, Path(workdir), rng, slots, float32_matmul)
             result["cases"][name] = run_case(case, slots, ns, ticks, sides)
     return result
 
@@ -445,7 +449,8 @@ def main(args, sides: Optional[Sequence[Side]] = None) -> int:
     available = {side.name: side for side in (sides if sides is not None else in_process_sides())}
     picked = chosen(getattr(args, "sides", None), SIDE_NAMES, "sides", "fleet")
     picked_sides = [available.get(name, Side(name, None, "not offered by this caller")) for name in picked]
-    emit(run(device, args.quick, cases, args.steps, picked_sides), args.json, table)
+    emit(run(device, args.quick, cases, args.steps, picked_sides,
+             getattr(args, "float32_matmul", None) or FLOAT32_MATMUL_HIGHEST), args.json, table)
     return 0
 
 

@@ -46,6 +46,8 @@ def _bench(args) -> int:
         raise InvalidArgument(f"--async-steps {args.async_steps}: a count of steps, 0 or more")
     if args.sides is not None and args.which not in ("fleet", "vla"):
         raise InvalidArgument(f"bench {args.which}: --sides is an option of bench fleet and vla only")
+    if args.float32_matmul is not None and args.which not in ("fleet", "vla"):
+        raise InvalidArgument(f"bench {args.which}: --float32-matmul is an option of bench fleet and vla only")
     module = __import__(f"capsule_ros.benchmarks.{args.which}", fromlist=["main"])
     if args.which == "fleet":
         return module.main(args, sides=_fleet_sides())
@@ -113,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU numerics level of the policies (runtime.numerics: portable, native, baseline, avx2, "
                             "avx512; default: %(default)s, the node's); step takes several, measured side by side in "
                             "child processes (the cost of a pin: --numerics native,avx2)")
-    bench.add_argument("--float32-matmul", choices=FLOAT32_MATMUL_CHOICES, default=FLOAT32_MATMUL_HIGHEST,
-                       help="vla: float32 matrix products on the GPU, both sides (capsule_ros's "
-                            "runtime.float32_matmul; LeRobot's process the same): highest (default) or high "
-                            "(TensorFloat-32)")
+    bench.add_argument("--float32-matmul", choices=FLOAT32_MATMUL_CHOICES,
+                       help="fleet, vla: float32 matrix products on the GPU, every side (capsule_ros's "
+                            f"runtime.float32_matmul; vla: LeRobot's process the same): {FLOAT32_MATMUL_HIGHEST} "
+                            "(default) or high (TensorFloat-32)")
     bench.add_argument("--cpu-hog", action="store_true",
                        help="services: a busy loop on every core for the whole run (a loaded robot computer)")
     bench.set_defaults(func=_bench)
