@@ -116,5 +116,6 @@ class SlotMasks:
 
 def keep_where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
     """``new`` where ``mask`` (``[S, 1]`` bool), else ``old``, written into ``new``: a
-    byte-level masked merge (dtype-agnostic and exact)."""
-    new.copy_(torch.where(mask, new, old))
+    byte-level masked merge (dtype-agnostic and exact), in one pass (each element reads and
+    writes only its own place, so ``out=new`` is safe; no temporary and copy back)."""
+    torch.where(mask, new, old, out=new)
