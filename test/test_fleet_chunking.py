@@ -113,7 +113,9 @@ def test_a_robots_chunk_is_its_batch_1_refill_whichever_slots_plan_alongside_it(
     random set of the other slots (none, some or all) plans on the same step as it (each
     having re-entered the robot's capsule of the step before, so its chunk is due when the
     robot's is, then fed other inputs), the rest step on their own schedules or idle, and
-    the robot sits in a random slot."""
+    the robot sits in a random slot. Asynchronous, the consume steps in which no slot takes
+    over or asks run ``consume.steady`` (no masked request copy), the others ``consume``:
+    both among the steps checked."""
     cfg = config(act, chunking, delay, device)
     # the fleet's kernels (no torch.compile); the debug checks: every buffer the programs touch is owned
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, compile="off", debug_checks=True))
@@ -125,6 +127,9 @@ def test_a_robots_chunk_is_its_batch_1_refill_whichever_slots_plan_alongside_it(
     placed = [FleetRobot("me", slot=me), *(FleetRobot(n, slot=s) for n, s in zip(neighbours, others, strict=True))]
     fleet = build_fleet(cfg, FleetConfig(robots=("me", *neighbours), slots=4, batching="vmap"), robots=placed)
     mode = fleet.runtime.fleet_mode.slot_modes[me]
+    ran: List[str] = []                       # the fleet programs run, in order
+    run_program = fleet.runtime.graphs.step
+    fleet.runtime.graphs.step = lambda name, **kwargs: (ran.append(name), run_program(name, **kwargs))[1]
     planned_with: List[int] = []              # how many other slots planned alongside each of the robot's plans
     for t in range(4 * mode.schedule.execution_horizon + 2):
         capsule = fleet.robot("me").verbs.commit(f"before step {t}")
@@ -146,6 +151,8 @@ def test_a_robots_chunk_is_its_batch_1_refill_whichever_slots_plan_alongside_it(
             wait_until(single.parts.runtime.mode.worker.ready, 30.0, "the single runtime's refill", interval=0.001)
         assert chunk_of(fleet.runtime.runtime(me)) == chunk_of(single.parts.runtime), f"step {t}"
     assert set(planned_with) == {0, 1, 2, 3}, "the robot planned alone and with 1, 2 and 3 others planning with it"
+    consumed = {name for name in ran if name.startswith("consume")}
+    assert consumed == ({"consume", "consume.steady"} if chunking == "async" else {"consume"}), sorted(set(ran))
     fleet.release()
     single.release()
 

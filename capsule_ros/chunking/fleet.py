@@ -14,6 +14,7 @@ back; one captured graph whichever the slot). A fleet step is one of:
 fleet programs  phases, in order (each phase of a slot applies only where its mask is on)
 =============== ========================================================================
 consume         adopt [adopt], observe, request [request], act
+consume.steady  observe, act                    (async: no slot adopts or requests this step)
 refill.observe  adopt [adopt], observe                                    (opens the step)
 refill.plan     plan at batch 1 of the next slot in [plan]      (once per planning slot)
 refill.act      request [request], act                                   (closes the step)
@@ -21,6 +22,10 @@ refill.act      request [request], act                                   (closes
 
 A step in which any stepping slot's own mode chose its refill runs the ``refill.*``
 sequence, with ``refill.plan`` once for each such slot; otherwise ``consume``: no network.
+An asynchronous fleet's consume step in which no slot adopts or requests (most steps: each
+robot does each once a chunk) runs ``consume.steady``, the same bytes without the masked
+passes: the request's copy covers every slot's copy of what the plan reads (a camera's
+frame each), a pass over all S of them in every step that runs it.
 A slot's choices are its own mode's (refill, consume, request, adopt, adopt+request), so
 its cursor, the rows it executes and its takeovers are a single robot's.
 
@@ -73,6 +78,7 @@ from capsule_ros.runtime.streams import on_stream
 ROWS = "chunk.rows"
 PLAN, ADOPT, REQUEST = "plan", "adopt", "request"
 CONSUME_PROGRAM = ChunkProgram.CONSUME.value
+CONSUME_STEADY = "consume.steady"
 REFILL_OBSERVE, REFILL_PLAN, REFILL_ACT = "refill.observe", "refill.plan", "refill.act"
 
 
@@ -187,7 +193,7 @@ class ChunkingFleet(FleetMode):
                                 CHUNK_ACTIONS if CHUNK_ACTIONS in cadence.reads else None)
 
     def programs(self) -> Dict[str, FleetProgram]:
-        before, after = self._phases()
+        before, after = self._phases(takeovers=True)
         planner, masks, cursor = self.planner, self.context.masks, self.context.arena.views[CHUNK_CURSOR]
 
         def consume() -> None:
@@ -201,17 +207,34 @@ class ChunkingFleet(FleetMode):
         def plan() -> None:
             cursor.index_fill_(0, planner.run(), 0)
 
-        return {CONSUME_PROGRAM: FleetProgram(consume),
-                REFILL_OBSERVE: FleetProgram(observe, closes=False),
-                REFILL_PLAN: FleetProgram(plan, opens=False, closes=False),
-                REFILL_ACT: FleetProgram(after, opens=False)}
+        programs = {CONSUME_PROGRAM: FleetProgram(consume),
+                    REFILL_OBSERVE: FleetProgram(observe, closes=False),
+                    REFILL_PLAN: FleetProgram(plan, opens=False, closes=False),
+                    REFILL_ACT: FleetProgram(after, opens=False)}
+        if self.worker is not None:
+            observe_only, act_only = self._phases(takeovers=False)
 
-    def _phases(self):
+            def steady() -> None:
+                observe_only()
+                act_only()
+            programs[CONSUME_STEADY] = FleetProgram(steady)
+        return programs
+
+    def _phases(self, takeovers: bool):
         """The batched phases before the plan (adopt, observe) and after it (request, act),
-        each over every slot."""
+        each over every slot; the adoption and the request only where the refills are
+        asynchronous and ``takeovers`` (``consume.steady`` leaves them out)."""
         policy, schedule, reads = self.context.policy, self.schedule, self.cadence.reads
-        asynchronous, last_row = schedule.timing == RefillTiming.ASYNC, schedule.end - 1
+        asynchronous, last_row = takeovers and schedule.timing == RefillTiming.ASYNC, schedule.end - 1
         masks, arena = self.context.masks, self.context.arena
+        requests = [(arena.views[name], arena.views[REQUEST_PREFIX + name]) for name in reads] if asynchronous else []
+
+        def copy_requests() -> None:
+            """Each asking slot's copy of what the plan reads, over the S rows at once and in
+            place (one pass each; vmap has no ``out=``)."""
+            asking = masks.row(REQUEST)
+            for live, copy in requests:
+                torch.where(asking.view(-1, *(1,) * (live.dim() - 1)), live, copy, out=copy)
 
         def slot_before(state: State, scratch: State, adopt: torch.Tensor) -> None:
             if asynchronous:
@@ -224,9 +247,6 @@ class ChunkingFleet(FleetMode):
         def slot_after(state: State, scratch: State, request: torch.Tensor) -> None:
             chunk, cursor, pending = state[CHUNK_ACTIONS], state[CHUNK_CURSOR], state[CHUNK_PENDING]
             if asynchronous:
-                for name in reads:
-                    copy = state[REQUEST_PREFIX + name]
-                    copy.copy_(torch.where(request, state[name], copy))
                 pending.copy_(torch.where(request, torch.ones_like(pending), pending))
             upcoming = chunk.index_select(0, torch.clamp(cursor + scratch[ROWS], min=0, max=last_row))
             policy.emit(state, upcoming[0], upcoming)
@@ -234,22 +254,29 @@ class ChunkingFleet(FleetMode):
 
         off = torch.zeros_like(masks.row(PLAN))
         adopt, request = (masks.row(ADOPT), masks.row(REQUEST)) if asynchronous else (off, off)
-        return (vmapped(slot_before, arena.views, arena.scratch_views, adopt),
-                vmapped(slot_after, arena.views, arena.scratch_views, request))
+        act = vmapped(slot_after, arena.views, arena.scratch_views, request)
+
+        def after() -> None:
+            if asynchronous:
+                copy_requests()
+            act()
+        return vmapped(slot_before, arena.views, arena.scratch_views, adopt), after
 
     def program_for(self, chosen: Mapping[int, str]) -> Tuple[str, ...]:
         programs = {slot: ChunkProgram(program) for slot, program in chosen.items()}
         masks = self.context.masks
         planning = [slot for slot, p in programs.items() if p == ChunkProgram.REFILL]
         masks.set(PLAN, planning)
+        takeovers = False
         if self.worker is not None:
-            adopting = (ChunkProgram.ADOPT, ChunkProgram.ADOPT_REQUEST)
-            masks.set(ADOPT, [slot for slot, p in programs.items() if p in adopting])
-            masks.set(REQUEST, [slot for slot, p in programs.items()
-                                if p in (ChunkProgram.REQUEST, ChunkProgram.ADOPT_REQUEST)])
+            adopting = [slot for slot, p in programs.items() if p in (ChunkProgram.ADOPT, ChunkProgram.ADOPT_REQUEST)]
+            asking = [slot for slot, p in programs.items() if p in (ChunkProgram.REQUEST, ChunkProgram.ADOPT_REQUEST)]
+            masks.set(ADOPT, adopting)
+            masks.set(REQUEST, asking)
+            takeovers = bool(adopting or asking)
             self.worker.collect()
         if not planning:
-            return (CONSUME_PROGRAM,)
+            return (CONSUME_PROGRAM if takeovers or self.worker is None else CONSUME_STEADY,)
         return (REFILL_OBSERVE, *(REFILL_PLAN,) * len(planning), REFILL_ACT)
 
     def owned(self) -> Dict[str, torch.Tensor]:
