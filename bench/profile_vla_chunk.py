@@ -68,7 +68,7 @@ def main() -> int:
     lines = [f"{args.case} on {where}, torch {torch.__version__}, float32_matmul {args.float32_matmul}"]
     with tempfile.TemporaryDirectory() as tmp:
         written = written_case(args.case, Path(tmp) / args.case, args.quick, device)
-        joints = int(written.config.ports[written.ports_of[lerobot_act.STATE]].shape[0])
+        joints = int(written.config.ports["joints"].shape[0])           # every case's joint-position port
         obs = observations(4, written.camera, joints=joints, cameras=written.camera_keys)
         written = vla.at_float32_matmul(written, args.float32_matmul)
         session = side_session(written.config, device, "sync", vla.ASYNC_RATE_HZ, paced=False, steps=4)

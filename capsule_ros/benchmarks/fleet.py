@@ -450,7 +450,7 @@ def main(args, sides: Optional[Sequence[Side]] = None) -> int:
     picked = chosen(getattr(args, "sides", None), SIDE_NAMES, "sides", "fleet")
     picked_sides = [available.get(name, Side(name, None, "not offered by this caller")) for name in picked]
     emit(run(device, args.quick, cases, args.steps, picked_sides,
-             getattr(args, "float32_matmul", None) or FLOAT32_MATMUL_HIGHEST), args.json, table)
+             getattr(args, "float32_matmul", FLOAT32_MATMUL_HIGHEST)), args.json, table)
     return 0
 
 

@@ -337,8 +337,7 @@ def table(result: dict) -> None:
 def main(args) -> int:
     cases = tuple(args.cases.split(",")) if getattr(args, "cases", None) else tuple(CASES)
     sides = chosen(getattr(args, "sides", None), SIDES, "sides", "vla")
-    float32_matmul = getattr(args, "float32_matmul", None) or FLOAT32_MATMUL_HIGHEST
     emit(run(args.device, args.quick, getattr(args, "steps", None), cases, getattr(args, "lerobot_python", None),
-             getattr(args, "async_steps", None), sides, float32_matmul),
+             getattr(args, "async_steps", None), sides, getattr(args, "float32_matmul", FLOAT32_MATMUL_HIGHEST)),
          args.json, table)
     return 0

@@ -48,6 +48,7 @@ def _bench(args) -> int:
         raise InvalidArgument(f"bench {args.which}: --sides is an option of bench fleet and vla only")
     if args.float32_matmul is not None and args.which not in ("fleet", "vla"):
         raise InvalidArgument(f"bench {args.which}: --float32-matmul is an option of bench fleet and vla only")
+    args.float32_matmul = args.float32_matmul or FLOAT32_MATMUL_HIGHEST
     module = __import__(f"capsule_ros.benchmarks.{args.which}", fromlist=["main"])
     if args.which == "fleet":
         return module.main(args, sides=_fleet_sides())
